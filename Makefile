@@ -1,0 +1,52 @@
+# Two entry points for a fresh machine (see README):
+#   make demo   sets up .venv and runs the main job on the embedded defaults
+#   make test   sets up .venv and runs lint plus the default (not slow) tests
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+DATA    ?= data
+RUNS    ?= runs
+PORT    ?= 8000
+
+.PHONY: setup test test-slow lint demo serve index experiment ablations clean
+
+setup: $(VENV)/.installed
+
+# torch first: the pinned CPU wheel satisfies the project's torch range, so the
+# project install that follows never pulls a multi-gigabyte CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+
+test-slow: setup
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
+
+index: setup
+	HF_HUB_OFFLINE=1 $(BIN)/hdr index prepare-wiki --out $(DATA)/wiki-vital.jsonl
+	HF_HUB_OFFLINE=1 $(BIN)/hdr index build --corpus $(DATA)/wiki-vital.jsonl --out $(DATA)/index
+
+serve: index
+	HF_HUB_OFFLINE=1 $(BIN)/hdr serve --index $(DATA)/index --port $(PORT)
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data $(DATA) --runs $(RUNS)
+
+experiment: setup
+	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --data $(DATA) --out $(RUNS)/experiment
+
+ablations: setup
+	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --ablations --data $(DATA) --out $(RUNS)/ablations
+
+clean:
+	rm -rf $(VENV) $(DATA) $(RUNS)

@@ -1,0 +1,72 @@
+"""Typed configs: pydantic models, YAML files as their instances, dotted CLI overrides.
+
+`load_config(TrainConfig, "configs/tiny-cpu.yaml", ["replay.tau=0.05"])` reads the file,
+applies each `a.b.c=value` override (value parsed as YAML, so numbers and lists work), and
+validates. Unknown keys are errors (`StrictModel` forbids extras) and every failure becomes
+one `UserError` line naming the offending key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from hdr.errors import UserError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are refused, assignments re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in a nested dict, creating sections on the way."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"override {override!r} is not of the form key.path=value")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override {override!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "<root>"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"config key {where}: {first['msg']}{more}"
+
+
+def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] = ()) -> M:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise UserError(f"config file {path} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise UserError(f"config file {path} must hold a mapping at the top level")
+        data = loaded or {}
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise UserError(format_validation_error(err)) from None
+
+
+def dump_config(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""GRPO with Headroom-Drift Replay, teacher-forced scoring, evaluation and checkpoints."""

@@ -1,0 +1,88 @@
+"""GRPO's formulas as pure tensor functions: group advantages, the clipped token-level
+policy loss, the k3 KL estimator and token entropy.
+
+What is implemented (DESIGN.md, normative):
+
+- advantage `A[i] = (r[i] - mean(r)) / (std(r) + 1e-6)` per group, std with Bessel's
+  correction, as veRL and TRL compute it;
+- loss `-sum(m * min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)) / sum(m)` with
+  `ratio = exp(logprob - old_logprob)`: one token mean over every row of the batch, fresh and
+  replayed alike (a replayed row's `old_logprob` is its stored generation-time log-prob);
+- optional KL to a frozen reference with the k3 estimator
+  `exp(ref - logprob) - (ref - logprob) - 1`, coefficient `beta` (default 0).
+
+Departure from the paper: none in the formulas. A group of one response (G=1) has no defined
+sample std; its advantage is 0 rather than NaN.
+
+The functions take plain tensors and know nothing of models, so they can be lifted into
+another trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ADV_EPS = 1e-6
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """`sum(mask * values) / sum(mask)`, 0 when the mask is empty. Any matching shapes."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def group_advantages(rewards: Tensor) -> Tensor:
+    """Group-relative advantages.
+
+    `rewards`: `[num_groups, G]`. Returns `[num_groups, G]` with
+    `A[g, i] = (r[g, i] - mean_i r[g]) / (std_i r[g] + 1e-6)`, std with Bessel's correction
+    (divisor G-1). Equal rewards in a group give exactly 0. G=1 gives 0.
+    """
+    rewards = rewards.to(torch.float32)
+    if rewards.shape[-1] < 2:
+        return torch.zeros_like(rewards)
+    mean = rewards.mean(dim=-1, keepdim=True)
+    std = rewards.std(dim=-1, unbiased=True, keepdim=True)
+    return (rewards - mean) / (std + ADV_EPS)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> Tensor:
+    """Clipped surrogate loss, token mean over all rows.
+
+    `logprobs`, `old_logprobs`, `mask`: `[N, T]`; `advantages`: `[N]`. With
+    `ratio = exp(logprobs - old_logprobs)`:
+    `loss = -sum(m * min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)) / sum(m)`.
+    Returns a scalar; 0 when the mask is empty.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)  # (N, T)
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (N, 1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    return -masked_mean(torch.minimum(unclipped, clipped), mask)
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """k3 estimate of KL(policy || reference), token mean under `mask`.
+
+    Per token `exp(ref - logprob) - (ref - logprob) - 1` (>= 0, unbiased for the KL when
+    tokens are sampled from the policy). All arguments `[N, T]`; returns a scalar.
+    """
+    delta = ref_logprobs - logprobs
+    return masked_mean(torch.exp(delta) - delta - 1.0, mask)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of the next-token distribution at each position.
+
+    `logits`: `[..., V]`; returns `[...]` with `H = -sum_v softmax(logits)_v * log_softmax_v`.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -1,0 +1,356 @@
+"""Headroom-Drift Replay: the two scores, the FIFO group buffer and the replay selectors.
+
+What is implemented (DESIGN.md, normative). A stored group holds one prompt's `G` responses
+as left-padded token ids with the loss mask `m`, the generation-time log-probs, rewards and
+advantages, all aligned with `input_ids` (`loss_mask[i, t]` and `gen_logprobs[i, t]` refer
+to token `input_ids[i, t]`; column 0 is never a policy token).
+
+- Headroom, per token `h = 1 - p` where `A > 0` and `h = p` where `A < 0` (`p = exp(logprob)`);
+  `H(g)` is the masked token mean over responses with `A != 0`, 0 when every `A` is 0.
+- Policy Drift `D(g)`: masked token mean over all responses of
+  `(logprob_current - gen_logprob)^2` (L2, default) or `|logprob_current - gen_logprob|` (L1).
+- Buffer: FIFO of whole groups, capacity `C`; the oldest leaves first whatever its priority.
+- Selection each step: order by stored headroom (highest first), scan in chunks, score each
+  candidate teacher-forced under the current policy (no grad) through an injected scoring
+  callable, compute `D`, refresh the stored headroom from the same log-probs, admit when
+  `D <= tau`, stop at the budget `R` or when the buffer is exhausted.
+
+The arms share that scan and are registered by name in `SELECTORS`: `on_policy` (no replay),
+`replay_recency` (the R newest groups, no gate, no scoring), `headroom_only` (headroom order,
+no gate), `drift_only` (recency order, gated), `headroom_drift` (headroom order, gated, norm
+from the config, L2 by default), `headroom_drift_l1` (the same with the L1 gate).
+
+Departures from the paper: the scan's chunk is never larger than the number of slots still
+open, so the scan never scores a candidate it could not admit; candidates that entered at or
+after the current step are skipped (ingress happens after the update, so in the training loop
+there are none). The initial stored headroom is computed from the generation-time log-probs.
+
+This module is pure tensor code: it knows nothing of models, HTTP or config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from hdr.registry import Registry
+from trainer.grpo import masked_mean
+
+DRIFT_NORMS = ("l2", "l1")
+
+
+def headroom(logprobs: Tensor, mask: Tensor, advantages: Tensor) -> Tensor:
+    """Group headroom `H(g)` under the policy that gave `logprobs`.
+
+    `logprobs`, `mask`: `[G, T]`; `advantages`: `[G]`. Per token `h = 1 - p` if `A > 0`,
+    `h = p` if `A < 0` (`p = exp(logprobs)`); returns the masked token mean of `h` over the
+    responses with `A != 0` (a scalar), and 0 when every `A` is 0.
+    """
+    p = torch.exp(logprobs.float())  # (G, T)
+    adv = advantages.to(p.dtype).unsqueeze(-1)  # (G, 1)
+    h = torch.where(adv > 0, 1.0 - p, p)
+    active = mask.to(p.dtype) * (adv != 0).to(p.dtype)  # (G, T)
+    return masked_mean(h, active)
+
+
+def policy_drift(logprobs: Tensor, gen_logprobs: Tensor, mask: Tensor, norm: str = "l2") -> Tensor:
+    """Policy Drift `D(g)` between the current and the generation-time policy.
+
+    `logprobs`, `gen_logprobs`, `mask`: `[G, T]`. Returns the masked token mean over all
+    responses of `(logprobs - gen_logprobs)^2` (`norm="l2"`) or `|logprobs - gen_logprobs|`
+    (`norm="l1"`), a scalar.
+    """
+    diff = logprobs.float() - gen_logprobs.float()
+    if norm == "l2":
+        per_token = diff.square()
+    elif norm == "l1":
+        per_token = diff.abs()
+    else:
+        raise ValueError(f"drift norm must be one of {DRIFT_NORMS}, got {norm!r}")
+    return masked_mean(per_token, mask)
+
+
+@dataclass
+class StoredGroup:
+    """One GRPO group as kept in the buffer; every tensor is `[G, T]` or `[G]`, on the CPU."""
+
+    group_id: str
+    input_ids: Tensor  # (G, T) int64, left padded
+    attention_mask: Tensor  # (G, T) int64
+    loss_mask: Tensor  # (G, T) float32, 1 on policy tokens
+    gen_logprobs: Tensor  # (G, T) float32, 0 off the mask
+    rewards: Tensor  # (G,) float32
+    advantages: Tensor  # (G,) float32
+    headroom: float  # stored priority, refreshed whenever the group is scanned
+    entered_step: int
+    replay_count: int = 0
+    initial_headroom: float = float("nan")
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.initial_headroom):
+            self.initial_headroom = self.headroom
+
+    @property
+    def num_tokens(self) -> int:
+        """Policy tokens in the group (the loss mask's sum)."""
+        return int(self.loss_mask.sum().item())
+
+    @property
+    def all_zero_advantage(self) -> bool:
+        return bool((self.advantages == 0).all().item())
+
+    TENSORS = ("input_ids", "attention_mask", "loss_mask", "gen_logprobs", "rewards", "advantages")
+    META = ("group_id", "headroom", "entered_step", "replay_count", "initial_headroom")
+
+
+def make_group(
+    group_id: str,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    loss_mask: Tensor,
+    gen_logprobs: Tensor,
+    rewards: Tensor,
+    advantages: Tensor,
+    step: int,
+) -> StoredGroup:
+    """A `StoredGroup` whose stored headroom is computed from its generation-time log-probs."""
+    h = float(headroom(gen_logprobs, loss_mask, advantages).item())
+    return StoredGroup(
+        group_id=group_id,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask.float(),
+        gen_logprobs=gen_logprobs.float(),
+        rewards=rewards.float(),
+        advantages=advantages.float(),
+        headroom=h,
+        entered_step=step,
+        initial_headroom=h,
+    )
+
+
+class ReplayBuffer:
+    """FIFO of whole groups with capacity `C`: the oldest group leaves first, whatever its
+    priority. Iteration is oldest first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self._groups: deque[StoredGroup] = deque()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __iter__(self):
+        return iter(self._groups)
+
+    def groups(self) -> list[StoredGroup]:
+        return list(self._groups)
+
+    def add(self, group: StoredGroup) -> list[StoredGroup]:
+        """Append `group`; return the groups evicted to stay within capacity (oldest first)."""
+        self._groups.append(group)
+        evicted = []
+        while len(self._groups) > self.capacity:
+            evicted.append(self._groups.popleft())
+        return evicted
+
+    def ingest(
+        self, groups: Iterable[StoredGroup], store_zero_advantage: bool = False
+    ) -> list[StoredGroup]:
+        """Ingress after the update: add each group (skipping all-zero-advantage groups unless
+        `store_zero_advantage`); return the evicted groups."""
+        evicted: list[StoredGroup] = []
+        for group in groups:
+            if group.all_zero_advantage and not store_zero_advantage:
+                continue
+            evicted.extend(self.add(group))
+        return evicted
+
+    def state(self) -> tuple[dict[str, Tensor], list[dict]]:
+        """Tensors (keyed `"{i}.{name}"`) and per-group metadata, for safetensors + JSON."""
+        tensors: dict[str, Tensor] = {}
+        meta: list[dict] = []
+        for i, group in enumerate(self._groups):
+            for name in StoredGroup.TENSORS:
+                tensors[f"{i}.{name}"] = getattr(group, name).contiguous()
+            meta.append({name: getattr(group, name) for name in StoredGroup.META})
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, capacity: int, tensors: dict[str, Tensor], meta: list[dict]):
+        buffer = cls(capacity)
+        for i, info in enumerate(meta):
+            arrays = {name: tensors[f"{i}.{name}"] for name in StoredGroup.TENSORS}
+            buffer._groups.append(StoredGroup(**arrays, **info))
+        return buffer
+
+
+# --- selection -----------------------------------------------------------------------------
+
+ScoreFn = Callable[[Sequence[StoredGroup]], list[Tensor]]
+"""Scores groups teacher-forced under the current policy, without grad: returns one
+`[G, T]` log-prob tensor per group, aligned with the group's `input_ids`."""
+
+
+@dataclass(frozen=True)
+class SelectParams:
+    """What a selector needs to know: budget `R`, gate `tau`, drift norm, scan chunk (groups)."""
+
+    budget: int
+    tau: float = math.inf
+    norm: str = "l2"
+    chunk: int = 8
+
+
+@dataclass
+class Selection:
+    """The admitted groups and what the scan saw (for telemetry)."""
+
+    groups: list[StoredGroup] = field(default_factory=list)
+    scanned: int = 0
+    drift_scanned: list[float] = field(default_factory=list)
+    headroom_scanned: list[float] = field(default_factory=list)  # refreshed values
+    drift_admitted: list[float] = field(default_factory=list)
+    headroom_stored: list[float] = field(default_factory=list)  # admitted, before refresh
+    headroom_refreshed: list[float] = field(default_factory=list)  # admitted, after refresh
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Admitted / scanned; NaN when nothing was scanned."""
+        return len(self.groups) / self.scanned if self.scanned else float("nan")
+
+
+class Selector(Protocol):
+    def __call__(
+        self, buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+    ) -> Selection: ...
+
+
+SELECTORS: Registry[Selector] = Registry("replay selector")
+
+
+def eligible(buffer: ReplayBuffer, step: int) -> list[StoredGroup]:
+    """Groups that entered before `step` (never the step's own groups), oldest first."""
+    return [g for g in buffer if g.entered_step < step]
+
+
+def by_recency(groups: Sequence[StoredGroup]) -> list[StoredGroup]:
+    """Newest first (latest entry step; among equals, the later-added first)."""
+    return list(reversed(groups))
+
+
+def by_headroom(groups: Sequence[StoredGroup]) -> list[StoredGroup]:
+    """Highest stored headroom first; ties go to the newer group."""
+    newest_first = by_recency(groups)
+    return sorted(newest_first, key=lambda g: -g.headroom)  # stable: keeps newest first
+
+
+def scan(
+    candidates: Sequence[StoredGroup],
+    budget: int,
+    tau: float,
+    norm: str,
+    score: ScoreFn,
+    chunk: int,
+) -> Selection:
+    """Scan `candidates` in order, in chunks: score each under the current policy, compute
+    `D(g)`, refresh its stored headroom from the same log-probs, admit if `D(g) <= tau`; stop
+    once `budget` groups are admitted or the candidates are exhausted. A chunk never holds
+    more candidates than there are open slots."""
+    sel = Selection()
+    i = 0
+    while len(sel.groups) < budget and i < len(candidates):
+        size = max(1, min(chunk, budget - len(sel.groups)))
+        batch = candidates[i : i + size]
+        i += size
+        for group, logprobs in zip(batch, score(batch), strict=True):
+            drift = float(policy_drift(logprobs, group.gen_logprobs, group.loss_mask, norm))
+            stored = group.headroom
+            group.headroom = float(headroom(logprobs, group.loss_mask, group.advantages))
+            sel.scanned += 1
+            sel.drift_scanned.append(drift)
+            sel.headroom_scanned.append(group.headroom)
+            if drift <= tau:
+                sel.groups.append(group)
+                sel.drift_admitted.append(drift)
+                sel.headroom_stored.append(stored)
+                sel.headroom_refreshed.append(group.headroom)
+    return sel
+
+
+@SELECTORS.register("on_policy")
+def on_policy(buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn) -> Selection:
+    """No replay: the step trains on its fresh groups only."""
+    return Selection()
+
+
+@SELECTORS.register("replay_recency")
+def replay_recency(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+) -> Selection:
+    """Naive replay: the `R` most recent groups, no gate and no re-scoring."""
+    groups = by_recency(eligible(buffer, step))[: params.budget]
+    sel = Selection(groups=groups)
+    sel.headroom_stored = [g.headroom for g in groups]
+    return sel
+
+
+@SELECTORS.register("headroom_only")
+def headroom_only(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+) -> Selection:
+    """Headroom order, no drift gate (the PER-style priority analogue); headroom refreshed."""
+    return scan(
+        by_headroom(eligible(buffer, step)),
+        params.budget,
+        math.inf,
+        params.norm,
+        score,
+        params.chunk,
+    )
+
+
+@SELECTORS.register("drift_only")
+def drift_only(buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn) -> Selection:
+    """Recency order, gated by `D(g) <= tau`."""
+    return scan(
+        by_recency(eligible(buffer, step)),
+        params.budget,
+        params.tau,
+        params.norm,
+        score,
+        params.chunk,
+    )
+
+
+@SELECTORS.register("headroom_drift")
+def headroom_drift(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+) -> Selection:
+    """Headroom order, gated by `D(g) <= tau` with the configured norm (L2 by default)."""
+    return scan(
+        by_headroom(eligible(buffer, step)),
+        params.budget,
+        params.tau,
+        params.norm,
+        score,
+        params.chunk,
+    )
+
+
+@SELECTORS.register("headroom_drift_l1")
+def headroom_drift_l1(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+) -> Selection:
+    """Headroom order, gated by the L1 drift `mean |logprob - gen_logprob| <= tau`."""
+    return scan(
+        by_headroom(eligible(buffer, step)), params.budget, params.tau, "l1", score, params.chunk
+    )

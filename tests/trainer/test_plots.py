@@ -1,0 +1,153 @@
+"""`hdr plot` on synthetic run dirs written here in the run-dir format of docs/contracts.md."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from hdr.errors import UserError
+from trainer.plots import load_run, plot_run_dirs, read_jsonl, run_label
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert data[-8:-4] == b"IEND", f"{path} is truncated"
+    return width, height
+
+
+def _write_run(run_dir: Path, arm: str, seed: int, steps: int = 12, replay: bool = True) -> Path:
+    rng = np.random.default_rng(seed)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"arm": arm, "seed": seed, "steps": steps}))
+    metrics, evals, groups = [], [], []
+    calls = 0
+    for step in range(1, steps + 1):
+        calls += 16
+        ages = [int(a) for a in rng.integers(1, 6, size=3)] if replay else []
+        metrics.append(
+            {
+                "step": step,
+                "reward_mean": float(rng.uniform()),
+                "acceptance_rate": float(rng.uniform(0.2, 0.6)) if replay else None,
+                "replay_ages": ages,
+                "env_calls_total": calls,
+                "wall_time_total": 3.0 * step,
+                "time_step": 3.0,
+            }
+        )
+        if step % 4 == 0:
+            evals.append(
+                {
+                    "step": step,
+                    "env_calls_total": calls,
+                    "wall_time_total": 3.0 * step,
+                    "mean_at_k": 0.3 + 0.01 * step + 0.01 * seed,
+                    "best_at_k": 0.5,
+                    "greedy_em": 0.4,
+                    "k": 4,
+                    "num_questions": 20,
+                }
+            )
+        groups.append(
+            {
+                "group_id": f"g{step}",
+                "entered_step": step,
+                "initial_headroom": float(rng.uniform(0.5, 1.0)),
+                "replay_count": int(rng.integers(0, 3)) if replay else 0,
+            }
+        )
+    for name, rows in (("metrics", metrics), ("eval", evals), ("groups", groups)):
+        (run_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_plots_from_run_dirs_are_valid_pngs(tmp_path):
+    runs = [
+        _write_run(tmp_path / "exp" / "headroom_drift" / "seed-1", "headroom_drift", 1),
+        _write_run(tmp_path / "exp" / "headroom_drift" / "seed-2", "headroom_drift", 2),
+        _write_run(tmp_path / "exp" / "replay_recency" / "seed-1", "replay_recency", 1),
+        _write_run(tmp_path / "exp" / "on_policy_larger" / "seed-1", "on_policy", 1, replay=False),
+    ]
+    made = plot_run_dirs(runs, tmp_path / "charts")
+    names = sorted(p.name for p in made)
+    assert names == [
+        "acceptance_rate.png",
+        "heldout_vs_env_calls.png",
+        "heldout_vs_wall_time.png",
+        "replay_age.png",
+        "replay_count_vs_headroom.png",
+    ]
+    for path in made:
+        width, height = _png_size(path)
+        assert width > 300 and height > 200
+    # nothing but the charts is left in the out dir (no temp files)
+    assert sorted(p.name for p in (tmp_path / "charts").iterdir()) == names
+
+
+def test_on_policy_only_runs_skip_replay_charts(tmp_path):
+    run = _write_run(tmp_path / "op" / "seed-3", "on_policy", 3, replay=False)
+    made = plot_run_dirs([run], tmp_path / "charts")
+    assert sorted(p.name for p in made) == ["heldout_vs_env_calls.png", "heldout_vs_wall_time.png"]
+
+
+def test_labels_come_from_layout_then_config(tmp_path):
+    assert run_label(tmp_path / "on_policy_larger" / "seed-2", {"arm": "on_policy"}) == (
+        "on_policy_larger"
+    )
+    assert run_label(tmp_path / "myrun", {"arm": "headroom_drift"}) == "headroom_drift"
+    assert run_label(tmp_path / "myrun", {}) == "myrun"
+    run = load_run(_write_run(tmp_path / "r" / "seed_7", "drift_only", 7))
+    assert (run.label, run.seed, len(run.metrics), len(run.evals)) == ("r", 7, 12, 3)
+
+
+def test_missing_run_dir_or_metrics_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        plot_run_dirs([tmp_path / "nope"], tmp_path / "charts")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"metrics\.jsonl"):
+        plot_run_dirs([tmp_path / "empty"], tmp_path / "charts")
+
+
+def test_nothing_to_plot_is_a_user_error(tmp_path):
+    run = tmp_path / "fresh"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "acceptance_rate": None}) + "\n")
+    with pytest.raises(UserError, match="nothing to plot"):
+        plot_run_dirs([run], tmp_path / "charts")
+
+
+def test_half_written_last_line_is_ignored_but_a_broken_middle_is_not(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "los')
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+    path.write_text('{"step": 1}\n{"step": \n{"step": 3}\n')
+    with pytest.raises(UserError, match="line 2"):
+        read_jsonl(path)
+
+
+def test_plot_command_writes_charts_and_reports_missing_dirs(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from trainer.eval_cli import register
+
+    app = typer.Typer()
+    app.callback()(lambda: None)  # a group, as the root `hdr` app is
+    register(app)
+    run = _write_run(tmp_path / "headroom_drift" / "seed-1", "headroom_drift", 1)
+    result = CliRunner().invoke(app, ["plot", str(run), "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert "replay_age.png" in result.output
+    assert (tmp_path / "c" / "replay_age.png").read_bytes()[:8] == PNG_MAGIC
+    result = CliRunner().invoke(app, ["plot", str(tmp_path / "missing"), "--out", str(tmp_path)])
+    assert isinstance(result.exception, UserError)

@@ -1,0 +1,362 @@
+"""PNG charts from run directories (`hdr plot`), the paper's mechanism views on our runs.
+
+Reads only the files a run dir holds (docs/contracts.md): `config.yaml`, `metrics.jsonl`,
+`eval.jsonl`, `groups.jsonl`. Charts, each one line (or bar set) per arm, seeds of an arm
+averaged (the mean line, with the min-max over seeds shaded):
+
+- `heldout_vs_env_calls.png`, `heldout_vs_wall_time.png`: held-out Mean@k against cumulative
+  environment calls and against wall time (the paper's cost axes);
+- `replay_age.png`: histogram of the age (steps since entry) of replayed groups, as a
+  fraction of each arm's replays (the paper contrasts headroom_drift with replay_recency);
+- `acceptance_rate.png`: fraction of scanned buffer groups the gate admitted, per step;
+- `replay_count_vs_headroom.png`: how often a group was replayed over its lifetime against its
+  stored headroom at entry (`groups.jsonl`), binned means.
+
+A chart whose data no run has (for example the replay charts for on-policy arms only) is
+skipped; a run dir without `metrics.jsonl` is a `UserError`. A run still being written may end
+in a half line; that last line is ignored. matplotlib is used through `Figure` objects with the
+Agg canvas, never pyplot, so no display or global figure state is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from hdr.errors import UserError
+
+# Fixed colours so an arm looks the same in every chart and every report.
+ARM_COLORS = {
+    "on_policy": "#7f7f7f",
+    "on_policy_larger": "#1f77b4",
+    "replay_recency": "#ff7f0e",
+    "headroom_drift": "#d62728",
+    "headroom_only": "#2ca02c",
+    "drift_only": "#9467bd",
+    "headroom_drift_l1": "#8c564b",
+}
+_FALLBACK_COLORS = ["#e377c2", "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39"]
+_SEED_DIR = re.compile(r"^seed[-_]?\d+$")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file. A broken last line (a run still writing) is dropped; a broken
+    line before it is a `UserError`."""
+    rows: list[dict[str, Any]] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise UserError(f"{path}: line {i + 1} is not JSON") from None
+    return rows
+
+
+@dataclass
+class RunData:
+    """One run dir's logs, with the arm label it is plotted under."""
+
+    path: Path
+    label: str
+    seed: int | None
+    metrics: list[dict[str, Any]]
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_label(run_dir: Path, config: dict[str, Any]) -> str:
+    """The arm a run is plotted under.
+
+    The experiment lays runs out as `<arm label>/seed-<n>/` (its labels tell `on_policy` from
+    `on_policy_larger`, which share the selector), so a `seed-N` directory on the path names
+    its parent as the label; otherwise the config's `arm`, else the directory name.
+    """
+    for part in [run_dir, *run_dir.parents]:
+        if _SEED_DIR.match(part.name) and part.parent.name:
+            return part.parent.name
+    arm = config.get("arm")
+    return str(arm) if arm else run_dir.name
+
+
+def load_run(run_dir: str | Path, label: str | None = None) -> RunData:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run dir not found: {run_dir}")
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise UserError(f"{run_dir} has no metrics.jsonl: not a training run dir")
+    config: dict[str, Any] = {}
+    if (run_dir / "config.yaml").is_file():
+        try:
+            config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        except yaml.YAMLError as err:
+            raise UserError(f"{run_dir / 'config.yaml'} is not valid YAML: {err}") from None
+    optional = {
+        name: read_jsonl(run_dir / f"{name}.jsonl") if (run_dir / f"{name}.jsonl").is_file() else []
+        for name in ("eval", "groups")
+    }
+    seed = config.get("seed")
+    return RunData(
+        path=run_dir,
+        label=label or run_label(run_dir, config),
+        seed=int(seed) if isinstance(seed, int) else None,
+        metrics=read_jsonl(metrics_path),
+        evals=optional["eval"],
+        groups=optional["groups"],
+    )
+
+
+def _by_label(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
+    out: dict[str, list[RunData]] = defaultdict(list)
+    for run in runs:
+        out[run.label].append(run)
+    order = list(ARM_COLORS)
+    return dict(
+        sorted(out.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else 99, kv[0]))
+    )
+
+
+def _color(label: str, index: int) -> str:
+    return ARM_COLORS.get(label, _FALLBACK_COLORS[index % len(_FALLBACK_COLORS)])
+
+
+def _figure(title: str, xlabel: str, ylabel: str):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2), dpi=110)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)  # never a half-written chart
+    return path
+
+
+def _seed_curves(
+    runs: list[RunData], rows_of: str, x_key: str, y_key: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Mean x, mean y, min y, max y over seeds, at the row indices all seeds have."""
+    series = []
+    for run in runs:
+        rows = [
+            r
+            for r in getattr(run, rows_of)
+            if r.get(x_key) is not None and r.get(y_key) is not None
+        ]
+        if rows:
+            series.append(rows)
+    if not series:
+        return None
+    n = min(len(s) for s in series)
+    xs = np.array([[float(s[i][x_key]) for i in range(n)] for s in series])  # (S, n)
+    ys = np.array([[float(s[i][y_key]) for i in range(n)] for s in series])  # (S, n)
+    return xs.mean(0), ys.mean(0), ys.min(0), ys.max(0)
+
+
+def _line_chart(
+    groups: dict[str, list[RunData]],
+    rows_of: str,
+    x_key: str,
+    y_key: str,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    path: Path,
+    x_scale: float = 1.0,
+    smooth: int = 1,
+) -> Path | None:
+    fig, ax = _figure(title, xlabel, ylabel)
+    drawn = False
+    for i, (label, runs) in enumerate(groups.items()):
+        curve = _seed_curves(runs, rows_of, x_key, y_key)
+        if curve is None:
+            continue
+        x, y, lo, hi = curve
+        if smooth > 1 and len(y) >= smooth:
+            kernel = np.ones(smooth) / smooth
+            y, lo, hi = (np.convolve(v, kernel, mode="valid") for v in (y, lo, hi))
+            x = x[smooth - 1 :]
+        color = _color(label, i)
+        n_seeds = len(runs)
+        ax.plot(
+            x * x_scale,
+            y,
+            color=color,
+            marker="o" if len(x) < 30 else None,
+            ms=3,
+            label=f"{label} ({n_seeds} seed{'s' if n_seeds != 1 else ''})",
+        )
+        if n_seeds > 1:
+            ax.fill_between(x * x_scale, lo, hi, color=color, alpha=0.15, linewidth=0)
+        drawn = True
+    if not drawn:
+        return None
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_heldout(groups: dict[str, list[RunData]], out_dir: Path) -> list[Path]:
+    k = next((r.get("k") for runs in groups.values() for run in runs for r in run.evals), None)
+    ylabel = f"held-out Mean@{k}" if k else "held-out Mean@k"
+    made = [
+        _line_chart(
+            groups,
+            "evals",
+            "env_calls_total",
+            "mean_at_k",
+            "Held-out reward against environment calls",
+            "environment calls (batched HTTP)",
+            ylabel,
+            out_dir / "heldout_vs_env_calls.png",
+        ),
+        _line_chart(
+            groups,
+            "evals",
+            "wall_time_total",
+            "mean_at_k",
+            "Held-out reward against wall time",
+            "wall time (minutes)",
+            ylabel,
+            out_dir / "heldout_vs_wall_time.png",
+            x_scale=1 / 60,
+        ),
+    ]
+    return [p for p in made if p is not None]
+
+
+def plot_replay_age(groups: dict[str, list[RunData]], out_dir: Path) -> Path | None:
+    ages = {
+        label: [
+            int(a) for run in runs for row in run.metrics for a in (row.get("replay_ages") or [])
+        ]
+        for label, runs in groups.items()
+    }
+    ages = {label: a for label, a in ages.items() if a}
+    if not ages:
+        return None
+    top = max(max(a) for a in ages.values())
+    bins = np.arange(1, top + 1)
+    width = 0.8 / len(ages)
+    fig, ax = _figure(
+        "Age of replayed groups", "age at replay (steps since entry)", "fraction of replayed groups"
+    )
+    for i, (label, a) in enumerate(ages.items()):
+        counts = np.array([a.count(b) for b in bins], dtype=float) / len(a)
+        offset = (i - (len(ages) - 1) / 2) * width
+        share3 = sum(1 for v in a if v >= 3) / len(a)
+        ax.bar(
+            bins + offset,
+            counts,
+            width=width,
+            color=_color(label, i),
+            label=f"{label} (n={len(a)}, age>=3: {share3:.0%})",
+        )
+    ax.set_xticks(bins if len(bins) <= 20 else bins[:: math.ceil(len(bins) / 20)])
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir / "replay_age.png")
+
+
+def plot_acceptance(groups: dict[str, list[RunData]], out_dir: Path) -> Path | None:
+    longest = max((len(run.metrics) for runs in groups.values() for run in runs), default=0)
+    return _line_chart(
+        groups,
+        "metrics",
+        "step",
+        "acceptance_rate",
+        "Replay acceptance rate over training",
+        "training step",
+        "admitted / scanned buffer groups",
+        out_dir / "acceptance_rate.png",
+        smooth=5 if longest >= 25 else 1,
+    )
+
+
+def plot_replay_count(
+    groups: dict[str, list[RunData]], out_dir: Path, bins: int = 10
+) -> Path | None:
+    data = {
+        label: np.array(
+            [
+                (float(g["initial_headroom"]), float(g["replay_count"]))
+                for run in runs
+                for g in run.groups
+                if g.get("initial_headroom") is not None and g.get("replay_count") is not None
+            ]
+        )
+        for label, runs in groups.items()
+    }
+    data = {label: d for label, d in data.items() if len(d) and d[:, 1].sum() > 0}
+    if not data:
+        return None
+    lo = min(d[:, 0].min() for d in data.values())
+    hi = max(d[:, 0].max() for d in data.values())
+    edges = np.linspace(lo, hi if hi > lo else lo + 1e-6, bins + 1)
+    fig, ax = _figure(
+        "Replays over a group's life against its headroom at entry",
+        "stored headroom at entry",
+        "replay count (mean per bin)",
+    )
+    rng = np.random.default_rng(0)
+    for i, (label, d) in enumerate(data.items()):
+        color = _color(label, i)
+        jitter = rng.uniform(-0.12, 0.12, size=len(d))
+        ax.scatter(d[:, 0], d[:, 1] + jitter, s=5, alpha=0.15, color=color)
+        which = np.clip(np.digitize(d[:, 0], edges) - 1, 0, bins - 1)
+        centres, means = [], []
+        for b in range(bins):
+            sel = which == b
+            if sel.any():
+                centres.append((edges[b] + edges[b + 1]) / 2)
+                means.append(d[sel, 1].mean())
+        ax.plot(centres, means, color=color, marker="o", ms=4, label=f"{label} ({len(d)} groups)")
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir / "replay_count_vs_headroom.png")
+
+
+def plot_runs(runs: Sequence[RunData], out_dir: str | Path) -> list[Path]:
+    """Write every chart the runs have data for into `out_dir`; return their paths."""
+    if not runs:
+        raise UserError("no run dirs to plot")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = _by_label(runs)
+    made = plot_heldout(groups, out_dir)
+    for chart in (plot_replay_age, plot_acceptance, plot_replay_count):
+        path = chart(groups, out_dir)
+        if path is not None:
+            made.append(path)
+    if not made:
+        raise UserError(
+            "nothing to plot: the runs have no eval.jsonl rows, replay ages, acceptance rates "
+            "or replayed groups yet"
+        )
+    return made
+
+
+def plot_run_dirs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+    """`hdr plot`: load each run dir (labels from their layout or config) and chart them."""
+    return plot_runs([load_run(d) for d in run_dirs], out_dir)

@@ -1,0 +1,156 @@
+"""Teacher-forced scoring: per-token log-probs (and entropy) of fixed token sequences.
+
+One function serves three uses: the behaviour log-probs of a step's fresh groups (stored as
+`gen_logprobs`), the re-scoring of replay candidates (no grad), and the update's forward pass
+(with grad). Rows are left padded; position ids are `cumsum(attention_mask) - 1` so that a
+padded row sees the same positions as an unpadded one, in generation and here alike.
+
+Two economies:
+- memory-bounded chunks of rows, each trimmed of the left-padding columns no row in it uses,
+  rows sorted by length first so chunks pad little;
+- the output layer (hidden -> vocabulary) runs only at positions whose next token is wanted
+  (a policy token under `target_mask`), which on the tiny model halves the cost because 75%
+  of a trajectory is retrieved text.
+
+Log-probs are of `softmax(logits / temperature)`, the distribution the sampler draws from.
+Models with extra logit transforms (soft-capping, logit scales) are not covered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainer.grpo import token_entropy
+
+
+def position_ids_for(attention_mask: Tensor) -> Tensor:
+    """`cumsum(attention_mask) - 1`, clamped at 0 on the padding. `[N, T]` -> `[N, T]`."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def forward_logprobs(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    target_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """One forward pass over one chunk. Grad follows the caller's mode.
+
+    `input_ids`, `attention_mask`, `target_mask`: `[n, T]`, left padded; `target_mask[i, t]`
+    marks token `input_ids[i, t]` as wanted (defaults to every real token). Returns
+    `logprobs [n, T-1]` = `log softmax(logits[:, t] / temperature)[input_ids[:, t+1]]` at the
+    wanted targets and 0 elsewhere, and the same-shaped entropy (or None).
+    """
+    n, T = input_ids.shape
+    if target_mask is None:
+        target_mask = attention_mask
+    used = (attention_mask.sum(dim=0) > 0).nonzero()
+    start = int(used[0]) if len(used) else T - 1  # first column any row uses
+    ids, mask = input_ids[:, start:], attention_mask[:, start:]
+    hidden = model.base_model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False
+    ).last_hidden_state  # (n, T - start, H)
+    real = mask.bool()
+    # a target is wanted when marked, and real with a real token before it to predict it from
+    wanted = target_mask[:, start + 1 :].bool() & real[:, 1:] & real[:, :-1]  # (n, T-start-1)
+    logits = model.get_output_embeddings()(hidden[:, :-1][wanted]).float()  # (K, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_lp = logp.gather(-1, ids[:, 1:][wanted].unsqueeze(-1)).squeeze(-1)  # (K,)
+    out = torch.zeros(n, T - 1, dtype=token_lp.dtype, device=token_lp.device)
+    out[:, start:][wanted] = token_lp
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(n, T - 1, device=token_lp.device)
+        entropy[:, start:][wanted] = token_entropy(logits.detach())
+    return out, entropy
+
+
+def token_logprobs(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    target_mask: Tensor | None = None,
+    chunk_size: int = 16,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Teacher-forced log-probs of `input_ids[:, 1:]`, in chunks of `chunk_size` rows.
+
+    Arguments as `forward_logprobs`; returns `[N, T-1]` log-probs (0 off `target_mask`) and
+    entropy (or None), on the CPU in the rows' original order. Call under `torch.no_grad()`
+    unless the graph is wanted (then memory is not bounded: the update chunks by itself).
+    """
+    device = next(model.parameters()).device
+    N, T = input_ids.shape
+    lengths = attention_mask.sum(dim=-1)
+    order = torch.argsort(lengths, stable=True)
+    out = torch.zeros(N, T - 1)
+    ent = torch.zeros(N, T - 1) if with_entropy else None
+    for lo in range(0, N, chunk_size):
+        rows = order[lo : lo + chunk_size]
+        tm = None if target_mask is None else target_mask[rows].to(device)
+        lp, e = forward_logprobs(
+            model,
+            input_ids[rows].to(device),
+            attention_mask[rows].to(device),
+            tm,
+            temperature,
+            with_entropy,
+        )
+        out[rows] = lp.float().cpu()
+        if ent is not None:
+            ent[rows] = e.float().cpu()
+    return out, ent
+
+
+def left_pad(
+    rows: Sequence[Sequence[int] | Tensor], pad_value: float = 0, dtype=torch.long
+) -> Tensor:
+    """Stack variable-length rows into `[N, max_len]`, padding on the left."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if len(row):
+            out[i, width - len(row) :] = torch.as_tensor(row, dtype=dtype)
+    return out
+
+
+def align(logprobs: Tensor) -> Tensor:
+    """`[N, T-1]` scores of `input_ids[:, 1:]` -> `[N, T]` aligned with `input_ids`."""
+    return F.pad(logprobs, (1, 0))
+
+
+def concat_left_padded(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate `[n_k, T_k]` left-padded blocks into `[sum n_k, max T_k]` (zeros on the
+    left: left padding only prepends columns)."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([F.pad(t, (width - t.shape[1], 0)) for t in tensors], dim=0)
+
+
+def score_groups(
+    model, groups: Sequence, chunk_size: int = 16, temperature: float = 1.0
+) -> list[Tensor]:
+    """Current-policy log-probs of stored groups, no grad: one `[G, T_g]` tensor per group,
+    aligned with its `input_ids` (0 off its loss mask). Usable as a replay `ScoreFn`."""
+    if not groups:
+        return []
+    ids = concat_left_padded([g.input_ids for g in groups])
+    attn = concat_left_padded([g.attention_mask for g in groups])
+    target = concat_left_padded([g.loss_mask for g in groups])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, attn, target, chunk_size, temperature)
+    lp = align(lp)
+    out, row = [], 0
+    for g in groups:
+        G, T = g.input_ids.shape
+        out.append(lp[row : row + G, lp.shape[1] - T :] * g.loss_mask)
+        row += G
+    return out

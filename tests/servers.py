@@ -1,0 +1,75 @@
+"""Real retrieval servers for tests: uvicorn on a free 127.0.0.1 port, in a background thread.
+
+    with running_server(index_dir, max_topk=5) as server:
+        httpx.post(f"{server.url}/retrieve", json={"queries": ["Accordion"]})
+        server.stop()  # e.g. to test a client's behaviour when the server goes away
+
+Import it as `from servers import running_server` (pytest puts `tests/` on sys.path).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 120.0
+
+
+class RunningServer:
+    """A started uvicorn server: `url` (http://127.0.0.1:PORT) and `stop()` (idempotent)."""
+
+    def __init__(self, server: Any, thread: threading.Thread, url: str) -> None:
+        self._server = server
+        self._thread = thread
+        self.url = url
+
+    def stop(self) -> None:
+        """Shut the server down and wait for it; afterwards connections are refused."""
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+def bind_loopback() -> socket.socket:
+    """A listening-ready TCP socket on a free 127.0.0.1 port (handed to uvicorn, so no race)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextmanager
+def running_server(index_dir: Path, **server_config_overrides: Any) -> Iterator[RunningServer]:
+    """Serve `index_dir` with `ServerConfig(index_dir=..., **overrides)` until the block ends."""
+    import uvicorn
+
+    from retrieval_server.app import create_app
+    from retrieval_server.config import ServerConfig
+
+    config = ServerConfig(index_dir=index_dir, **server_config_overrides)
+    sock = bind_loopback()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), log_level="warning", lifespan="on", access_log=False)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError(f"retrieval server for {index_dir} did not start (see log above)")
+        time.sleep(0.05)
+    running = RunningServer(server, thread, f"http://127.0.0.1:{port}")
+    try:
+        yield running
+    finally:
+        running.stop()
+        sock.close()

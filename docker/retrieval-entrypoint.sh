@@ -65,7 +65,7 @@ if [[ ! -f "$MANIFEST" ]]; then
     if command -v flock >/dev/null 2>&1; then
         # One builder per volume; the others wait here, then find the manifest.
         exec 9>"$HDR_INDEX_DIR.lock"
-        log "waiting for the index build lock $HDR_INDEX_DIR.lock"
+        log "taking the index build lock $HDR_INDEX_DIR.lock"
         flock 9
     fi
     [[ -f "$MANIFEST" ]] || build_index

@@ -1,0 +1,358 @@
+"""The compose files, Dockerfiles and .dockerignore are as docs/stack.md documents them.
+
+No Docker engine is needed: the files are read as YAML and text. Where a compose client
+exists (`docker compose` or `docker-compose`), it validates the files too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path, PurePosixPath
+
+import pytest
+import yaml
+from stackfiles import COMPOSE, ENTRYPOINTS, INTERPOLATION, REPLICAS, ROOT, interpolate
+
+DOCKERFILES = {
+    "retrieval": ROOT / "docker" / "retrieval.Dockerfile",
+    "trainer": ROOT / "docker" / "trainer.Dockerfile",
+}
+DOCS = ROOT / "docs" / "stack.md"
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    lines, current = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        current += " " + line.rstrip("\\").strip()
+        if not line.endswith("\\"):
+            lines.append(current.strip())
+            current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def stage_names(path: Path) -> list[str]:
+    return [
+        args.split()[-1]
+        for op, args in dockerfile_instructions(path)
+        if op == "FROM" and " as " in args.lower()
+    ]
+
+
+def copy_sources(path: Path) -> list[str]:
+    """Sources of every COPY that reads the build context (not `--from=` another stage)."""
+    sources = []
+    for op, args in dockerfile_instructions(path):
+        if op != "COPY":
+            continue
+        words = shlex.split(args)
+        if any(word.startswith("--from=") for word in words):
+            continue
+        words = [word for word in words if not word.startswith("--")]
+        sources += words[:-1]
+    return sources
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def ignored(source: str, patterns: list[str]) -> bool:
+    parts = PurePosixPath(source).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        pattern = pattern.lstrip("/").removeprefix("**/")
+        if any(fnmatch.fnmatch(prefix, pattern) for prefix in prefixes):
+            return True
+    return False
+
+
+def git_mode(path: Path) -> str:
+    out = subprocess.run(
+        ["git", "ls-files", "-s", str(path.relative_to(ROOT))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return out.split()[0] if out else ""
+
+
+def health_code(healthcheck: dict) -> str:
+    test = healthcheck["test"]
+    assert test[:3] == ["CMD", "python", "-c"], test
+    return test[3]
+
+
+# ----------------------------------------------------------------- docker-compose.yml
+
+
+def test_compose_has_the_documented_services_and_volumes(compose):
+    assert set(compose["services"]) == {"retrieval", "trainer", "trainer-gpu"}
+    assert set(compose["volumes"]) == {"hdr-data", "hdr-runs"}
+
+
+def test_retrieval_service_serves_a_volume_on_loopback_with_a_healthcheck(compose):
+    retrieval = compose["services"]["retrieval"]
+    assert retrieval["build"]["dockerfile"] == "docker/retrieval.Dockerfile"
+    assert "hdr-data:/data" in retrieval["volumes"]
+    assert retrieval["ports"] == ["127.0.0.1:8000:8000"]
+    env = retrieval["environment"]
+    assert env["HDR_HOST"] == "0.0.0.0"  # inside the container; the port is what's published
+    assert env["HDR_INDEX_DIR"].startswith("/data/")
+    assert env["HDR_CORPUS"].startswith("/data/")
+    code = health_code(retrieval["healthcheck"])
+    compile(code, "healthcheck", "exec")
+    assert f"127.0.0.1:{env['HDR_PORT']}/health" in code
+    assert retrieval["healthcheck"]["start_period"] == "30m"
+    assert "profiles" not in retrieval
+
+
+def test_published_port_follows_the_environment():
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]["retrieval"]["ports"]
+    env = {"HDR_RETRIEVAL_BIND": "0.0.0.0", "HDR_RETRIEVAL_PORT": "9100"}
+    assert interpolate(raw, env) == ["0.0.0.0:9100:8000"]
+
+
+def test_cpu_trainer_waits_for_a_healthy_retrieval_and_writes_to_a_volume(compose):
+    trainer = compose["services"]["trainer"]
+    assert "profiles" not in trainer  # `docker compose up` starts it
+    assert trainer["build"] == {
+        "context": ".",
+        "dockerfile": "docker/trainer.Dockerfile",
+        "target": "cpu",
+    }
+    assert trainer["depends_on"] == {"retrieval": {"condition": "service_healthy"}}
+    env = trainer["environment"]
+    assert env["HDR_CONFIG"] == "/app/configs/tiny-cpu.yaml"
+    assert env["HDR_RETRIEVAL_URLS"] == "http://retrieval:8000"
+    assert env["HDR_RUNS_DIR"] == "/runs"
+    assert env["HDR_MODEL"] == "tiny"
+    assert "hdr-runs:/runs" in trainer["volumes"]
+    assert "./configs:/app/configs:ro" in trainer["volumes"]
+    assert "deploy" not in trainer
+
+
+def test_gpu_profile_reserves_gpus_and_switches_config(compose):
+    gpu = compose["services"]["trainer-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["build"]["target"] == "gpu"
+    assert gpu["depends_on"] == {"retrieval": {"condition": "service_healthy"}}
+    assert gpu["environment"]["HDR_CONFIG"] == "/app/configs/search-r1-qwen2.5-3b.yaml"
+    assert gpu["environment"]["HDR_MODEL"] == ""  # the config's own model.path
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert "hdr-runs:/runs" in gpu["volumes"]
+
+
+def test_replicas_override_adds_healthy_replicas_and_gives_the_trainers_their_urls(
+    compose, replicas
+):
+    added = {name for name in replicas["services"] if name not in compose["services"]}
+    assert added == {"retrieval-2", "retrieval-3"}
+    urls = "http://retrieval:8000,http://retrieval-2:8000,http://retrieval-3:8000"
+    for name in ("retrieval-2", "retrieval-3"):
+        replica = replicas["services"][name]
+        assert replica["build"] == compose["services"]["retrieval"]["build"]
+        assert replica["volumes"] == compose["services"]["retrieval"]["volumes"]
+        assert replica["environment"] == compose["services"]["retrieval"]["environment"]
+        assert replica["healthcheck"] == compose["services"]["retrieval"]["healthcheck"]
+        assert "ports" not in replica  # reached on the compose network only
+    for name in ("trainer", "trainer-gpu"):
+        service = replicas["services"][name]
+        assert service["environment"]["HDR_RETRIEVAL_URLS"] == urls
+        assert service["depends_on"] == {
+            replica: {"condition": "service_healthy"}
+            for replica in ("retrieval", "retrieval-2", "retrieval-3")
+        }
+
+
+def test_every_path_the_compose_files_name_exists(compose, replicas):
+    for data in (compose, replicas):
+        for name, service in data["services"].items():
+            if "build" in service:
+                context = ROOT / service["build"]["context"]
+                dockerfile = context / service["build"]["dockerfile"]
+                assert dockerfile.is_file(), (name, dockerfile)
+                if "target" in service["build"]:
+                    assert service["build"]["target"] in stage_names(dockerfile), name
+            for volume in service.get("volumes", []):
+                source = volume.split(":")[0]
+                if source.startswith((".", "/")):
+                    assert (ROOT / source).exists(), (name, volume)
+                else:
+                    assert source in compose["volumes"], (name, volume)
+            config = service.get("environment", {}).get("HDR_CONFIG")
+            if config:
+                # /app/configs is ./configs, copied into the image and mounted over it.
+                relative = PurePosixPath(config).relative_to("/app")
+                assert (ROOT / relative).is_file(), (name, config)
+
+
+# ------------------------------------------------------------------------ Dockerfiles
+
+
+def test_dockerfiles_copy_only_files_that_exist_and_are_not_ignored():
+    patterns = dockerignore_patterns()
+    for name, dockerfile in DOCKERFILES.items():
+        sources = copy_sources(dockerfile)
+        assert sources, name
+        for source in sources:
+            assert (ROOT / source).exists(), (name, source)
+            assert not ignored(source, patterns), (name, source)
+
+
+def test_dockerignore_keeps_the_context_small():
+    patterns = dockerignore_patterns()
+    for heavy in (".venv", "data", "runs", ".git", "__pycache__", ".pytest_cache"):
+        assert ignored(heavy, patterns), heavy
+
+
+def test_trainer_dockerfile_has_cpu_and_gpu_targets():
+    dockerfile = DOCKERFILES["trainer"]
+    assert {"cpu", "gpu"} <= set(stage_names(dockerfile))
+    text = dockerfile.read_text()
+    assert re.search(r"FROM \$\{CUDA_IMAGE\} AS gpu", text)
+    assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:12\.\S*-runtime", text)
+    assert 'pip install ".[gpu]"' in text
+    assert "--index-url" in text and "whl/cpu" in text
+    # `docker build` without --target gives the CPU image: the last stage.
+    assert stage_names(dockerfile)[-1] == "cpu"
+
+
+def test_images_run_as_non_root_and_start_their_entrypoint_script():
+    for name, dockerfile in DOCKERFILES.items():
+        instructions = dockerfile_instructions(dockerfile)
+        # Every stage that has an ENTRYPOINT switched to a non-root USER before it.
+        user = None
+        entrypoints = []
+        for op, args in instructions:
+            if op == "FROM":
+                user = None
+            elif op == "USER":
+                user = args.strip()
+            elif op == "ENTRYPOINT":
+                assert user not in (None, "root", "0"), name
+                entrypoints.append(json.loads(args)[0])
+        assert entrypoints, name
+        script = ENTRYPOINTS[name]
+        for entrypoint in entrypoints:
+            assert PurePosixPath(entrypoint).name == script.name, (name, entrypoint)
+        assert f"docker/{script.name}" in copy_sources(dockerfile) or name == "trainer"
+        assert git_mode(script) == "100755", f"{script} is not executable in git"
+
+
+def test_retrieval_dockerfile_installs_cpu_torch_first_and_checks_health():
+    text = DOCKERFILES["retrieval"].read_text()
+    assert re.search(r"FROM python:\$\{PYTHON_VERSION\}-slim", text)
+    torch_at = text.index('pip install "torch==${TORCH_VERSION}" --index-url')
+    assert "ARG TORCH_VERSION=2.13.0" in text
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert torch_at < text.index("RUN pip install .")
+    healthchecks = [
+        args
+        for op, args in dockerfile_instructions(DOCKERFILES["retrieval"])
+        if op == "HEALTHCHECK"
+    ]
+    assert len(healthchecks) == 1
+    command = json.loads(healthchecks[0].split(" CMD ", 1)[1])
+    assert command[:2] == ["python", "-c"]
+    compile(command[2], "healthcheck", "exec")
+    assert "/health" in command[2]
+
+
+# ------------------------------------------------------------------------------ docs
+
+
+def documented_variables() -> dict[str, str]:
+    """`VAR` -> the row of docs/stack.md's variable tables that names it."""
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        match = re.match(r"\|\s*`(\w+)`\s*\|", line)
+        if match:
+            rows[match[1]] = line
+    return rows
+
+
+def test_every_setting_is_documented_with_its_default():
+    rows = documented_variables()
+    raw = COMPOSE.read_text() + REPLICAS.read_text()
+    for match in INTERPOLATION.finditer(raw):
+        name, default = match["name"], match["default"] or ""
+        assert name in rows, f"{name} is not in docs/stack.md"
+        if default:
+            assert default in rows[name], f"docs/stack.md does not give {name}'s default"
+    for script in ENTRYPOINTS.values():
+        for name, default in re.findall(
+            r'^(HDR_\w+)="\$\{\1:?-([^}]*)\}"', script.read_text(), re.M
+        ):
+            assert name in rows, f"{name} of {script.name} is not in docs/stack.md"
+            if default and "$" not in default:
+                assert default in rows[name], f"docs/stack.md does not give {name}'s default"
+
+
+def test_docs_say_the_images_were_not_built_here():
+    text = DOCS.read_text()
+    assert "not built" in text and "no Docker engine" in text
+
+
+# --------------------------------------------------------------- a real compose client
+
+
+def compose_client() -> list[str] | None:
+    for command in (["docker", "compose"], ["docker-compose"]):
+        try:
+            done = subprocess.run([*command, "version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            return command
+    return None
+
+
+@pytest.mark.parametrize(
+    "files, profile, services",
+    [
+        (["docker-compose.yml"], None, {"retrieval", "trainer"}),
+        (["docker-compose.yml"], "gpu", {"retrieval", "trainer", "trainer-gpu"}),
+        (
+            ["docker-compose.yml", "docker-compose.replicas.yml"],
+            "gpu",
+            {"retrieval", "retrieval-2", "retrieval-3", "trainer", "trainer-gpu"},
+        ),
+    ],
+)
+def test_compose_client_accepts_the_files(files, profile, services):
+    client = compose_client()
+    if client is None:
+        pytest.skip("no docker compose client (plugin or docker-compose) on this machine")
+    args = [*client, "--project-directory", str(ROOT)]
+    for file in files:
+        args += ["-f", str(ROOT / file)]
+    if profile:
+        args += ["--profile", profile]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HDR_")}
+    done = subprocess.run([*args, "config"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    resolved = yaml.safe_load(done.stdout)["services"]
+    # docker compose v2 drops inactive services, docker-compose v1 keeps them with profiles.
+    active = {
+        name
+        for name, service in resolved.items()
+        if not service.get("profiles") or profile in service["profiles"]
+    }
+    assert active == services
+    # The client resolves the defaults as the tests' own interpolation does.
+    expected = interpolate(yaml.safe_load((ROOT / files[-1]).read_text()))["services"]
+    for name in active & set(expected):
+        for key, value in expected[name].get("environment", {}).items():
+            assert str(resolved[name]["environment"][key] or "") == value, (name, key)

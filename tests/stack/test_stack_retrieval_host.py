@@ -1,0 +1,183 @@
+"""The retrieval container's entrypoint, run directly on the host as the container runs it.
+
+The script gets only what the container gets: environment variables (as docker-compose.yml
+sets them, with a small corpus and a free loopback port) and `hdr` on PATH. On the first start
+it prepares the corpus and builds the index, then serves; a second start reuses the index.
+The compose file's and the Dockerfile's healthcheck commands are run against the live server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from stackfiles import COMPOSE, ENTRYPOINTS, ROOT, hdr_executable
+
+ARTICLES = 150
+START_TIMEOUT = 150.0  # seconds: corpus + index build + model load on a 2-core CPU
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def container_env(data_dir: Path, port: int) -> dict[str, str]:
+    """The host environment without HDR_* settings, plus what compose gives the container."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HDR_")}
+    env.update(
+        PATH=f"{Path(hdr_executable()).parent}{os.pathsep}{env.get('PATH', '')}",
+        HF_HUB_OFFLINE="1",
+        HDR_DATA_DIR=str(data_dir),
+        HDR_CORPUS_LIMIT=str(ARTICLES),
+        HDR_HOST="127.0.0.1",
+        HDR_PORT=str(port),
+        HDR_API_TOKEN="",  # compose passes an empty token when none is set
+    )
+    return env
+
+
+class Entrypoint:
+    """The entrypoint script as a child process in its own session, with its log."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self.port = int(env["HDR_PORT"])
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(ENTRYPOINTS["retrieval"])],
+                env=env,
+                cwd=log.parent,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"entrypoint exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                response = httpx.get(self.url("/health"), timeout=2.0)
+                if response.status_code == 200:
+                    return response.json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"no /health within {timeout:.0f}s:\n{self.output()}")
+
+    def stop(self) -> None:
+        """SIGTERM, as `docker stop` sends it; the server must shut down gracefully."""
+        self.proc.send_signal(signal.SIGTERM)
+        status = self.proc.wait(timeout=30)
+        # uvicorn re-raises the signal after its graceful shutdown (docker reports 143).
+        assert status in (0, -signal.SIGTERM), status
+        assert "Application shutdown complete" in self.output()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def compose_health_code(port: int) -> str:
+    service = yaml.safe_load(COMPOSE.read_text())["services"]["retrieval"]
+    return service["healthcheck"]["test"][3].replace(":8000/", f":{port}/")
+
+
+def dockerfile_health_code() -> str:
+    text = (ROOT / "docker" / "retrieval.Dockerfile").read_text()
+    line = next(line for line in text.splitlines() if line.strip().startswith("CMD ["))
+    return json.loads(line.strip()[len("CMD ") :])[2]
+
+
+def healthcheck(code: str, port: int) -> int:
+    env = {**os.environ, "HDR_PORT": str(port)}
+    return subprocess.run([sys.executable, "-c", code], env=env, timeout=30).returncode
+
+
+def test_first_start_builds_the_index_once_then_serves_and_stops_cleanly(tmp_path):
+    data = tmp_path / "data"
+    # Two replicas on one empty data directory, as docker-compose.replicas.yml starts them.
+    replicas = [
+        Entrypoint(container_env(data, free_port()), tmp_path / f"replica-{i}.log") for i in (1, 2)
+    ]
+    try:
+        healths = [replica.wait_healthy() for replica in replicas]
+        builders = [replica for replica in replicas if "building it from" in replica.output()]
+        assert len(builders) == 1, "exactly one replica builds; the other waits for its lock"
+        first = replicas[0]
+        # exec: the server replaced the shell, so `docker stop`'s SIGTERM reaches it.
+        cmdline = Path(f"/proc/{first.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"serve" in cmdline and not any(arg.endswith(b".sh") for arg in cmdline)
+
+        corpus = data / "wiki-vital.jsonl"
+        assert len(corpus.read_text().splitlines()) == ARTICLES
+        assert (data / "index" / "manifest.json").is_file()
+        for health in healths:
+            assert health["status"] == "ok"
+            assert health["documents"] == ARTICLES
+            assert health["default_retriever"] == "dense"
+
+        # Open without a token: the empty HDR_API_TOKEN compose passes means no auth.
+        response = httpx.post(
+            first.url("/retrieve"),
+            json={"queries": ["Albert Einstein physicist"], "topk": 3, "return_scores": True},
+            timeout=30.0,
+        )
+        assert response.status_code == 200, response.text
+        (hits,) = response.json()["result"]
+        assert len(hits) == 3
+        ids = {json.loads(line)["id"] for line in corpus.read_text().splitlines()}
+        assert {hit["document"]["id"] for hit in hits} <= ids
+
+        assert healthcheck(compose_health_code(first.port), first.port) == 0
+        assert healthcheck(dockerfile_health_code(), first.port) == 0
+        for replica in replicas:
+            replica.stop()
+        assert healthcheck(compose_health_code(first.port), first.port) != 0
+    finally:
+        for replica in replicas:
+            replica.kill()
+
+    # A later start on the same data: no rebuild, the same index served.
+    built = (data / "index" / "manifest.json").stat().st_mtime_ns
+    again = Entrypoint(container_env(data, free_port()), tmp_path / "again.log")
+    try:
+        assert again.wait_healthy()["documents"] == ARTICLES
+        assert "building" not in again.output() and "preparing" not in again.output()
+        assert (data / "index" / "manifest.json").stat().st_mtime_ns == built
+        again.stop()
+    finally:
+        again.kill()
+
+
+def test_a_failed_build_exits_non_zero_and_serves_nothing(tmp_path):
+    env = container_env(tmp_path / "data", free_port())
+    env["HDR_ENCODER"] = str(tmp_path / "no-such-encoder")
+    entrypoint = Entrypoint(env, tmp_path / "failed.log")
+    try:
+        status = entrypoint.proc.wait(timeout=START_TIMEOUT)
+    finally:
+        entrypoint.kill()
+    assert status != 0, entrypoint.output()
+    assert "hdr: error: cannot load encoder" in entrypoint.output()
+    assert not (tmp_path / "data" / "index" / "manifest.json").exists()
+    assert "serving" not in entrypoint.output()

@@ -1,0 +1,351 @@
+"""The Search-R1 multi-turn rollout loop: b prompts x G responses, batched turn by turn.
+
+Each turn every live trajectory generates until `</search>`, `</answer>`, EOS or the turn's
+token limit; the first action of the turn's text is parsed; all searches of the turn go to
+the retrieval server as ONE batched call; each observation
+`\\n\\n<information>Doc 1(Title: ...) ...\\nDoc 2(...) ...</information>\\n\\n` is tokenized,
+cut to `max_obs_tokens` and appended with loss mask 0. After `max_turns` search turns comes
+one last turn in which a search is not executed, as in Search-R1.
+
+What a trajectory keeps: the exact ids the model conditioned on (sampled ids as sampled,
+environment text tokenized once; decoded text is never re-tokenized), mask 1 only on sampled
+ids, the sampler's log-prob per sampled id, and the environment's own texts
+(`observations`, one per maximal mask-0 run, so a test can decode the runs and compare).
+
+Departures from Search-R1:
+- A turn that hits the token limit inside an open `<search>` is closed by the environment;
+  the closing `</search>` is environment text (mask 0), and the query is what was written.
+- EOS without an action ends the trajectory (invalid, no answer); Search-R1 re-tokenizes
+  decoded text, drops the EOS and carries on, which we cannot do without breaking exact ids.
+- The answer is the policy's own parsed `<answer>` action, never text the environment
+  appended (the correction message mentions the tags).
+- A retrieval failure marks the trajectory `failed` and ends it, instead of continuing with
+  empty information; `on_failure` decides what the caller gets.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import Field
+
+from agent_env.data import QAExample
+from agent_env.generation.base import Completion, Generator, SamplingParams
+from agent_env.prompts import (
+    SEARCH_CLOSE,
+    SEARCH_OPEN,
+    PromptConfig,
+    format_documents,
+    observation_parts,
+    prompt_text,
+)
+from agent_env.retrieval_client import RetrievalClient, RetrievalFailed
+from agent_env.rewards import exact_match, f1_score, format_reward
+from hdr.config import StrictModel
+
+
+class RolloutConfig(StrictModel):
+    """Shape of one rollout: turns, token budgets, sampling, reward, failure handling."""
+
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="Prompt text.")
+    max_turns: int = Field(2, ge=0, description="Search turns; then one final turn, no search.")
+    max_tokens_per_turn: int = Field(128, ge=1, description="Generation limit of one turn.")
+    max_obs_tokens: int = Field(
+        256, ge=8, description="Longest observation (information block incl. tags), in tokens."
+    )
+    max_response_tokens: int = Field(
+        1024, ge=1, description="A trajectory stops once its response is this long."
+    )
+    doc_words: int | None = Field(
+        None, ge=1, description="Keep only the first words of each document (tiny models: 6-8)."
+    )
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    reward: Literal["exact_match", "f1"] = Field(
+        "exact_match", description="Answer score against the golden answers."
+    )
+    format_weight: float = Field(
+        0.0, ge=0, le=1, description="reward = (1-w) * answer score + w * format reward."
+    )
+    on_failure: Literal["keep", "drop_group", "raise"] = Field(
+        "drop_group",
+        description="Retrieval gave up: keep the marked trajectories, drop their groups"
+        " (into RolloutResult.dropped), or raise RetrievalFailed.",
+    )
+
+
+@dataclass
+class Trajectory:
+    """One sampled response; see docs/contracts.md."""
+
+    group_id: str
+    example: QAExample
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    sampler_logprobs: list[float] = field(default_factory=list)
+    answer: str | None = None
+    reward: float = 0.0
+    turns: int = 0
+    searches: int = 0
+    valid_actions: list[bool] = field(default_factory=list)
+    failed: bool = False
+    gen_time: float = 0.0
+    retrieval_time: float = 0.0
+    observations: list[str] = field(default_factory=list)
+    truncated: bool = False
+
+    def add_policy(self, ids: list[int], logprobs: list[float]) -> None:
+        self.response_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.sampler_logprobs += logprobs
+
+    def add_env(self, ids: list[int], text: str) -> None:
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.sampler_logprobs += [0.0] * len(ids)
+        self.observations.append(text)
+
+
+@dataclass
+class RolloutResult:
+    groups: list[list[Trajectory]]
+    env_calls: int  # batched HTTP requests to the retrieval server
+    retrieval_calls: int  # turns that searched (one batched call each, maybe several requests)
+    gen_time: float
+    retrieval_time: float
+    wall_time: float
+    dropped: list[list[Trajectory]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["search", "answer", "invalid"]
+    content: str = ""
+    env_close: bool = False  # the environment must append `</search>`
+
+
+_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+def parse_action(turn_text: str, finished: bool) -> Action:
+    """The first complete action of a turn's text (opening prefix included).
+
+    An unfinished turn (token limit) that left a `<search>` open is a search the environment
+    closes; anything else without a complete action is invalid.
+    """
+    match = _ACTION.search(turn_text)
+    if match:
+        kind, content = match.group(1), match.group(2).strip()
+        if kind == "search" and not content:
+            return Action("invalid")
+        return Action(kind, content)
+    open_at = turn_text.rfind(SEARCH_OPEN)
+    if not finished and open_at >= 0:
+        query = turn_text[open_at + len(SEARCH_OPEN) :].strip()
+        if query and "<" not in query:
+            return Action("search", query, env_close=True)
+    return Action("invalid")
+
+
+@dataclass
+class _Live:
+    traj: Trajectory
+    prefix: str  # text in the context that opens the coming turn
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return self.traj.prompt_ids + self.traj.response_ids
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def observation(tokenizer, contents: list[str], config: RolloutConfig, lead: str = ""):
+    """(ids, text) of one information block; the documents are cut to fit max_obs_tokens.
+
+    `lead` is environment text that comes first (an environment-closed `</search>`).
+    """
+    head, body, tail = observation_parts(
+        format_documents(contents, config.doc_words), config.prompt
+    )
+    head_ids, tail_ids = _encode(tokenizer, lead + head), _encode(tokenizer, tail)
+    body_ids = _encode(tokenizer, body)
+    room = max(config.max_obs_tokens - len(head_ids) - len(tail_ids), 0)
+    if len(body_ids) > room:
+        body_ids = body_ids[:room]
+        while body_ids and _decode(tokenizer, body_ids).endswith("\ufffd"):
+            body_ids = body_ids[:-1]  # never end inside a multi-byte character
+        body = _decode(tokenizer, body_ids)
+    return head_ids + body_ids + tail_ids, lead + head + body + tail
+
+
+def _step_policy(live: _Live, completion: Completion, tokenizer, eos_ids, final: bool):
+    """Append the sampled ids, parse the action; returns the Action."""
+    traj = live.traj
+    traj.add_policy(completion.token_ids, completion.logprobs)
+    traj.turns += 1
+    ids = completion.token_ids
+    ended_by_eos = bool(ids) and ids[-1] in eos_ids
+    action = parse_action(
+        live.prefix + _decode(tokenizer, ids[:-1] if ended_by_eos else ids), completion.finished
+    )
+    traj.valid_actions.append(action.kind != "invalid")
+    live.prefix = ""
+    if action.kind == "answer":
+        traj.answer = action.content
+        live.done = True
+    elif action.kind == "search":
+        live.done = final  # the last turn does not search
+    else:
+        live.done = final or ended_by_eos
+    return action
+
+
+def _score(traj: Trajectory, tokenizer, config: RolloutConfig) -> float:
+    golds = traj.example.golden_answers
+    scorer = exact_match if config.reward == "exact_match" else f1_score
+    score = scorer(traj.answer, golds)
+    if config.format_weight == 0:
+        return score
+    text = config.prompt.response_prefix + _decode(tokenizer, traj.response_ids)
+    return (1 - config.format_weight) * score + config.format_weight * format_reward(text)
+
+
+def rollout_groups(
+    generator: Generator,
+    client: RetrievalClient,
+    tokenizer,
+    examples: list[QAExample],
+    group_size: int,
+    config: RolloutConfig,
+) -> RolloutResult:
+    """Roll out `group_size` responses per example; returns groups in example order."""
+    wall_start = time.perf_counter()
+    stats_before = (client.stats.requests, client.stats.calls)
+    eos_ids = {tokenizer.eos_token_id} - {None}
+    states: list[_Live] = []
+    for example in examples:
+        prompt_ids = _encode(tokenizer, prompt_text(config.prompt, example.question, tokenizer))
+        group_id = f"{example.id}#{uuid.uuid4().hex[:12]}"
+        for _ in range(group_size):
+            traj = Trajectory(group_id=group_id, example=example, prompt_ids=list(prompt_ids))
+            states.append(_Live(traj, prefix=config.prompt.response_prefix))
+    gen_time = retrieval_time = 0.0
+    params = SamplingParams(config.temperature, config.top_p, config.max_tokens_per_turn)
+    for turn in range(config.max_turns + 1):
+        live = [s for s in states if not s.done]
+        if not live:
+            break
+        final = turn == config.max_turns
+        start = time.perf_counter()
+        completions = generator.generate([s.context for s in live], params)
+        elapsed = time.perf_counter() - start
+        gen_time += elapsed
+        searches: list[tuple[_Live, Action]] = []
+        for s, completion in zip(live, completions, strict=True):
+            s.traj.gen_time += elapsed
+            action = _step_policy(s, completion, tokenizer, eos_ids, final)
+            if action.kind == "search" and not s.done:
+                searches.append((s, action))
+            elif action.kind == "invalid" and not s.done:
+                msg = config.prompt.invalid_action_message
+                s.traj.add_env(_encode(tokenizer, msg), msg)
+        if searches:
+            retrieval_time += _search(searches, client, tokenizer, config)
+        for s in live:
+            if not s.done and len(s.traj.response_ids) >= config.max_response_tokens:
+                s.done = s.traj.truncated = True
+    for s in states:
+        s.traj.reward = _score(s.traj, tokenizer, config)
+    groups = [
+        [s.traj for s in states[i : i + group_size]] for i in range(0, len(states), group_size)
+    ]
+    kept, dropped = groups, []
+    if config.on_failure == "drop_group":
+        kept = [g for g in groups if not any(t.failed for t in g)]
+        dropped = [g for g in groups if any(t.failed for t in g)]
+    return RolloutResult(
+        groups=kept,
+        env_calls=client.stats.requests - stats_before[0],
+        retrieval_calls=client.stats.calls - stats_before[1],
+        gen_time=gen_time,
+        retrieval_time=retrieval_time,
+        wall_time=time.perf_counter() - wall_start,
+        dropped=dropped,
+    )
+
+
+def _search(searches, client: RetrievalClient, tokenizer, config: RolloutConfig) -> float:
+    """One batched call for the turn's searches; appends observations. Returns its time."""
+    start = time.perf_counter()
+    try:
+        results = client.search([action.content for _, action in searches])
+    except RetrievalFailed:
+        if config.on_failure == "raise":
+            raise
+        results = None
+    elapsed = time.perf_counter() - start
+    for i, (s, action) in enumerate(searches):
+        s.traj.retrieval_time += elapsed
+        lead = SEARCH_CLOSE if action.env_close else ""
+        if results is None:
+            s.traj.failed = s.done = True
+            continue
+        ids, text = observation(tokenizer, [d.contents for d in results[i]], config, lead)
+        s.traj.add_env(ids, text)
+        s.traj.searches += 1
+        s.prefix = config.prompt.observation_suffix
+    return elapsed
+
+
+def trajectory_record(traj: Trajectory, tokenizer) -> dict:
+    """One JSON-ready line per trajectory: ids, mask, log-probs, outcome, text for reading."""
+    return {
+        "group_id": traj.group_id,
+        "example_id": traj.example.id,
+        "question": traj.example.question,
+        "golden_answers": traj.example.golden_answers,
+        "answer": traj.answer,
+        "reward": traj.reward,
+        "turns": traj.turns,
+        "searches": traj.searches,
+        "valid_actions": traj.valid_actions,
+        "failed": traj.failed,
+        "truncated": traj.truncated,
+        "gen_time": traj.gen_time,
+        "retrieval_time": traj.retrieval_time,
+        "response_text": _decode(tokenizer, traj.response_ids),
+        "prompt_ids": traj.prompt_ids,
+        "response_ids": traj.response_ids,
+        "loss_mask": traj.loss_mask,
+        "sampler_logprobs": traj.sampler_logprobs,
+    }
+
+
+def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Means over trajectories: exact match, reward, turns, searches, valid actions, failures."""
+    n = max(len(trajectories), 1)
+    actions = [v for t in trajectories for v in t.valid_actions]
+    return {
+        "trajectories": len(trajectories),
+        "exact_match": sum(exact_match(t.answer, t.example.golden_answers) for t in trajectories)
+        / n,
+        "reward": sum(t.reward for t in trajectories) / n,
+        "turns": sum(t.turns for t in trajectories) / n,
+        "searches": sum(t.searches for t in trajectories) / n,
+        "valid_action_rate": sum(actions) / max(len(actions), 1),
+        "answered": sum(t.answer is not None for t in trajectories) / n,
+        "failed": sum(t.failed for t in trajectories),
+        "response_tokens": sum(len(t.response_ids) for t in trajectories) / n,
+    }

@@ -1,0 +1,147 @@
+"""`hdr rollout` as a function: load a task, a policy and a client; roll out in batches;
+write trajectories as JSONL; print a summary. The benchmark and the scripted reference call it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hdr.errors import UserError
+
+
+@dataclass
+class RolloutJob:
+    model: Path
+    task: str = "wiki-vital"
+    split: str = "test"
+    n: int | None = None
+    group_size: int = 1
+    servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    retriever: str | None = None
+    topk: int = 3
+    backend: str = "hf"
+    oracle: bool = False
+    batch: int = 64
+    device: str = "cpu"
+    seed: int = 0
+    out: Path | None = None
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if not Path(model_dir).is_dir():
+        raise UserError(f"model directory not found: {model_dir}")
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def make_generator(job: RolloutJob, tokenizer, config, examples):
+    from agent_env.generation import GenerationConfig, build_generator
+    from agent_env.generation.scripted import ScriptedGenerator
+
+    if job.oracle:
+        if job.backend != "scripted":
+            raise UserError("--oracle only applies to --backend scripted")
+        answers = {ex.question: ex.golden_answers for ex in examples}
+        return ScriptedGenerator(tokenizer, config.prompt, oracle=answers)
+    gen_config = GenerationConfig(backend=job.backend, device=job.device, seed=job.seed)
+    return build_generator(
+        gen_config, model_dir=job.model, tokenizer=tokenizer, prompt=config.prompt
+    )
+
+
+def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> dict:
+    """Run the job; returns the summary (also printed). Trajectories go to `job.out`."""
+    import torch
+    from rich.progress import Progress
+
+    from agent_env.data import load_task
+    from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
+    from agent_env.rollout import rollout_groups, summarize, trajectory_record
+
+    console = console or Console()
+    torch.manual_seed(job.seed)
+    tokenizer = load_tokenizer(job.model)
+    examples = load_task(job.task, job.split)[: job.n]
+    if not examples:
+        raise UserError(f"task {job.task!r} ({job.split}) has no questions")
+    generator = make_generator(job, tokenizer, config, examples)
+    client_config = RetrievalConfig(urls=job.servers, topk=job.topk, retriever=job.retriever)
+    totals = dict(gen_time=0.0, retrieval_time=0.0, wall_time=0.0, env_calls=0, retrieval_calls=0)
+    trajectories, dropped = [], 0
+    if job.out is not None:
+        job.out.parent.mkdir(parents=True, exist_ok=True)
+    sink = job.out.open("w") if job.out is not None else None
+    start = time.perf_counter()
+    try:
+        with (
+            RetrievalClient(client_config, seed=job.seed) as client,
+            Progress(console=console, transient=True) as progress,
+        ):
+            bar = progress.add_task("rollout", total=len(examples))
+            for lo in range(0, len(examples), job.batch):
+                chunk = examples[lo : lo + job.batch]
+                result = rollout_groups(generator, client, tokenizer, chunk, job.group_size, config)
+                for key in totals:
+                    totals[key] += getattr(result, key)
+                dropped += len(result.dropped)
+                for group in result.groups + result.dropped:
+                    trajectories += group
+                    if sink is not None:
+                        for traj in group:
+                            sink.write(json.dumps(trajectory_record(traj, tokenizer)) + "\n")
+                progress.advance(bar, len(chunk))
+            in_flight = client.stats.max_in_flight
+    finally:
+        if sink is not None:
+            sink.close()
+    total_time = time.perf_counter() - start
+    summary = {
+        **summarize(trajectories),
+        **totals,
+        "dropped_groups": dropped,
+        "total_time": total_time,
+        "trajectories_per_s": len(trajectories) / max(totals["wall_time"], 1e-9),
+        "max_concurrent_requests": in_flight,
+    }
+    print_summary(summary, job, console)
+    return summary
+
+
+def print_summary(summary: dict, job: RolloutJob, console: Console) -> None:
+    table = Table(title=f"hdr rollout: {job.task} ({job.split}), backend {job.backend}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    wall = max(summary["wall_time"], 1e-9)
+    other = wall - summary["gen_time"] - summary["retrieval_time"]
+    rows = [
+        ("trajectories", f"{summary['trajectories']}"),
+        ("exact match", f"{summary['exact_match']:.3f}"),
+        ("reward", f"{summary['reward']:.3f}"),
+        ("turns / trajectory", f"{summary['turns']:.2f}"),
+        ("searches / trajectory", f"{summary['searches']:.2f}"),
+        ("valid actions", f"{summary['valid_action_rate']:.3f}"),
+        ("answered", f"{summary['answered']:.3f}"),
+        ("failed (retrieval)", f"{summary['failed']}"),
+        ("dropped groups", f"{summary['dropped_groups']}"),
+        ("env calls (HTTP requests)", f"{summary['env_calls']}"),
+        ("rollout wall time", f"{wall:.2f} s"),
+        ("  generation", f"{summary['gen_time']:.2f} s ({summary['gen_time'] / wall:.0%})"),
+        (
+            "  retrieval",
+            f"{summary['retrieval_time']:.2f} s ({summary['retrieval_time'] / wall:.0%})",
+        ),
+        ("  other", f"{other:.2f} s ({other / wall:.0%})"),
+        ("trajectories / s", f"{summary['trajectories_per_s']:.1f}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    if job.out is not None:
+        console.print(f"trajectories written to {job.out}")

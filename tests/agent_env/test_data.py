@@ -1,0 +1,87 @@
+"""QA data: both file formats load; the embedded wiki-vital task has its documented split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent_env.data import (
+    is_test_title,
+    load_flashrag_jsonl,
+    load_searchr1_parquet,
+    load_task,
+    wiki_vital_examples,
+)
+from hdr.errors import UserError
+
+
+def test_flashrag_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "nq" / "test.jsonl"
+    path.parent.mkdir()
+    rows = [
+        {"id": "test_0", "question": "who wrote hamlet", "golden_answers": ["Shakespeare"]},
+        {"id": "test_1", "question": "capital of peru", "golden_answers": ["Lima", "Lima, Peru"]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    examples = load_task(str(path))
+    assert [ex.id for ex in examples] == ["nq/test_0", "nq/test_1"]
+    assert examples[1].golden_answers == ["Lima", "Lima, Peru"]
+    assert {ex.data_source for ex in examples} == {"nq"}
+    assert load_flashrag_jsonl(path, data_source="x")[0].id == "x/test_0"
+
+
+def test_flashrag_bad_line_is_one_user_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question": "q"}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:1"):
+        load_flashrag_jsonl(path)
+
+
+def test_searchr1_parquet(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompt = "Answer the given question... For example, <answer> Beijing </answer>. Question: "
+    table = pa.table(
+        {
+            "data_source": ["nq", "hotpotqa"],
+            "prompt": [
+                [{"role": "user", "content": prompt + "who wrote hamlet?\n"}],
+                [{"role": "user", "content": prompt + "which river is longer?\n"}],
+            ],
+            "ability": ["fact-reasoning", "fact-reasoning"],
+            "reward_model": [
+                {"style": "rule", "ground_truth": {"target": ["Shakespeare"]}},
+                {"style": "rule", "ground_truth": {"target": ["Nile", "the Nile"]}},
+            ],
+            "extra_info": [{"split": "train", "index": 0}, {"split": "train", "index": 7}],
+        }
+    )
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    examples = load_searchr1_parquet(path)
+    assert [ex.id for ex in examples] == ["nq/0", "hotpotqa/7"]
+    assert examples[0].question == "who wrote hamlet?"
+    assert examples[1].golden_answers == ["Nile", "the Nile"]
+    assert examples[1].data_source == "hotpotqa"
+    assert load_task(str(path))[1].question == "which river is longer?"
+
+
+def test_wiki_vital_split_is_the_documented_one() -> None:
+    train, test = wiki_vital_examples("train"), wiki_vital_examples("test")
+    assert (len(train), len(test)) == (8139, 910)
+    assert not {ex.id for ex in train} & {ex.id for ex in test}
+    assert all(is_test_title(ex.golden_answers[0]) for ex in test)
+    questions = [ex.question for ex in train + test]
+    assert len(set(questions)) == len(questions)  # shared descriptions were dropped
+    by_title = {ex.golden_answers[0]: ex for ex in train + test}
+    assert by_title["2001: A Space Odyssey"].question == "1968 film by Stanley Kubrick"
+    assert by_title["2001: A Space Odyssey"].id == "wiki-vital/1"  # corpus line 1
+    assert by_title["Apology (Plato)"] in test
+
+
+def test_unknown_task_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="wiki-vital"):
+        load_task("nope.csv")

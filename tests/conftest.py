@@ -7,7 +7,6 @@ in the package's order (lines 10+), so questions about those articles have their
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,23 +16,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-WIKI18_SAMPLE = FIXTURES / "wiki18_sample.jsonl"
-SMALL_CORPUS_ARTICLES = 300
-
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Path to a Search-R1 JSONL corpus: 10 wiki-18 passages + 300 vital-article summaries."""
-    import itertools
+    from corpora import write_small_corpus
 
-    from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
-
-    sample = [json.loads(line)["contents"] for line in WIKI18_SAMPLE.read_text().splitlines()]
-    articles = itertools.islice(iter_vital_articles(), SMALL_CORPUS_ARTICLES)
-    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
-    write_corpus(path, [*sample, *(article_contents(article) for article in articles)])
-    return path
+    return write_small_corpus(tmp_path_factory.mktemp("corpus") / "small.jsonl")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,24 @@
+"""Test corpora: where the shared wiki-18 sample lives and how the small corpus is made.
+
+Import as `from corpora import ...` (pytest puts `tests/` on sys.path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+WIKI18_SAMPLE = FIXTURES / "wiki18_sample.jsonl"  # 10 real Search-R1 passages, ids "0".."9"
+SMALL_CORPUS_ARTICLES = 300
+
+
+def write_small_corpus(path: Path, articles: int = SMALL_CORPUS_ARTICLES) -> Path:
+    """The wiki-18 sample (lines 0-9) then the first `articles` vital articles, package order."""
+    from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
+
+    sample = [json.loads(line)["contents"] for line in WIKI18_SAMPLE.read_text().splitlines()]
+    vital = itertools.islice(iter_vital_articles(), articles)
+    write_corpus(path, [*sample, *(article_contents(article) for article in vital)])
+    return path

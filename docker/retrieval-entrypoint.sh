@@ -18,6 +18,7 @@
 #   HDR_CORPUS_LIMIT  (empty: whole corpus)      keep only the first N articles when preparing
 #   HDR_ENCODER       (empty: hdr's default)     encoder name or local path for the build
 #   HDR_INDEX_TYPE    flat                       FAISS index type: flat | hnsw
+#   HDR_BM25          1                          also build a BM25 index (0: dense only)
 #   HDR_HOST          127.0.0.1                  bind address (0.0.0.0 in the image)
 #   HDR_PORT          8000                       port
 #   HDR_RETRIEVER     dense                      dense | bm25
@@ -31,6 +32,7 @@ HDR_CORPUS="${HDR_CORPUS:-$HDR_DATA_DIR/wiki-vital.jsonl}"
 HDR_CORPUS_LIMIT="${HDR_CORPUS_LIMIT:-}"
 HDR_ENCODER="${HDR_ENCODER:-}"
 HDR_INDEX_TYPE="${HDR_INDEX_TYPE:-flat}"
+HDR_BM25="${HDR_BM25:-1}"
 HDR_HOST="${HDR_HOST:-127.0.0.1}"
 HDR_PORT="${HDR_PORT:-8000}"
 HDR_RETRIEVER="${HDR_RETRIEVER:-dense}"
@@ -56,6 +58,9 @@ build_index() {
         --index-type "$HDR_INDEX_TYPE")
     if [[ -n "$HDR_ENCODER" ]]; then
         build+=(--encoder "$HDR_ENCODER")
+    fi
+    if [[ "$HDR_BM25" == 0 ]]; then
+        build+=(--no-bm25)
     fi
     "${build[@]}"
 }

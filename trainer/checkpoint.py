@@ -1,0 +1,237 @@
+"""Atomic, restricted-format training checkpoints.
+
+A checkpoint `checkpoints/step-XXXXXX/` holds everything to continue a run exactly: the model
+(and tokenizer) as `save_pretrained` writes them, the optimizer (`optimizer.pt`) and scheduler
+(`scheduler.json`) states, the replay buffer (`buffer.safetensors` + `buffer.json`), the RNG
+states of python, numpy and torch (`rng.safetensors` + `rng.json`), the trainer's counters
+(`state.json`) and the run config (`config.yaml`).
+
+Atomic: everything is written into a hidden temporary directory next to the final one, then
+`manifest.json` (every file's size and sha256) is written last, then the directory is renamed
+into place. A directory without a manifest, or whose files disagree with it, is refused with
+one line. Only the last `keep_last` checkpoints are kept.
+
+Restricted loading: safetensors, JSON, YAML (safe loader) and `torch.load(weights_only=True)`;
+never unrestricted pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from hdr.errors import UserError
+from trainer.replay import ReplayBuffer
+
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+# --- RNG ---------------------------------------------------------------------------------
+
+
+def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Python, numpy and torch (CPU, and CUDA when present) RNG states: tensors + JSON."""
+    version, py_state, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_keys.copy())}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    info = {
+        "python": [version, list(py_state), gauss],
+        "numpy": [name, int(pos), int(has_gauss), float(cached)],
+    }
+    return tensors, info
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    version, py_state, gauss = info["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    name, pos, has_gauss, cached = info["numpy"]
+    np.random.set_state((name, tensors["numpy_keys"].numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# --- writing -----------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1))
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+
+
+@dataclass
+class TrainState:
+    """What is saved besides weights and optimizer: enough to continue exactly."""
+
+    model: Any
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    buffer: ReplayBuffer
+    counters: dict[str, Any]
+    config_yaml: str
+
+
+def save_checkpoint(root: Path, step: int, state: TrainState, keep_last: int) -> Path:
+    """Write `root/step-XXXXXX` atomically and keep only the last `keep_last` checkpoints."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    state.model.save_pretrained(tmp / "model", safe_serialization=True)
+    if state.tokenizer is not None:
+        state.tokenizer.save_pretrained(tmp / "model")
+    torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+    _write_json(tmp / "scheduler.json", state.scheduler.state_dict())
+    buf_tensors, buf_meta = state.buffer.state()
+    save_file(buf_tensors, tmp / "buffer.safetensors")
+    _write_json(tmp / "buffer.json", {"capacity": state.buffer.capacity, "groups": buf_meta})
+    rng_tensors, rng_info = capture_rng()
+    save_file(rng_tensors, tmp / "rng.safetensors")
+    _write_json(tmp / "rng.json", rng_info)
+    _write_json(tmp / "state.json", {"step": step, **state.counters})
+    (tmp / "config.yaml").write_text(state.config_yaml)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {
+        "step": step,
+        "files": {str(p.relative_to(tmp)): [p.stat().st_size, _sha256(p)] for p in files},
+    }
+    _fsync_tree(tmp)
+    _write_json(tmp / MANIFEST, manifest)
+    if final.exists():  # a rerun of the same step after a resume: replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune_checkpoints(root, keep_last)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Finished checkpoint directories under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints, and stale temporary directories."""
+    for p in root.glob(".tmp-step-*"):
+        if not p.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+    for _, path in list_checkpoints(root)[: -keep_last or None]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --- reading -----------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint directory; the `load_*` methods read its parts."""
+
+    path: Path
+    step: int
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent.parent
+
+    def config_yaml(self) -> str:
+        return (self.path / "config.yaml").read_text()
+
+    def counters(self) -> dict[str, Any]:
+        return json.loads((self.path / "state.json").read_text())
+
+    def optimizer_state(self) -> dict:
+        return torch.load(self.path / "optimizer.pt", map_location="cpu", weights_only=True)
+
+    def scheduler_state(self) -> dict:
+        return json.loads((self.path / "scheduler.json").read_text())
+
+    def buffer(self) -> ReplayBuffer:
+        meta = json.loads((self.path / "buffer.json").read_text())
+        tensors = load_file(self.path / "buffer.safetensors")
+        return ReplayBuffer.from_state(meta["capacity"], tensors, meta["groups"])
+
+    def restore_rng(self) -> None:
+        restore_rng(
+            load_file(self.path / "rng.safetensors"),
+            json.loads((self.path / "rng.json").read_text()),
+        )
+
+
+def _verify(path: Path) -> int:
+    """The step of a complete checkpoint; UserError (one line) for anything else."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise UserError(f"checkpoint {path} is incomplete (no {MANIFEST}); refusing to load it")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        step = int(manifest["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise UserError(
+            f"checkpoint {path} has a corrupt {MANIFEST}; refusing to load it"
+        ) from None
+    for rel, (size, digest) in files.items():
+        file = path / rel
+        if not file.is_file():
+            raise UserError(f"checkpoint {path} is missing {rel}; refusing to load it")
+        if file.stat().st_size != size or _sha256(file) != digest:
+            raise UserError(f"checkpoint {path} is corrupt ({rel} changed); refusing to load it")
+    return step
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """A checkpoint directory, or a run directory (its newest checkpoint), verified."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"resume path not found: {path}")
+    if not (path / MANIFEST).exists() and (path / "checkpoints").is_dir():
+        found = list_checkpoints(path / "checkpoints")
+        if not found:
+            raise UserError(f"run directory {path} has no finished checkpoint to resume from")
+        path = found[-1][1]
+    elif not (path / MANIFEST).exists() and not STEP_DIR.match(path.name):
+        raise UserError(f"{path} is neither a checkpoint nor a run directory with checkpoints")
+    return Checkpoint(path=path, step=_verify(path))

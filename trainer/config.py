@@ -1,0 +1,179 @@
+"""The training run's typed configuration: one model per concern, YAML files as instances.
+
+`configs/tiny-cpu.yaml` and `configs/search-r1-qwen2.5-3b.yaml` are instances of
+`TrainConfig`; `hdr train --config FILE a.b=value ...` loads one with dotted overrides
+(`hdr.config.load_config`). Unknown keys are errors. Every default lives here and only here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from agent_env.generation import GenerationConfig
+from agent_env.retrieval_client import RetrievalConfig
+from agent_env.rollout import RolloutConfig
+from hdr.config import StrictModel
+from trainer.replay import SELECTORS, SelectParams
+
+
+class ModelConfig(StrictModel):
+    """The policy being trained."""
+
+    path: str = Field(description="Model directory (save_pretrained / Hub layout) with tokenizer.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Training weights' dtype; float32 on the CPU."
+    )
+    device: str = Field("cpu", description="torch device of the trained model (cpu, cuda:0).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (large models on a GPU)."
+    )
+
+
+class DataConfig(StrictModel):
+    """Where training and held-out questions come from (agent_env.data.load_task specs)."""
+
+    train: str = Field("wiki-vital", description="Training task: `wiki-vital` or a data file.")
+    train_split: str = Field("train", description="Split of the training task.")
+    eval: str = Field("wiki-vital", description="Held-out task for the periodic evaluation.")
+    eval_split: str = Field("test", description="Split of the held-out task.")
+
+
+class GRPOConfig(StrictModel):
+    """Fresh batch, objective and optimizer."""
+
+    batch_prompts: int = Field(16, ge=1, description="b: fresh prompts per step.")
+    group_size: int = Field(8, ge=2, description="G: sampled responses per prompt.")
+    lr: float = Field(5e-5, gt=0, description="AdamW peak learning rate.")
+    warmup_steps: int = Field(3, ge=0, description="Linear warmup steps from 0 to `lr`.")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: constant, or cosine decay to 0 at the last step."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the gradient's global L2 norm to this.")
+    eps_low: float = Field(0.2, ge=0, lt=1, description="Ratio clip below: 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + eps_high.")
+    beta: float = Field(0.0, ge=0, description="k3 KL coefficient to the initial policy (0: off).")
+    updates_per_step: int = Field(1, ge=1, description="Optimizer passes over each step's batch.")
+    micro_batch: int = Field(32, ge=1, description="Rows per forward/backward chunk (memory).")
+    score_chunk: int = Field(64, ge=1, description="Rows per no-grad scoring chunk (memory).")
+
+    @property
+    def fresh_rows(self) -> int:
+        """Responses rolled out per step: b * G."""
+        return self.batch_prompts * self.group_size
+
+
+class ReplayConfig(StrictModel):
+    """The replay buffer and the selector's knobs (the selector itself is `arm`)."""
+
+    budget: int = Field(8, ge=0, description="R: most stored groups replayed per step.")
+    capacity: int = Field(64, ge=0, description="C: FIFO buffer capacity in groups.")
+    tau: float = Field(0.05, ge=0, description="Drift gate: admit when D(g) <= tau.")
+    drift_norm: Literal["l2", "l1"] = Field(
+        "l2", description="Drift of the gate for headroom_drift and drift_only (l2: mean sq.)."
+    )
+    scan_chunk: int = Field(8, ge=1, description="Most groups scored per scan chunk.")
+    store_zero_advantage: bool = Field(
+        False, description="Store groups whose advantages are all 0 (they carry no gradient)."
+    )
+
+
+class EvalConfig(StrictModel):
+    """The periodic held-out evaluation during training."""
+
+    every: int = Field(10, ge=0, description="Evaluate every this many steps (0: never).")
+    num_questions: int = Field(64, ge=1, description="Size of the fixed held-out subset.")
+    k: int = Field(5, ge=1, description="Samples per question for Mean@k / Best@k.")
+    greedy: bool = Field(True, description="Also decode greedily for greedy EM.")
+    at_start: bool = Field(True, description="Evaluate the starting policy as step 0.")
+
+
+class CheckpointConfig(StrictModel):
+    """Checkpoints for resuming."""
+
+    save_every: int = Field(10, ge=0, description="Save every this many steps (0: never).")
+    keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints.")
+
+
+class LogConfig(StrictModel):
+    """Telemetry."""
+
+    tensorboard: bool = Field(True, description="Also write TensorBoard events under tb/.")
+    progress: bool = Field(True, description="Show a progress bar on stderr.")
+
+
+class SFTConfig(StrictModel):
+    """The supervised warm start (`hdr sft`); reads the rest of the training config."""
+
+    init_model: str = Field(
+        "data/tiny-policy",
+        description="Starting model dir; built with init-model defaults if absent.",
+    )
+    epochs: int = Field(8, ge=1, description="Passes over the scripted trajectories.")
+    lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate.")
+    warmup_frac: float = Field(0.03, ge=0, lt=1, description="Share of updates in linear warmup.")
+    batch_size: int = Field(32, ge=1, description="Trajectories per update.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient L2-norm clip.")
+    max_examples: int | None = Field(
+        None, ge=1, description="Use only the first N training questions (None: all)."
+    )
+    rollout_chunk: int = Field(512, ge=1, description="Questions per scripted rollout call.")
+    eval_questions: int = Field(
+        200, ge=0, description="Held-out questions decoded greedily after each epoch (0: none)."
+    )
+
+
+class TrainConfig(StrictModel):
+    """A GRPO training run with (or without) Headroom-Drift Replay."""
+
+    seed: int = Field(0, description="Seeds python, numpy, torch and the prompt order.")
+    steps: int = Field(100, ge=1, description="Training steps.")
+    arm: str = Field(
+        "headroom_drift", description="Replay selector: " + ", ".join(SELECTORS.names())
+    )
+    out_dir: str = Field("runs/train", description="The run directory.")
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+
+    @field_validator("arm")
+    @classmethod
+    def _known_arm(cls, v: str) -> str:
+        if v not in SELECTORS:
+            raise ValueError(
+                f"unknown replay selector {v!r}; valid: {', '.join(SELECTORS.names())}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _steps_cover_warmup(self) -> TrainConfig:
+        if self.grpo.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError("grpo.warmup_steps must be smaller than steps")
+        return self
+
+    @property
+    def replays(self) -> bool:
+        """Whether the arm replays at all (not `on_policy`, budget > 0, capacity > 0)."""
+        return self.arm != "on_policy" and self.replay.budget > 0 and self.replay.capacity > 0
+
+    @property
+    def select_params(self) -> SelectParams:
+        """The selector's parameters; `headroom_only` and `replay_recency` ignore `tau`."""
+        return SelectParams(
+            budget=self.replay.budget if self.replays else 0,
+            tau=self.replay.tau,
+            norm=self.replay.drift_norm,
+            chunk=self.replay.scan_chunk,
+        )

@@ -1,0 +1,48 @@
+"""The small held-out evaluation run during training (eval.jsonl).
+
+A fixed subset of the held-out task, through the same rollout loop as training: `k` samples
+per question at the rollout temperature (Mean@k, Best@k) and one greedy decode (greedy EM).
+It runs under a forked torch RNG seeded from the run's seed and the step, so evaluating never
+changes what training samples next, and a resumed run evaluates exactly as the original.
+The full evaluation over every test set is `hdr eval` (trainer.evaluate).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.metrics_eval import best_at_k, mean_at_k
+
+
+def heldout_eval(run, step: int) -> dict[str, Any]:
+    from agent_env.rewards import exact_match
+    from agent_env.rollout import rollout_groups
+
+    def em(t) -> bool:
+        return exact_match(t.answer, t.example.golden_answers) >= 1.0
+
+    cfg = run.config
+    examples, k = run.eval_examples, cfg.eval.k
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        torch.manual_seed(cfg.seed * 1_000_003 + step)
+        sampled = rollout_groups(run.generator, run.client, run.tokenizer, examples, k, cfg.rollout)
+        correct = [[em(t) for t in group] for group in sampled.groups]
+        greedy_em = None
+        if cfg.eval.greedy:
+            greedy_cfg = cfg.rollout.model_copy(update={"temperature": 0.0})
+            greedy = rollout_groups(
+                run.generator, run.client, run.tokenizer, examples, 1, greedy_cfg
+            )
+            greedy_em = float(sum(em(g[0]) for g in greedy.groups) / max(len(greedy.groups), 1))
+    return {
+        "step": step,
+        "env_calls_total": run.counters["env_calls_total"],
+        "wall_time_total": run.counters["wall_time_total"],
+        "mean_at_k": mean_at_k(correct),
+        "best_at_k": best_at_k(correct),
+        "greedy_em": greedy_em,
+        "k": k,
+        "num_questions": len(sampled.groups),
+    }

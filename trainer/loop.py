@@ -1,0 +1,491 @@
+"""The GRPO training loop with Headroom-Drift Replay: `train(config, resume=None) -> run_dir`.
+
+One step, top to bottom (DESIGN.md):
+1. rollout: `b` prompts, `G` responses each, through agent_env's multi-turn loop against the
+   retrieval server(s);
+2. reward: exact match, computed by agent_env per response;
+3. behaviour log-probs: every fresh token teacher-forced under the current weights
+   (`gen_logprobs`), and the group advantages;
+4. replay selection: the arm's registered selector picks up to `R` stored groups, re-scoring
+   candidates teacher-forced (no generation, no retrieval);
+5. one update on fresh + replayed rows (token-mean clipped loss, AdamW, gradient clipping,
+   warmup), `grpo.updates_per_step` passes (1 by default);
+6. ingress: the step's fresh groups enter the FIFO buffer after the update;
+7. telemetry (metrics.jsonl, TensorBoard), a periodic held-out evaluation (eval.jsonl), a
+   checkpoint every `checkpoint.save_every` steps.
+
+Departures from the paper's setup: the behaviour log-probs come from teacher forcing, not
+from the sampler (they agree up to float error with the hf backend; with vLLM they avoid the
+sampler/trainer mismatch); the held-out evaluation during training is a small fixed subset
+(Mean@k, Best@k, greedy EM), the full evaluation is `hdr eval`. `on_policy_larger` is not an
+arm but a config (`grpo.batch_prompts` 1.5x, `arm: on_policy`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hdr.config import dump_config, load_config
+from hdr.errors import UserError
+from trainer.checkpoint import Checkpoint, TrainState, open_checkpoint, save_checkpoint
+from trainer.config import TrainConfig
+from trainer.grpo import group_advantages, kl_k3, masked_mean, policy_loss
+from trainer.replay import (
+    SELECTORS,
+    ReplayBuffer,
+    Selection,
+    StoredGroup,
+    headroom,
+    make_group,
+    policy_drift,
+)
+from trainer.scoring import (
+    align,
+    concat_left_padded,
+    forward_logprobs,
+    left_pad,
+    score_groups,
+    token_logprobs,
+)
+from trainer.telemetry import RunLogs, quantiles
+
+
+@dataclass
+class Run:
+    """Everything a step touches. Built by `setup_run`, mutated by `train_step`."""
+
+    config: TrainConfig
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    buffer: ReplayBuffer
+    generator: Any
+    client: Any
+    train_examples: list
+    eval_examples: list
+    logs: RunLogs
+    ref_model: Any = None
+    counters: dict[str, Any] = field(
+        default_factory=lambda: {"env_calls_total": 0, "wall_time_total": 0.0}
+    )
+
+    def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
+        """The replay `ScoreFn`: current-policy log-probs of stored groups, no grad."""
+        return score_groups(
+            self.model, groups, self.config.grpo.score_chunk, self.config.rollout.temperature
+        )
+
+
+# --- setup -----------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(config: TrainConfig):
+    """Linear warmup over `warmup_steps`, then constant or cosine to 0 at the last step."""
+    warmup, total, cosine = config.grpo.warmup_steps, config.steps, config.grpo.schedule == "cosine"
+
+    def factor(done: int) -> float:  # `done` optimizer steps taken so far
+        if done < warmup:
+            return (done + 1) / (warmup + 1)
+        if not cosine:
+            return 1.0
+        progress = (done - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + np.cos(np.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def sample_prompts(examples: list, seed: int, step: int, b: int) -> list:
+    """The `b` prompts of `step` (1-based): epochs of seeded permutations, read in order.
+    A pure function of (seed, step), so a resumed run draws what the original would."""
+    n = len(examples)
+    out = []
+    for j in range((step - 1) * b, step * b):
+        epoch, pos = divmod(j, n)
+        perm = np.random.default_rng([seed, epoch]).permutation(n)
+        out.append(examples[int(perm[pos])])
+    return out
+
+
+def heldout_subset(examples: list, seed: int, size: int) -> list:
+    """A fixed held-out subset: the first `size` of a seeded shuffle."""
+    perm = np.random.default_rng([seed, 10_007]).permutation(len(examples))
+    return [examples[int(i)] for i in perm[:size]]
+
+
+def load_policy(model_dir: str | Path, config: TrainConfig):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_dir)
+    if not path.exists():
+        raise UserError(f"model directory not found: {path}")
+    dtype = getattr(torch, config.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = model.to(config.model.device).eval()
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model, tokenizer
+
+
+def build_optimizer(model, config: TrainConfig):
+    g = config.grpo
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    return optimizer, scheduler
+
+
+def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None) -> Path:
+    if ckpt is not None:
+        run_dir = ckpt.run_dir
+        RunLogs.truncate_after(run_dir, ckpt.step)
+        return run_dir
+    run_dir = Path(config.out_dir)
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise UserError(
+            f"run directory {run_dir} already holds a run; continue it with --resume {run_dir}"
+            " or choose another out_dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Run, int]:
+    """Build the run (fresh or from a checkpoint); returns it and the first step to run."""
+    from agent_env.data import load_task
+    from agent_env.generation import build_generator
+    from agent_env.retrieval_client import RetrievalClient
+
+    seed_everything(config.seed)
+    ckpt = open_checkpoint(resume) if resume is not None else None
+    run_dir = prepare_run_dir(config, ckpt)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    model, tokenizer = load_policy(ckpt.model_dir if ckpt else config.model.path, config)
+    optimizer, scheduler = build_optimizer(model, config)
+    buffer = ReplayBuffer(config.replay.capacity)
+    ref_model = None
+    if config.grpo.beta > 0:
+        ref_model, _ = load_policy(config.model.path, config)
+        ref_model.requires_grad_(False)
+    generator = build_generator(
+        config.generation,
+        model_dir=ckpt.model_dir if ckpt else config.model.path,
+        tokenizer=tokenizer,
+        prompt=config.rollout.prompt,
+        model=model if config.generation.backend == "hf" else None,
+    )
+    run = Run(
+        config=config,
+        run_dir=run_dir,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        buffer=buffer,
+        generator=generator,
+        client=RetrievalClient(config.retrieval, seed=config.seed),
+        train_examples=load_task(config.data.train, config.data.train_split),
+        eval_examples=heldout_subset(
+            load_task(config.data.eval, config.data.eval_split),
+            config.seed,
+            config.eval.num_questions,
+        ),
+        logs=RunLogs(run_dir, config.log.tensorboard, purge_step=ckpt.step + 1 if ckpt else None),
+        ref_model=ref_model,
+    )
+    if not run.train_examples:
+        raise UserError(f"training task {config.data.train!r} has no questions")
+    start = 1
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt.optimizer_state())
+        scheduler.load_state_dict(ckpt.scheduler_state())
+        run.buffer = ckpt.buffer()
+        run.counters = {k: v for k, v in ckpt.counters().items() if k != "step"}
+        ckpt.restore_rng()
+        start = ckpt.step + 1
+    return run, start
+
+
+# --- the step ----------------------------------------------------------------------------
+
+
+def trajectory_rows(groups: list[list]) -> tuple[torch.Tensor, ...]:
+    """Left-padded `input_ids`, `attention_mask`, `loss_mask` `[b*G, T]` of prompt+response."""
+    trajs = [t for group in groups for t in group]
+    ids = left_pad([t.prompt_ids + t.response_ids for t in trajs])
+    attn = left_pad([[1] * (len(t.prompt_ids) + len(t.response_ids)) for t in trajs])
+    mask = left_pad([[0] * len(t.prompt_ids) + list(t.loss_mask) for t in trajs])
+    return ids, attn, mask
+
+
+def behaviour_groups(run: Run, groups: list[list], step: int) -> tuple[list[StoredGroup], float]:
+    """Teacher-forced behaviour log-probs (`gen_logprobs`) and advantages of the fresh groups;
+    returns them as StoredGroups (not yet in the buffer) and the mean token entropy."""
+    ids, attn, mask = trajectory_rows(groups)
+    with torch.no_grad():
+        lp, ent = token_logprobs(
+            run.model,
+            ids,
+            attn,
+            mask,
+            run.config.grpo.score_chunk,
+            run.config.rollout.temperature,
+            with_entropy=True,
+        )
+    gen, ent = align(lp) * mask, align(ent)  # (b*G, T)
+    rewards = torch.tensor([[t.reward for t in group] for group in groups])  # (b, G)
+    advantages = group_advantages(rewards)
+    fresh, G = [], run.config.grpo.group_size
+    for k, group in enumerate(groups):
+        rows = slice(k * G, (k + 1) * G)
+        width = int(attn[rows].sum(dim=1).max())  # trim the group to its own longest row
+        cut = (rows, slice(ids.shape[1] - width, None))
+        gid = f"s{step}/{k}/{group[0].example.id}"
+        fresh.append(
+            make_group(
+                gid, ids[cut], attn[cut], mask[cut], gen[cut], rewards[k], advantages[k], step
+            )
+        )
+    return fresh, float(masked_mean(ent, mask))
+
+
+@dataclass
+class UpdateStats:
+    loss: float
+    grad_norm: float
+    kl: float
+    replay_drift: list[float]  # per replayed group, under the pre-update weights
+    replay_headroom: list[float]
+
+
+def update_policy(run: Run, fresh: list[StoredGroup], replayed: list[StoredGroup]) -> UpdateStats:
+    """`updates_per_step` optimizer passes over fresh + replayed rows, in chunks of
+    `micro_batch` rows whose gradients add up to the token mean over the whole batch."""
+    cfg, groups = run.config.grpo, fresh + replayed
+    ids = concat_left_padded([g.input_ids for g in groups])
+    attn = concat_left_padded([g.attention_mask for g in groups])
+    mask = concat_left_padded([g.loss_mask for g in groups])
+    old = concat_left_padded([g.gen_logprobs for g in groups])
+    adv = torch.cat([g.advantages for g in groups])  # (N,)
+    total = mask.sum().clamp(min=1.0)
+    order = torch.argsort(attn.sum(dim=1), stable=True)
+    first_pass = torch.zeros_like(old)
+    run.model.train()
+    loss_sum = kl_sum = 0.0
+    for p in range(cfg.updates_per_step):
+        run.optimizer.zero_grad(set_to_none=True)
+        for lo in range(0, len(order), cfg.micro_batch):
+            rows = order[lo : lo + cfg.micro_batch]
+            loss, kl, lp = chunk_loss(run, ids[rows], attn[rows], mask[rows], old[rows], adv[rows])
+            (loss * mask[rows].sum() / total).backward()
+            loss_sum += (
+                float(loss.detach()) * float(mask[rows].sum() / total) / cfg.updates_per_step
+            )
+            kl_sum += kl * float(mask[rows].sum() / total) / cfg.updates_per_step
+            if p == 0:
+                first_pass[rows] = lp
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+        run.optimizer.step()
+    run.scheduler.step()
+    run.model.eval()
+    drift, room, row = [], [], sum(g.input_ids.shape[0] for g in fresh)
+    for g in replayed:  # replay telemetry from the first pass: the pre-update policy
+        G, T = g.input_ids.shape
+        lp = first_pass[row : row + G, first_pass.shape[1] - T :]
+        drift.append(
+            float(policy_drift(lp, g.gen_logprobs, g.loss_mask, run.config.replay.drift_norm))
+        )
+        room.append(float(headroom(lp, g.loss_mask, g.advantages)))
+        row += G
+    return UpdateStats(loss_sum, float(grad_norm), kl_sum, drift, room)
+
+
+def chunk_loss(run: Run, ids, attn, mask, old, adv) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Clipped policy loss (+ beta * k3 KL) of one chunk, its token mean; with grad."""
+    cfg, device = run.config.grpo, next(run.model.parameters()).device
+    ids, attn, mask, old, adv = (x.to(device) for x in (ids, attn, mask, old, adv))
+    temperature = run.config.rollout.temperature
+    lp, _ = forward_logprobs(run.model, ids, attn, mask, temperature)
+    lp = align(lp)  # (n, T)
+    loss = policy_loss(lp, old, adv, mask, cfg.eps_low, cfg.eps_high)
+    kl = 0.0
+    if run.ref_model is not None:
+        with torch.no_grad():
+            ref, _ = forward_logprobs(run.ref_model, ids, attn, mask, temperature)
+        kl_t = kl_k3(lp, align(ref), mask)
+        loss = loss + cfg.beta * kl_t
+        kl = float(kl_t)
+    return loss, kl, lp.detach().float().cpu()
+
+
+def train_step(run: Run, step: int) -> dict[str, Any]:
+    """One GRPO step with replay; returns its metrics record."""
+    from agent_env.rewards import exact_match
+    from agent_env.rollout import rollout_groups
+
+    cfg, t_start = run.config, time.perf_counter()
+    # 1-2. rollout of b prompts x G responses, each rewarded by agent_env
+    examples = sample_prompts(run.train_examples, cfg.seed, step, cfg.grpo.batch_prompts)
+    rollout = rollout_groups(
+        run.generator, run.client, run.tokenizer, examples, cfg.grpo.group_size, cfg.rollout
+    )
+    if not rollout.groups:
+        raise UserError(f"step {step}: every group's retrieval failed; is the server up?")
+    # 3. behaviour log-probs and advantages
+    t0 = time.perf_counter()
+    fresh, entropy = behaviour_groups(run, rollout.groups, step)
+    t1 = time.perf_counter()
+    # 4. replay selection
+    selection = SELECTORS.get(cfg.arm)(run.buffer, step, cfg.select_params, run.score)
+    t2 = time.perf_counter()
+    # 5. one update on fresh + replayed
+    update = update_policy(run, fresh, selection.groups)
+    run.generator.sync_weights(run.model)
+    t3 = time.perf_counter()
+    # 6. ingress after the update
+    for group in selection.groups:
+        group.replay_count += 1
+    evicted = run.buffer.ingest(fresh, cfg.replay.store_zero_advantage)
+    run.logs.groups_left(evicted, step)
+    # 7. metrics
+    run.counters["env_calls_total"] += rollout.env_calls
+    run.counters["wall_time_total"] += time.perf_counter() - t_start
+    trajs = [t for group in rollout.groups for t in group]
+    return {
+        "step": step,
+        "reward_mean": float(np.mean([t.reward for t in trajs])),
+        "em_mean": float(np.mean([exact_match(t.answer, t.example.golden_answers) for t in trajs])),
+        "entropy": entropy,
+        "loss": update.loss,
+        "grad_norm": update.grad_norm,
+        "kl": update.kl,
+        "lr": run.scheduler.get_last_lr()[0],
+        **replay_metrics(run, step, fresh, selection, update),
+        "env_calls": rollout.env_calls,
+        "env_calls_total": run.counters["env_calls_total"],
+        "dropped_groups": len(rollout.dropped),
+        "time_generation": rollout.gen_time,
+        "time_retrieval": rollout.retrieval_time,
+        "time_scoring": t1 - t0,
+        "time_selection": t2 - t1,
+        "time_update": t3 - t2,
+        "time_step": time.perf_counter() - t_start,
+        "wall_time_total": run.counters["wall_time_total"],
+    }
+
+
+def replay_metrics(
+    run: Run, step: int, fresh: list[StoredGroup], sel: Selection, update: UpdateStats
+) -> dict[str, Any]:
+    """Replay telemetry. Arms that do not scan (replay_recency) get the admitted groups'
+    drift and refreshed headroom from the update's first forward pass (same weights)."""
+    scanned = sel.scanned > 0
+    return {
+        "fresh_tokens": sum(g.num_tokens for g in fresh),
+        "replay_tokens": sum(g.num_tokens for g in sel.groups),
+        "replayed_groups": len(sel.groups),
+        "scanned_groups": sel.scanned,
+        "acceptance_rate": sel.acceptance_rate if scanned else None,
+        "drift_scanned_q": quantiles(sel.drift_scanned),
+        "drift_admitted_q": quantiles(sel.drift_admitted if scanned else update.replay_drift),
+        "headroom_scanned_q": quantiles(sel.headroom_scanned),
+        "headroom_admitted_q": quantiles(
+            sel.headroom_refreshed if scanned else update.replay_headroom
+        ),
+        "replay_ages": [step - g.entered_step for g in sel.groups],
+        "replay_counts": [g.replay_count for g in sel.groups],
+        "headroom_stored": sel.headroom_stored,
+        "headroom_refreshed": sel.headroom_refreshed if scanned else update.replay_headroom,
+        "buffer_size": len(run.buffer),
+    }
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+def train(config: TrainConfig, resume: str | Path | None = None) -> Path:
+    """Run (or continue) training; returns the run directory."""
+    from tqdm import tqdm
+
+    from trainer.heldout import heldout_eval
+
+    run, start = setup_run(config, resume)
+    if start == 1 and config.eval.every and config.eval.at_start:
+        run.logs.eval(heldout_eval(run, 0))
+    bar = tqdm(
+        range(start, config.steps + 1),
+        initial=start - 1,
+        total=config.steps,
+        desc=f"train {config.arm}",
+        disable=not config.log.progress,
+    )
+    for step in bar:
+        record = train_step(run, step)
+        run.logs.step(record)
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", replay=record["replayed_groups"])
+        if config.eval.every and step % config.eval.every == 0:
+            run.logs.eval(heldout_eval(run, step))
+        if config.checkpoint.save_every and step % config.checkpoint.save_every == 0:
+            save(run, step)
+    run.logs.groups_left(run.buffer.groups(), None)
+    save_final(run)
+    run.logs.close()
+    return run.run_dir
+
+
+def save(run: Run, step: int) -> Path:
+    state = TrainState(
+        model=run.model,
+        tokenizer=run.tokenizer,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        buffer=run.buffer,
+        counters=run.counters,
+        config_yaml=dump_config(run.config),
+    )
+    run.logs.flush()
+    return save_checkpoint(
+        run.run_dir / "checkpoints", step, state, run.config.checkpoint.keep_last
+    )
+
+
+def save_final(run: Run) -> Path:
+    """`final/`: model and tokenizer, loadable with from_pretrained (written atomically)."""
+    final, tmp = run.run_dir / "final", run.run_dir / f".tmp-final-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    run.model.save_pretrained(tmp, safe_serialization=True)
+    run.tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def load_train_config(path: str | None, overrides: list[str], resume: str | None) -> TrainConfig:
+    """The config of `hdr train`: the file with overrides, or on resume the checkpoint's
+    config with the overrides applied on top."""
+    if resume is None:
+        if path is None:
+            raise UserError("hdr train needs --config FILE (or --resume DIR)")
+        return load_config(TrainConfig, path, overrides)
+    ckpt = open_checkpoint(resume)
+    tmp = ckpt.path / "config.yaml"
+    return load_config(TrainConfig, tmp, overrides)

@@ -1,0 +1,173 @@
+"""`hdr sft`: supervised warm start of the policy on scripted trajectories.
+
+So that RL starts from a policy that already uses the tags, `hdr sft --config FILE` reads the
+same training config as `hdr train` (its `rollout`, `retrieval`, `data` and `model` sections,
+plus the `sft` section) and:
+
+1. makes one trajectory per training question with agent_env's scripted generator in oracle
+   mode, through the real rollout loop against the real retrieval server: the search (the
+   question verbatim), then the gold title when it is among the retrieved documents, else
+   Doc 1's title;
+2. trains on them with the RL loss mask (policy tokens only; prompt and observations are
+   context), token-mean negative log-likelihood, AdamW, linear warmup then cosine decay;
+3. after each epoch (optionally) decodes a fixed held-out subset greedily and logs greedy EM;
+4. saves model and tokenizer with `save_pretrained` to `model.path`, where `hdr train` loads
+   them. The starting point is `sft.init_model`; when that directory does not exist yet, the
+   tiny policy is built there first (`hdr init-model` with its defaults).
+
+The output layer runs only at policy-token positions (trainer.scoring), as in RL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hdr.errors import UserError
+
+
+def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss_mask) per question: oracle scripted trajectories via the rollout loop."""
+    from agent_env.generation.scripted import ScriptedGenerator
+    from agent_env.rollout import rollout_groups
+
+    oracle = {ex.question.strip(): list(ex.golden_answers) for ex in examples}
+    generator = ScriptedGenerator(tokenizer, config.rollout.prompt, oracle=oracle)
+    rows, chunk = [], config.sft.rollout_chunk
+    for lo in range(0, len(examples), chunk):
+        result = rollout_groups(
+            generator, client, tokenizer, examples[lo : lo + chunk], 1, config.rollout
+        )
+        for (t,) in result.groups:
+            rows.append((t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask))
+    return rows
+
+
+def _schedule(total: int, warmup_frac: float):
+    warmup = max(1, round(total * warmup_frac))
+
+    def factor(done: int) -> float:
+        if done < warmup:
+            return (done + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (done - warmup) / max(1, total - warmup))))
+
+    return factor
+
+
+def nll_step(model, batch, optimizer, grad_clip: float) -> float:
+    """One update on a batch of (ids, mask) rows: token-mean NLL over policy tokens."""
+    from trainer.scoring import forward_logprobs, left_pad
+
+    ids = left_pad([r[0] for r in batch])
+    attn = left_pad([[1] * len(r[0]) for r in batch])
+    mask = left_pad([r[1] for r in batch])
+    device = next(model.parameters()).device
+    lp, _ = forward_logprobs(model, ids.to(device), attn.to(device), mask.to(device))
+    target = mask[:, 1:].to(device).float()  # (n, T-1), aligned with lp
+    loss = -(lp * target).sum() / target.sum().clamp(min=1.0)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return float(loss.detach())
+
+
+def greedy_em(model, tokenizer, client, examples, rollout) -> float:
+    """Greedy exact match of `model` on `examples` through the rollout loop."""
+    from agent_env.generation.hf import HFGenerator
+    from agent_env.rewards import exact_match
+    from agent_env.rollout import rollout_groups
+
+    if not examples:
+        return float("nan")
+    cfg = rollout.model_copy(update={"temperature": 0.0})
+    result = rollout_groups(HFGenerator(model, tokenizer), client, tokenizer, examples, 1, cfg)
+    hits = [exact_match(g[0].answer, g[0].example.golden_answers) for g in result.groups]
+    return float(np.mean(hits)) if hits else float("nan")
+
+
+def ensure_init_model(path: Path) -> None:
+    if path.exists():
+        return
+    from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
+
+    print(f"hdr sft: {path} does not exist; building the tiny policy there", flush=True)
+    init_tiny_policy(path, vital_corpus_texts(), TinyPolicyConfig())
+
+
+def run_sft(config) -> Path:
+    """Run `hdr sft` for a TrainConfig; returns the output directory (`model.path`)."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_env.data import load_task
+    from agent_env.retrieval_client import RetrievalClient
+    from trainer.loop import heldout_subset, seed_everything
+
+    sft, out = config.sft, Path(config.model.path)
+    seed_everything(config.seed)
+    init = Path(sft.init_model)
+    ensure_init_model(init)
+    tokenizer = AutoTokenizer.from_pretrained(str(init))
+    model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
+    model = model.to(config.model.device)
+    client = RetrievalClient(config.retrieval, seed=config.seed)
+    examples = load_task(config.data.train, config.data.train_split)[: sft.max_examples]
+    if not examples:
+        raise UserError(f"training task {config.data.train!r} has no questions")
+    heldout = heldout_subset(
+        load_task(config.data.eval, config.data.eval_split), config.seed, sft.eval_questions
+    )
+    start = time.perf_counter()
+    rows = scripted_rows(config, tokenizer, client, examples)
+    print(f"hdr sft: {len(rows)} scripted trajectories in {time.perf_counter() - start:.0f}s")
+    per_epoch = math.ceil(len(rows) / sft.batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=sft.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _schedule(per_epoch * sft.epochs, sft.warmup_frac)
+    )
+    log_path = out.parent / f"{out.name}.sft-log.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(config.seed)
+    with log_path.open("w") as log:
+        for epoch in range(1, sft.epochs + 1):
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            model.train()
+            losses = []
+            for lo in tqdm(range(0, len(order), sft.batch_size), desc=f"sft epoch {epoch}"):
+                batch = [rows[i] for i in order[lo : lo + sft.batch_size]]
+                losses.append(nll_step(model, batch, optimizer, sft.grad_clip))
+                scheduler.step()
+            model.eval()
+            record = {
+                "epoch": epoch,
+                "loss": float(np.mean(losses)),
+                "greedy_em": greedy_em(model, tokenizer, client, heldout, config.rollout),
+                "eval_questions": len(heldout),
+                "wall_time": time.perf_counter() - start,
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(f"hdr sft: {json.dumps(record)}", flush=True)
+    return save_model(model, tokenizer, out)
+
+
+def save_model(model, tokenizer, out: Path) -> Path:
+    """`save_pretrained` into a temporary directory, then rename it into place."""
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

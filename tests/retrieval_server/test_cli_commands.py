@@ -1,0 +1,111 @@
+"""The `hdr index ...` and `hdr serve` commands, run as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+HDR = str(Path(sys.executable).with_name("hdr"))
+
+
+def hdr(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [HDR, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def assert_one_line_user_error(result: subprocess.CompletedProcess[str], fragment: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hdr: error: ") and fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_prepare_wiki_writes_search_r1_jsonl(tmp_path: Path) -> None:
+    out = tmp_path / "wiki.jsonl"
+    result = hdr("index", "prepare-wiki", "--out", str(out), "--limit", "5")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["0", "1", "2", "3", "4"]
+    assert lines[0]["contents"].startswith('"20th-century classical music"\n')
+
+
+def test_build_refuses_a_missing_corpus_and_an_unknown_index_type(tmp_path: Path) -> None:
+    missing = hdr("index", "build", "--corpus", str(tmp_path / "no.jsonl"), "--out", str(tmp_path))
+    assert_one_line_user_error(missing, "corpus file not found")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "0", "contents": "\\"A\\"\\nb"}\n')
+    ivf = hdr("index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "i"),
+              "--index-type", "ivf")  # fmt: skip
+    assert_one_line_user_error(ivf, "--index-type must be flat or hnsw")
+
+
+@pytest.fixture
+def broken_copies(small_index: Path, small_corpus: Path, tmp_path: Path) -> dict[str, list[str]]:
+    """`hdr serve` arguments for an index that is missing, incomplete, or off its corpus."""
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(small_index, incomplete)
+    (incomplete / "offsets.npy").unlink()
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(small_corpus.read_text().replace("Batman", "Robin!", 1))
+    return {
+        "does not exist": ["--index", str(tmp_path / "nowhere")],
+        "incomplete: offsets.npy is missing": ["--index", str(incomplete)],
+        "does not match its corpus": ["--index", str(small_index), "--corpus", str(edited)],
+        "unknown retriever 'splade'": ["--index", str(small_index), "--retriever", "splade"],
+        "config key max_topkk": ["--index", str(small_index), "--set", "max_topkk=3"],
+        "default_topk 3 exceeds max_topk 2": ["--index", str(small_index), "--set", "max_topk=2"],
+    }
+
+
+def test_serve_refuses_to_start_with_one_line_and_exit_2(
+    broken_copies: dict[str, list[str]],
+) -> None:
+    for fragment, args in broken_copies.items():
+        assert_one_line_user_error(hdr("serve", *args, "--port", "9"), fragment)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_starts_on_loopback_and_answers(small_index: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [HDR, "serve", "--index", str(small_index), "--port", str(port), "--retriever", "bm25"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                health = httpx.get(f"{url}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "hdr serve did not come up"
+                time.sleep(0.2)
+        assert health.json()["default_retriever"] == "bm25"
+        body = {"queries": ["Great Wall of China"], "topk": 3, "return_scores": True}
+        response = httpx.post(f"{url}/retrieve", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["result"][0][0]["document"]["contents"].startswith(
+            '"Great Wall of China"'
+        )
+    finally:
+        process.terminate()  # uvicorn shuts down gracefully, then re-raises SIGTERM
+        output, _ = process.communicate(timeout=30)
+    assert f"Uvicorn running on http://127.0.0.1:{port}" in output  # loopback by default
+    assert "Application shutdown complete" in output

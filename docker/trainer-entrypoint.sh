@@ -4,8 +4,8 @@
 # only once `retrieval` is healthy (depends_on: condition: service_healthy).
 #
 # 1. HDR_MODEL=tiny (the CPU default): build hdr's tiny policy with `hdr init-model`
-#    and give it a short supervised warm start with `hdr sft`, once, under
-#    $HDR_RUNS_DIR/tiny-policy (kept on the runs volume, reused on later starts).
+#    and give it the supervised warm start of the config's `sft` section with `hdr sft`,
+#    once, under $HDR_RUNS_DIR/tiny-policy (on the runs volume, reused on later starts).
 #    HDR_MODEL=<path or hub name>: train that model. HDR_MODEL empty: the config's
 #    own model.path.
 # 2. exec `hdr train --config $HDR_CONFIG retrieval.urls=[...] out_dir=... [model.path=...]`,
@@ -41,7 +41,9 @@ urls_override() {
     echo "retrieval.urls=[$out]"
 }
 
-# Sets TINY_POLICY to the tiny policy's directory, building it on the first start.
+# Sets TINY_POLICY to the tiny policy's directory, building it on the first start:
+# `hdr init-model`, then `hdr sft` (scripted trajectories through the retrieval server,
+# read from the same config and overrides as `hdr train`).
 build_tiny_policy() {
     local dir="$HDR_RUNS_DIR/tiny-policy"
     TINY_POLICY="$dir/sft"
@@ -52,7 +54,8 @@ build_tiny_policy() {
     log "building the tiny policy under $dir"
     rm -rf "$dir"
     "$HDR_BIN" init-model --out "$dir/init"
-    "$HDR_BIN" sft --model "$dir/init" --out "$TINY_POLICY"
+    "$HDR_BIN" sft --config "$HDR_CONFIG" "$URLS" "sft.init_model=$dir/init" \
+        "model.path=$TINY_POLICY" "$@"
 }
 
 if [[ -z "${HDR_RETRIEVAL_URLS//[, ]/}" ]]; then
@@ -60,11 +63,12 @@ if [[ -z "${HDR_RETRIEVAL_URLS//[, ]/}" ]]; then
     exit 2
 fi
 mkdir -p "$HDR_RUNS_DIR"
-overrides=("$(urls_override)" "out_dir=$HDR_RUNS_DIR/$HDR_RUN_NAME")
+URLS="$(urls_override)"
+overrides=("$URLS" "out_dir=$HDR_RUNS_DIR/$HDR_RUN_NAME")
 case "$HDR_MODEL" in
     "") ;;
     tiny)
-        build_tiny_policy
+        build_tiny_policy "$@"
         overrides+=("model.path=$TINY_POLICY")
         ;;
     *) overrides+=("model.path=$HDR_MODEL") ;;

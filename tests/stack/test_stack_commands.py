@@ -86,21 +86,23 @@ def test_entrypoint_commands_are_real_hdr_subcommands(image):
 
 
 def test_trainer_overrides_name_real_config_keys(tmp_path):
-    """The dotted overrides the trainer entrypoint appends are keys of TrainConfig."""
-    from trainer.config import TrainConfig
-
+    """The dotted overrides the trainer entrypoint gives `hdr sft` and `hdr train` are keys
+    of TrainConfig in both shipped configs."""
     from hdr.config import load_config
+    from trainer.config import TrainConfig
 
     script = ENTRYPOINTS["trainer"].read_text()
     keys = set(re.findall(r'"([a-z_]+(?:\.[a-z_]+)*)=', script))
-    assert keys == {"retrieval.urls", "out_dir", "model.path"}
+    assert keys == {"retrieval.urls", "out_dir", "model.path", "sft.init_model"}
     overrides = [
         'retrieval.urls=["http://retrieval:8000","http://retrieval-2:8000"]',
         f"out_dir={tmp_path / 'run'}",
         f"model.path={tmp_path / 'model'}",
+        f"sft.init_model={tmp_path / 'init'}",
     ]
     for config in ("tiny-cpu.yaml", "search-r1-qwen2.5-3b.yaml"):
         loaded = load_config(TrainConfig, ROOT / "configs" / config, overrides)
         assert loaded.retrieval.urls == ["http://retrieval:8000", "http://retrieval-2:8000"]
-        assert str(loaded.out_dir) == str(tmp_path / "run")
-        assert str(loaded.model.path) == str(tmp_path / "model")
+        assert loaded.out_dir == str(tmp_path / "run")
+        assert loaded.model.path == str(tmp_path / "model")
+        assert loaded.sft.init_model == str(tmp_path / "init")

@@ -10,91 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
-from stackfiles import COMPOSE, ENTRYPOINTS, ROOT, hdr_executable
-
-ARTICLES = 150
-START_TIMEOUT = 150.0  # seconds: corpus + index build + model load on a 2-core CPU
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def container_env(data_dir: Path, port: int) -> dict[str, str]:
-    """The host environment without HDR_* settings, plus what compose gives the container."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("HDR_")}
-    env.update(
-        PATH=f"{Path(hdr_executable()).parent}{os.pathsep}{env.get('PATH', '')}",
-        HF_HUB_OFFLINE="1",
-        HDR_DATA_DIR=str(data_dir),
-        HDR_CORPUS_LIMIT=str(ARTICLES),
-        HDR_HOST="127.0.0.1",
-        HDR_PORT=str(port),
-        HDR_API_TOKEN="",  # compose passes an empty token when none is set
-    )
-    return env
-
-
-class Entrypoint:
-    """The entrypoint script as a child process in its own session, with its log."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self.port = int(env["HDR_PORT"])
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(
-                ["bash", str(ENTRYPOINTS["retrieval"])],
-                env=env,
-                cwd=log.parent,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def wait_healthy(self, timeout: float = START_TIMEOUT) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"entrypoint exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                response = httpx.get(self.url("/health"), timeout=2.0)
-                if response.status_code == 200:
-                    return response.json()
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"no /health within {timeout:.0f}s:\n{self.output()}")
-
-    def stop(self) -> None:
-        """SIGTERM, as `docker stop` sends it; the server must shut down gracefully."""
-        self.proc.send_signal(signal.SIGTERM)
-        status = self.proc.wait(timeout=30)
-        # uvicorn re-raises the signal after its graceful shutdown (docker reports 143).
-        assert status in (0, -signal.SIGTERM), status
-        assert "Application shutdown complete" in self.output()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+from stackfiles import (
+    ARTICLES,
+    COMPOSE,
+    ROOT,
+    START_TIMEOUT,
+    Entrypoint,
+    container_env,
+    free_port,
+)
 
 
 def compose_health_code(port: int) -> str:

@@ -1,4 +1,8 @@
-"""Fixtures for the trainer tests: a real tiny Llama model built from a config."""
+"""Fixtures for the trainer tests: real tiny Llama models, the small QA task, a short SFT."""
+
+import itertools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,3 +27,93 @@ def tiny_llama(seed: int = 0, vocab: int = 64) -> LlamaForCausalLM:
 @pytest.fixture
 def llama():
     return tiny_llama()
+
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CPU = REPO / "configs" / "tiny-cpu.yaml"
+
+
+@pytest.fixture(scope="session")
+def small_qa(tmp_path_factory) -> Path:
+    """FlashRAG JSONL: description -> title for the vital articles in `small_corpus`."""
+    from collections import Counter
+
+    from corpora import SMALL_CORPUS_ARTICLES
+
+    from retrieval_server.corpus import iter_vital_articles
+
+    articles = list(itertools.islice(iter_vital_articles(), SMALL_CORPUS_ARTICLES))
+    counts = Counter(a.description.strip() for a in articles)
+    path = tmp_path_factory.mktemp("qa") / "small_qa.jsonl"
+    with path.open("w") as f:
+        for i, a in enumerate(articles):
+            q = a.description.strip()
+            if q and counts[q] == 1:
+                f.write(json.dumps({"id": str(i), "question": q, "golden_answers": [a.title]}))
+                f.write("\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory) -> Path:
+    """An untrained tiny Llama + BPE tokenizer from agent_env (smaller than the default)."""
+    from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
+
+    out = tmp_path_factory.mktemp("policy") / "tiny"
+    config = TinyPolicyConfig(
+        vocab_size=600, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
+    return init_tiny_policy(out, vital_corpus_texts(limit=300), config)
+
+
+def tiny_overrides(url: str, model: Path, qa: Path, out: Path, *extra: str) -> list[str]:
+    """configs/tiny-cpu.yaml shrunk to test size, on the test server and the small task.
+    F1 reward plus a format term give the barely trained policy rewards that vary."""
+    return [
+        f"retrieval.urls=[{url}]",
+        f"model.path={model}",
+        f"data.train={qa}",
+        f"data.eval={qa}",
+        f"out_dir={out}",
+        "steps=5",
+        "grpo.batch_prompts=4",
+        "grpo.group_size=4",
+        "grpo.warmup_steps=1",
+        "grpo.lr=1e-3",
+        "grpo.micro_batch=8",
+        "replay.budget=2",
+        "replay.capacity=6",
+        "replay.tau=1.0",
+        "rollout.max_tokens_per_turn=16",
+        "rollout.reward=f1",
+        "rollout.format_weight=0.5",
+        "eval.every=2",
+        "eval.num_questions=4",
+        "eval.k=2",
+        "checkpoint.save_every=1",
+        "checkpoint.keep_last=2",
+        "log.progress=false",
+        "sft.eval_questions=0",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def sft_policy(tiny_policy, small_qa, retrieval_url, tmp_path_factory) -> Path:
+    """The tiny policy after a short `hdr sft` on the small task (uses the tags)."""
+    from hdr.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.sft import run_sft
+
+    root = tmp_path_factory.mktemp("sft")
+    overrides = tiny_overrides(
+        retrieval_url,
+        root / "model",
+        small_qa,
+        root / "unused",
+        f"sft.init_model={tiny_policy}",
+        "sft.epochs=4",
+        "sft.lr=5e-3",
+        "sft.eval_questions=8",
+    )
+    return run_sft(load_config(TrainConfig, TINY_CPU, overrides))

@@ -38,6 +38,7 @@ from agent_env.generation.base import Completion, Generator, SamplingParams
 from agent_env.prompts import (
     SEARCH_CLOSE,
     SEARCH_OPEN,
+    STOP_STRINGS,
     PromptConfig,
     format_documents,
     observation_parts,
@@ -190,16 +191,20 @@ def observation(tokenizer, contents: list[str], config: RolloutConfig, lead: str
     return head_ids + body_ids + tail_ids, lead + head + body + tail
 
 
-def _step_policy(live: _Live, completion: Completion, tokenizer, eos_ids, final: bool):
-    """Append the sampled ids, parse the action; returns the Action."""
+def _step_policy(live: _Live, completion: Completion, tokenizer, final: bool):
+    """Append the sampled ids, parse the action; returns the Action.
+
+    A finished completion that does not end in a stop tag ended on an EOS id (whichever of
+    the model's EOS ids it was); that last token is left out of the parsed text.
+    """
     traj = live.traj
     traj.add_policy(completion.token_ids, completion.logprobs)
     traj.turns += 1
-    ids = completion.token_ids
-    ended_by_eos = bool(ids) and ids[-1] in eos_ids
-    action = parse_action(
-        live.prefix + _decode(tokenizer, ids[:-1] if ended_by_eos else ids), completion.finished
-    )
+    text = _decode(tokenizer, completion.token_ids)
+    ended_by_eos = completion.finished and not text.endswith(STOP_STRINGS)
+    if ended_by_eos:
+        text = _decode(tokenizer, completion.token_ids[:-1])
+    action = parse_action(live.prefix + text, completion.finished)
     traj.valid_actions.append(action.kind != "invalid")
     live.prefix = ""
     if action.kind == "answer":
@@ -233,7 +238,6 @@ def rollout_groups(
     """Roll out `group_size` responses per example; returns groups in example order."""
     wall_start = time.perf_counter()
     stats_before = (client.stats.requests, client.stats.calls)
-    eos_ids = {tokenizer.eos_token_id} - {None}
     states: list[_Live] = []
     for example in examples:
         prompt_ids = _encode(tokenizer, prompt_text(config.prompt, example.question, tokenizer))
@@ -255,7 +259,7 @@ def rollout_groups(
         searches: list[tuple[_Live, Action]] = []
         for s, completion in zip(live, completions, strict=True):
             s.traj.gen_time += elapsed
-            action = _step_policy(s, completion, tokenizer, eos_ids, final)
+            action = _step_policy(s, completion, tokenizer, final)
             if action.kind == "search" and not s.done:
                 searches.append((s, action))
             elif action.kind == "invalid" and not s.done:

@@ -12,7 +12,7 @@ from agent_env.generation.scripted import ScriptedGenerator
 from agent_env.prompts import PromptConfig
 from agent_env.retrieval_client import RetrievalClient, RetrievalConfig, RetrievalFailed
 from agent_env.rewards import exact_match
-from agent_env.rollout import RolloutConfig, parse_action, rollout_groups
+from agent_env.rollout import RolloutConfig, observation, parse_action, rollout_groups
 
 COMPACT = PromptConfig.preset("compact")
 
@@ -139,12 +139,14 @@ class FixedPolicy:
         self.ids = tokenizer.encode(text, add_special_tokens=False)
         if eos:
             self.ids.append(tokenizer.eos_token_id)
+        # finished = stopped on a stop tag or EOS; otherwise it ran into the token limit
+        self.finished = eos or text.endswith(("</search>", "</answer>"))
         self.calls = 0
 
     def generate(self, contexts, params: SamplingParams) -> list[Completion]:
         self.calls += 1
         ids = self.ids[: params.max_tokens]
-        return [Completion(list(ids), [-0.5] * len(ids), finished=True) for _ in contexts]
+        return [Completion(list(ids), [-0.5] * len(ids), self.finished) for _ in contexts]
 
     def sync_weights(self, model) -> None:
         pass
@@ -259,3 +261,16 @@ def test_server_stopped_mid_rollout_marks_failures(tokenizer, small_index, index
 def test_parse_action(text, finished, expected) -> None:
     action = parse_action(text, finished)
     assert (action.kind, action.content, action.env_close) == expected
+
+
+def test_observation_is_cut_to_its_token_budget(tokenizer) -> None:
+    contents = ['"Émile Zola"\n' + "Émile Zola was a French novelist, journalist. " * 20] * 3
+    config = RolloutConfig(prompt=COMPACT, max_obs_tokens=40)
+    ids, text = observation(tokenizer, contents, config)
+    assert len(ids) <= 40
+    assert text.startswith('\n\n<information>Doc 1(Title: "Émile Zola") Émile')
+    assert text.endswith("</information>\n\n<answer>")
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    roomy = RolloutConfig(prompt=COMPACT, max_obs_tokens=2000)
+    full_ids, full_text = observation(tokenizer, contents, roomy)
+    assert len(full_ids) > 40 and "Doc 3(Title: " in full_text

@@ -45,6 +45,7 @@ ENV HDR_DATA_DIR=/data \
     HDR_PORT=8000 \
     HF_HUB_OFFLINE=1
 VOLUME ["/data"]
+WORKDIR /data
 EXPOSE 8000
 
 # Healthy once /health answers 200. The start period covers the first-start index

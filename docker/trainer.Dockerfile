@@ -48,10 +48,14 @@ RUN chmod 755 /app/docker/trainer-entrypoint.sh \
     && mkdir -p /runs \
     && chown hdr:hdr /runs
 USER hdr
+# Models fetched from the hub are cached on the runs volume, so a restart does not refetch.
 ENV HDR_CONFIG=/app/configs/search-r1-qwen2.5-3b.yaml \
     HDR_RUNS_DIR=/runs \
-    HDR_MODEL=
+    HDR_MODEL= \
+    HF_HOME=/runs/.cache/huggingface
 VOLUME ["/runs"]
+# Relative paths a run may write land on the volume, not in the root-owned /app.
+WORKDIR /runs
 ENTRYPOINT ["/app/docker/trainer-entrypoint.sh"]
 
 # ---------------------------------------------------------------------------- cpu
@@ -78,4 +82,6 @@ ENV HDR_CONFIG=/app/configs/tiny-cpu.yaml \
     HDR_MODEL=tiny \
     HF_HUB_OFFLINE=1
 VOLUME ["/runs"]
+# Relative paths a run may write land on the volume, not in the root-owned /app.
+WORKDIR /runs
 ENTRYPOINT ["/app/docker/trainer-entrypoint.sh"]

@@ -70,6 +70,9 @@ def serve_command(
     config: Path | None = typer.Option(
         None, "--config", help="YAML with ServerConfig fields (limits, batching)."
     ),
+    access_log: bool = typer.Option(
+        True, "--access-log/--no-access-log", help="Log one line per request."
+    ),
     overrides: list[str] = typer.Option(
         [], "--set", help="ServerConfig override key=value, e.g. --set max_topk=20 (repeatable)."
     ),
@@ -101,7 +104,9 @@ def serve_command(
 
     from retrieval_server.app import create_app
 
-    uvicorn.run(create_app(server_config), host=host, port=port, log_level="info")
+    uvicorn.run(
+        create_app(server_config), host=host, port=port, log_level="info", access_log=access_log
+    )
 
 
 def register(app: typer.Typer) -> None:

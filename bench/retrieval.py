@@ -1,0 +1,211 @@
+"""Retrieval server benchmark: queries/s and latency at concurrency 1, 8 and 32.
+
+Starts `hdr serve` on the index in a subprocess (the real server, its own process and GIL), then
+for each retriever (dense, bm25), request shape (1 query per request, 32 queries per request) and
+concurrency (1, 8, 32 clients, each sending its next request when the last one returns) runs for
+a fixed time and records throughput, latency percentiles and errors. Queries are the corpus's
+short descriptions (the task's question style). Writes bench/results/retrieval.json, prints a table.
+
+    .venv/bin/python bench/retrieval.py --index data/index
+
+Target (issue 2): dense, 1 query per request, concurrency 32 reaches at least 4x the queries/s of
+concurrency 1, and no request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+CONCURRENCY = (1, 8, 32)
+QUERIES_PER_REQUEST = (1, 32)
+RETRIEVERS = ("dense", "bm25")
+TARGET_SPEEDUP = 4.0
+HDR = str(Path(sys.executable).with_name("hdr"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(index: Path, port: int, log: Path, settings: list[str]) -> subprocess.Popen:
+    """`hdr serve` in a subprocess (with `--set` settings); returns once /health answers."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("HDR_API_TOKEN", None)
+    command = [HDR, "serve", "--index", str(index), "--port", str(port), "--no-access-log"]
+    command += [arg for setting in settings for arg in ("--set", setting)]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"hdr serve exited with {process.returncode}; see {log}")
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).raise_for_status()
+            return process
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                process.terminate()
+                raise SystemExit(f"hdr serve did not come up; see {log}") from None
+            time.sleep(0.3)
+
+
+def benchmark_queries(count: int = 2048) -> list[str]:
+    """Short descriptions of the embedded corpus's articles, as questions are made."""
+    from retrieval_server.corpus import iter_vital_articles
+
+    descriptions = [a.description for a in iter_vital_articles() if a.description]
+    step = max(1, len(descriptions) // count)
+    return descriptions[::step][:count]
+
+
+async def run_cell(
+    url: str, queries: list[str], retriever: str, per_request: int, clients: int, seconds: float
+) -> dict:
+    """`clients` closed-loop clients for `seconds`; latency per request, throughput in queries."""
+    latencies: list[float] = []
+    errors = 0
+    next_query = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+
+        async def one_client(deadline: float) -> None:
+            nonlocal errors, next_query
+            while time.perf_counter() < deadline:
+                batch = [queries[(next_query + i) % len(queries)] for i in range(per_request)]
+                next_query += per_request
+                body = {"queries": batch, "topk": 3, "retriever": retriever}
+                started = time.perf_counter()
+                try:
+                    response = await client.post("/retrieve", json=body)
+                    ok = response.status_code == 200 and len(response.json()["result"]) == len(
+                        batch
+                    )
+                except httpx.HTTPError:
+                    ok = False
+                latencies.append(time.perf_counter() - started)
+                errors += not ok
+
+        warmup = time.perf_counter() + min(1.0, seconds / 4)
+        await asyncio.gather(*(one_client(warmup) for _ in range(clients)))
+        latencies.clear()
+        errors = 0
+        started = time.perf_counter()
+        await asyncio.gather(*(one_client(started + seconds) for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+
+    ordered = sorted(latencies)
+    return {
+        "retriever": retriever,
+        "queries_per_request": per_request,
+        "concurrency": clients,
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": round(elapsed, 2),
+        "queries_per_s": round(len(latencies) * per_request / elapsed, 1),
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(1000 * statistics.median(ordered), 1),
+        "p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1),
+    }
+
+
+def print_table(results: list[dict], console: Console) -> None:
+    table = Table(title="hdr retrieval server benchmark (topk 3)")
+    for column in ("retriever", "queries/req", "clients", "queries/s", "p50 ms", "p99 ms",
+                   "requests", "errors"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for row in results:
+        table.add_row(
+            row["retriever"], str(row["queries_per_request"]), str(row["concurrency"]),
+            f"{row['queries_per_s']:.1f}", f"{row['p50_ms']:.1f}", f"{row['p99_ms']:.1f}",
+            str(row["requests"]), str(row["errors"]),
+        )  # fmt: skip
+    console.print(table)
+
+
+def dense_speedup(results: list[dict]) -> float:
+    """Dense queries/s at concurrency 32 over concurrency 1, one query per request."""
+    cell = {(r["retriever"], r["queries_per_request"], r["concurrency"]): r for r in results}
+    return cell["dense", 1, 32]["queries_per_s"] / cell["dense", 1, 1]["queries_per_s"]
+
+
+def main(
+    index: Path = typer.Option(Path("data/index"), help="Index directory (embedded corpus)."),
+    seconds: float = typer.Option(8.0, help="Measured seconds per cell (after a short warmup)."),
+    out: Path = typer.Option(Path("bench/results/retrieval.json"), help="JSON results file."),
+    settings: list[str] = typer.Option(
+        [], "--set", help="Server setting key=value, e.g. --set batch_wait_ms=0 (repeatable)."
+    ),
+) -> None:
+    console = Console()
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="hdr-bench-server-", suffix=".log")[1])
+    console.print(f"starting hdr serve on {index} (log: {log})")
+    server = start_server(index, port, log, settings)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health = httpx.get(f"{url}/health").json()
+        queries = benchmark_queries()
+        results = []
+        for retriever in RETRIEVERS:
+            for per_request in QUERIES_PER_REQUEST:
+                for clients in CONCURRENCY:
+                    cell = asyncio.run(
+                        run_cell(url, queries, retriever, per_request, clients, seconds)
+                    )
+                    console.print(cell)
+                    results.append(cell)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+    speedup = dense_speedup(results)
+    errors = sum(r["errors"] for r in results)
+    passed = speedup >= TARGET_SPEEDUP and errors == 0
+    report = {
+        "index": {key: health[key] for key in ("documents", "encoder", "index_type")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_after": list(os.getloadavg()),
+            "python": platform.python_version(),
+        },
+        "seconds_per_cell": seconds,
+        "server_settings": settings,
+        "results": results,
+        "target": {
+            "dense_speedup_32_vs_1": round(speedup, 2),
+            "required": TARGET_SPEEDUP,
+            "errors": errors,
+            "passed": passed,
+        },
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(results, console)
+    verdict = "PASS" if passed else "FAIL"
+    console.print(
+        f"{verdict}: dense 1 query/request, 32 clients = {speedup:.1f}x the queries/s of 1 client "
+        f"(target >= {TARGET_SPEEDUP:.0f}x), {errors} errors; written to {out}"
+    )
+    if not passed:
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -132,15 +132,17 @@ def heldout_subset(examples: list, seed: int, size: int) -> list:
 def load_policy(model_dir: str | Path, config: TrainConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(model_dir)
-    if not path.exists():
-        raise UserError(f"model directory not found: {path}")
+    path = str(model_dir)
     dtype = getattr(torch, config.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    try:  # a local directory, or a Hub id (Qwen/Qwen2.5-3B-Instruct) when online or cached
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot load model {path}: {first}") from None
     model = model.to(config.model.device).eval()
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 

@@ -172,23 +172,40 @@ def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def observation(tokenizer, contents: list[str], config: RolloutConfig, lead: str = ""):
-    """(ids, text) of one information block; the documents are cut to fit max_obs_tokens.
+def _encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
+    """One batched tokenizer call (the Rust tokenizer encodes the batch in parallel)."""
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    `lead` is environment text that comes first (an environment-closed `</search>`).
+
+def observations(tokenizer, results: list[list[str]], leads: list[str], config: RolloutConfig):
+    """(ids, text) of each information block; documents are cut to fit max_obs_tokens.
+
+    `results[i]` holds the documents' contents for query i; `leads[i]` is environment text
+    that comes first (an environment-closed `</search>`, or ""). All texts of the turn are
+    tokenized in one batched call; the constant head and tail once.
     """
-    head, body, tail = observation_parts(
-        format_documents(contents, config.doc_words), config.prompt
-    )
-    head_ids, tail_ids = _encode(tokenizer, lead + head), _encode(tokenizer, tail)
-    body_ids = _encode(tokenizer, body)
-    room = max(config.max_obs_tokens - len(head_ids) - len(tail_ids), 0)
-    if len(body_ids) > room:
-        body_ids = body_ids[:room]
-        while body_ids and _decode(tokenizer, body_ids).endswith("\ufffd"):
-            body_ids = body_ids[:-1]  # never end inside a multi-byte character
-        body = _decode(tokenizer, body_ids)
-    return head_ids + body_ids + tail_ids, lead + head + body + tail
+    bodies = [format_documents(contents, config.doc_words) for contents in results]
+    head, _, tail = observation_parts("", config.prompt)
+    fixed_texts = sorted({lead + head for lead in leads} | {tail})
+    fixed = dict(zip(fixed_texts, _encode_many(tokenizer, fixed_texts), strict=True))
+    out = []
+    for lead, body, body_ids in zip(leads, bodies, _encode_many(tokenizer, bodies), strict=True):
+        head_ids, tail_ids = fixed[lead + head], fixed[tail]
+        room = max(config.max_obs_tokens - len(head_ids) - len(tail_ids), 0)
+        if len(body_ids) > room:
+            body_ids = body_ids[:room]
+            while body_ids and _decode(tokenizer, body_ids).endswith("\ufffd"):
+                body_ids = body_ids[:-1]  # never end inside a multi-byte character
+            body = _decode(tokenizer, body_ids)
+        out.append((head_ids + body_ids + tail_ids, lead + head + body + tail))
+    return out
+
+
+def observation(tokenizer, contents: list[str], config: RolloutConfig, lead: str = ""):
+    """(ids, text) of one information block (see `observations`)."""
+    return observations(tokenizer, [contents], [lead], config)[0]
 
 
 def _step_policy(live: _Live, completion: Completion, tokenizer, final: bool):
@@ -300,13 +317,16 @@ def _search(searches, client: RetrievalClient, tokenizer, config: RolloutConfig)
             raise
         results = None
     elapsed = time.perf_counter() - start
-    for i, (s, action) in enumerate(searches):
+    for s, _ in searches:
         s.traj.retrieval_time += elapsed
-        lead = SEARCH_CLOSE if action.env_close else ""
         if results is None:
             s.traj.failed = s.done = True
-            continue
-        ids, text = observation(tokenizer, [d.contents for d in results[i]], config, lead)
+    if results is None:
+        return elapsed
+    leads = [SEARCH_CLOSE if action.env_close else "" for _, action in searches]
+    contents = [[d.contents for d in docs] for docs in results]
+    blocks = observations(tokenizer, contents, leads, config)
+    for (s, _), (ids, text) in zip(searches, blocks, strict=True):
         s.traj.add_env(ids, text)
         s.traj.searches += 1
         s.prefix = config.prompt.observation_suffix

@@ -35,17 +35,30 @@ from agent_env.data import wiki_vital_examples
 from agent_env.generation import GenerationConfig, build_generator
 from agent_env.prompts import PromptConfig
 from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
-from agent_env.rollout import RolloutConfig, rollout_groups
+from agent_env.rollout import RolloutConfig, parse_action, rollout_groups
 
 
 def raw_call_time(url: str, queries: list[str], topk: int, retriever: str | None) -> float:
     """One batched POST with plain httpx: the wire+server cost of a turn's searches."""
-    body = {"queries": queries, "topk": topk}
+    body = {"queries": queries or ["?"], "topk": topk}
     if retriever:
         body["retriever"] = retriever
     start = time.perf_counter()
     httpx.post(f"{url}/retrieve", json=body, timeout=60).raise_for_status()
     return time.perf_counter() - start
+
+
+def first_queries(trajectories, tokenizer, prefix: str) -> list[str]:
+    """The first-turn search query of each trajectory that searched (the same parse)."""
+    queries = []
+    for traj in trajectories:
+        if not traj.searches:
+            continue
+        first_run = traj.loss_mask.index(0) if 0 in traj.loss_mask else len(traj.loss_mask)
+        text = tokenizer.decode(traj.response_ids[:first_run], skip_special_tokens=False)
+        action = parse_action(prefix + text, finished=False)
+        queries.append(action.content or "?")
+    return queries
 
 
 def run(name, backend, urls, args, tokenizer, examples, config) -> dict:
@@ -62,7 +75,7 @@ def run(name, backend, urls, args, tokenizer, examples, config) -> dict:
             batch = examples[r * args.b : (r + 1) * args.b]
             result = rollout_groups(generator, client, tokenizer, batch, args.G, config)
             trajs = [t for g in result.groups + result.dropped for t in g]
-            queries = [ex.question for ex in batch for _ in range(args.G)]
+            queries = first_queries(trajs, tokenizer, config.prompt.response_prefix)
             rows.append(
                 dict(
                     wall=result.wall_time,

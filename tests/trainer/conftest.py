@@ -114,6 +114,6 @@ def sft_policy(tiny_policy, small_qa, retrieval_url, tmp_path_factory) -> Path:
         f"sft.init_model={tiny_policy}",
         "sft.epochs=4",
         "sft.lr=5e-3",
-        "sft.eval_questions=8",
+        "sft.eval_questions=0",
     )
     return run_sft(load_config(TrainConfig, TINY_CPU, overrides))

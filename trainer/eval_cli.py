@@ -59,7 +59,41 @@ def plot_command(
         typer.echo(str(path))
 
 
+def experiment_command(
+    data: Path = typer.Option(Path("data"), "--data", help="Corpus, index, cached SFT start."),
+    out: Path = typer.Option(None, "--out", help="Results dir (default runs/experiment)."),
+    ablations: bool = typer.Option(
+        False, "--ablations", help="headroom_only, drift_only, headroom_drift_l1 vs headroom_drift."
+    ),
+    quick: bool = typer.Option(False, "--quick", help="A few-minute version (pipeline check)."),
+    base_config: Path = typer.Option(
+        Path("configs/tiny-cpu.yaml"), "--config", "-c", help="Base TrainConfig YAML."
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="ExperimentConfig override key=value, e.g. --set seeds=[1,2,3]."
+    ),
+) -> None:
+    """Train every arm with the same SFT start, seeds and held-out questions against a real
+    `hdr serve`; write results.json, results.md and charts."""
+    from trainer.experiment import experiment_config, run_experiment
+
+    default_out = Path("runs") / ("ablations" if ablations else "experiment")
+    cfg = experiment_config(
+        quick=quick,
+        ablations=ablations,
+        overrides=overrides,
+        data_dir=data,
+        out_dir=out or default_out,
+        base_config=base_config,
+    )
+    out_dir = run_experiment(cfg)
+    typer.echo((out_dir / "results.md").read_text())
+    typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")
+    typer.echo(f"charts: {out_dir / 'charts'}")
+
+
 def register(app: typer.Typer) -> None:
     """Add `eval`, `plot` and `experiment` to the root `hdr` app."""
     app.command("eval")(eval_command)
     app.command("plot")(plot_command)
+    app.command("experiment")(experiment_command)

@@ -5,7 +5,10 @@ Reads only the files a run dir holds (docs/contracts.md): `config.yaml`, `metric
 averaged (the mean line, with the min-max over seeds shaded):
 
 - `heldout_vs_env_calls.png`, `heldout_vs_wall_time.png`: held-out Mean@k against cumulative
-  environment calls and against wall time (the paper's cost axes);
+  environment cost and against wall time (the paper's cost axes). Environment cost is counted
+  in episodes (step x b x G from the run's config): `env_calls_total` counts batched HTTP
+  requests, one per search turn whatever the batch size, which would hide that a larger
+  fresh batch costs more; without a config it falls back to `env_calls_total`;
 - `replay_age.png`: histogram of the age (steps since entry) of replayed groups, as a
   fraction of each arm's replays (the paper contrasts headroom_drift with replay_recency);
 - `acceptance_rate.png`: fraction of scanned buffer groups the gate admitted, per step;
@@ -75,6 +78,14 @@ class RunData:
     metrics: list[dict[str, Any]]
     evals: list[dict[str, Any]] = field(default_factory=list)
     groups: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rollouts_per_step(self) -> int | None:
+        """b x G from the run's config: fresh episodes with the environment per step."""
+        grpo = self.config.get("grpo") or {}
+        b, g = grpo.get("batch_prompts"), grpo.get("group_size")
+        return int(b) * int(g) if isinstance(b, int) and isinstance(g, int) else None
 
 
 def run_label(run_dir: Path, config: dict[str, Any]) -> str:
@@ -114,9 +125,21 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunData:
         label=label or run_label(run_dir, config),
         seed=int(seed) if isinstance(seed, int) else None,
         metrics=read_jsonl(metrics_path),
-        evals=optional["eval"],
+        evals=_with_rollouts(optional["eval"], config),
         groups=optional["groups"],
+        config=config,
     )
+
+
+def _with_rollouts(evals: list[dict[str, Any]], config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Add `rollouts_total` (step x b x G) to eval rows: `env_calls_total` counts batched HTTP
+    requests, one per search turn whatever the batch size, so it cannot show that a larger
+    fresh batch costs more environment episodes."""
+    grpo = config.get("grpo") or {}
+    b, g = grpo.get("batch_prompts"), grpo.get("group_size")
+    if not (isinstance(b, int) and isinstance(g, int)):
+        return evals
+    return [{**row, "rollouts_total": int(row.get("step", 0)) * b * g} for row in evals]
 
 
 def _by_label(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
@@ -222,14 +245,20 @@ def _line_chart(
 def plot_heldout(groups: dict[str, list[RunData]], out_dir: Path) -> list[Path]:
     k = next((r.get("k") for runs in groups.values() for run in runs for r in run.evals), None)
     ylabel = f"held-out Mean@{k}" if k else "held-out Mean@k"
+    has_rollouts = all("rollouts_total" in r for rs in groups.values() for x in rs for r in x.evals)
+    x_key, x_label = (
+        ("rollouts_total", "environment episodes (fresh rollouts, b x G per step)")
+        if has_rollouts
+        else ("env_calls_total", "environment calls (batched retrieval requests)")
+    )
     made = [
         _line_chart(
             groups,
             "evals",
-            "env_calls_total",
+            x_key,
             "mean_at_k",
-            "Held-out reward against environment calls",
-            "environment calls (batched HTTP)",
+            "Held-out reward against environment cost",
+            x_label,
             ylabel,
             out_dir / "heldout_vs_env_calls.png",
         ),

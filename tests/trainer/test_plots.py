@@ -28,7 +28,9 @@ def _png_size(path: Path) -> tuple[int, int]:
 def _write_run(run_dir: Path, arm: str, seed: int, steps: int = 12, replay: bool = True) -> Path:
     rng = np.random.default_rng(seed)
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"arm": arm, "seed": seed, "steps": steps}))
+    config = {"arm": arm, "seed": seed, "steps": steps}
+    config["grpo"] = {"batch_prompts": 12 if arm == "on_policy" else 8, "group_size": 5}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     metrics, evals, groups = [], [], []
     calls = 0
     for step in range(1, steps + 1):
@@ -108,6 +110,8 @@ def test_labels_come_from_layout_then_config(tmp_path):
     assert run_label(tmp_path / "myrun", {}) == "myrun"
     run = load_run(_write_run(tmp_path / "r" / "seed_7", "drift_only", 7))
     assert (run.label, run.seed, len(run.metrics), len(run.evals)) == ("r", 7, 12, 3)
+    # environment episodes: step x b x G from the config, not batched HTTP requests
+    assert [r["rollouts_total"] for r in run.evals] == [4 * 40, 8 * 40, 12 * 40]
 
 
 def test_missing_run_dir_or_metrics_is_a_user_error(tmp_path):

@@ -1,0 +1,248 @@
+"""The experiment: arm configs, the summary arithmetic, and (slow) `hdr experiment --quick`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hdr.errors import UserError
+from trainer.evaluate import DatasetResult, EvalReport
+from trainer.experiment import (
+    ABLATION_ARMS,
+    ARMS,
+    MAIN_ARMS,
+    RunResult,
+    arm_train_config,
+    experiment_config,
+    results_markdown,
+    run_costs,
+    summarize,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = REPO / "configs" / "tiny-cpu.yaml"
+
+
+def _report(correct, greedy) -> EvalReport:
+    correct = np.asarray(correct)
+    q, k = correct.shape
+    ds = DatasetResult(
+        dataset="wiki-vital",
+        sources=["wiki-vital"],
+        num_questions=q,
+        k=k,
+        mean_at_k=float(correct.mean()),
+        best_at_k=float(correct.any(1).mean()),
+        greedy_em=float(np.mean(greedy)),
+        question_ids=[f"wiki-vital/{i}" for i in range(q)],
+        correct=correct.tolist(),
+        greedy=list(greedy),
+        greedy_answers=[None] * q,
+        env_calls=1,
+        responses_sha="x",
+    )
+    avg = {
+        "mean_at_k": ds.mean_at_k,
+        "best_at_k": ds.best_at_k,
+        "greedy_em": ds.greedy_em,
+        "num_questions": q,
+    }
+    return EvalReport(
+        model="m",
+        k=k,
+        temperature=1.0,
+        greedy=True,
+        seed=0,
+        datasets=[ds],
+        average=avg,
+        env_calls=1,
+        wall_time=1.0,
+        gen_time=0.5,
+        retrieval_time=0.1,
+    )
+
+
+def _metrics(steps: int, calls_per_step: int, replay: bool):
+    rows, total = [], 0
+    for step in range(1, steps + 1):
+        total += calls_per_step
+        rows.append(
+            {
+                "step": step,
+                "env_calls": calls_per_step,
+                "env_calls_total": total,
+                "wall_time_total": 2.0 * step,
+                "time_step": 2.0,
+                "time_generation": 1.0,
+                "time_retrieval": 0.2,
+                "time_scoring": 0.3,
+                "time_selection": 0.1 if replay else 0.0,
+                "time_update": 0.3,
+                "replayed_groups": 2 if replay else 0,
+                "acceptance_rate": 0.5 if replay else None,
+                "fresh_tokens": 100,
+                "replay_tokens": 50 if replay else 0,
+            }
+        )
+    return rows
+
+
+def test_summary_pairs_arms_on_the_same_questions(tmp_path):
+    # 4 questions, k=2. Reference arm: seed means 0.25 and 0.5; arm: 0.5 and 0.75.
+    ref = [
+        _report([[1, 0], [0, 0], [0, 0], [1, 0]], [1, 0, 0, 0]),
+        _report([[1, 1], [0, 0], [1, 0], [1, 0]], [1, 0, 1, 0]),
+    ]
+    arm = [
+        _report([[1, 1], [1, 0], [0, 0], [1, 0]], [1, 1, 0, 0]),
+        _report([[1, 1], [1, 1], [1, 0], [1, 0]], [1, 1, 1, 1]),
+    ]
+    results = [
+        RunResult("on_policy_larger", s, tmp_path / f"r{s}", ref[i], _metrics(3, 1, False), 60)
+        for i, s in enumerate((1, 2))
+    ] + [
+        RunResult("headroom_drift", s, tmp_path / f"h{s}", arm[i], _metrics(3, 1, True), 40)
+        for i, s in enumerate((1, 2))
+    ]
+    summary = summarize(results, ["on_policy_larger"])
+    hd = summary["arms"]["headroom_drift"]
+    assert hd["mean_at_k"].mean == pytest.approx((0.5 + 0.75) / 2)
+    assert hd["mean_at_k"].std == pytest.approx(np.std([0.5, 0.75], ddof=1))
+    d = hd["diffs"]["on_policy_larger"]["mean_at_k"]
+    # seed-averaged per question: arm [1, .75, .25, .5], ref [.75, 0, .25, .5]
+    per_q = np.array([0.25, 0.75, 0.0, 0.0])
+    assert d.diff == pytest.approx(per_q.mean())
+    assert d.se == pytest.approx(per_q.std(ddof=1) / 2)
+    assert d.per_seed == [pytest.approx(0.25), pytest.approx(0.25)]
+    g = hd["diffs"]["on_policy_larger"]["greedy_em"]
+    assert g.diff == pytest.approx((0.5 + 1.0) / 2 - (0.25 + 0.5) / 2)
+    assert "on_policy_larger" not in summary["arms"]["on_policy_larger"]["diffs"]
+    costs = hd["costs"]
+    assert costs["env_calls"].mean == 3 and costs["rollouts"].mean == 3 * 40
+    assert costs["wall_time"].mean == 6.0
+    assert costs["step_time_mean"].mean == 2.0
+    assert costs["time_other"].mean == pytest.approx(3 * (2.0 - 1.9))
+    assert summary["arms"]["on_policy_larger"]["costs"]["rollouts"].mean == 3 * 60
+
+    cfg = experiment_config(
+        arms=["on_policy_larger", "headroom_drift"], references=["on_policy_larger"], seeds=[1, 2]
+    )
+    md = results_markdown(summary, cfg)
+    assert "| headroom_drift | 2 | 0.625 ± 0.177 |" in md
+    assert "| headroom_drift | on_policy_larger | +0.250 ± 0.177 [+0.250, +0.250] |" in md
+    assert "| headroom_drift | 120 | 3 | 0.1 | 2.00 |" in md  # rollouts, env calls, wall, step
+
+
+def test_summary_refuses_runs_on_different_questions(tmp_path):
+    a = _report([[1], [0]], [1, 0])
+    b = _report([[1], [0]], [1, 0])
+    b.datasets[0].question_ids = ["wiki-vital/9", "wiki-vital/1"]
+    results = [
+        RunResult("on_policy", 1, tmp_path, a, _metrics(1, 1, False), 4),
+        RunResult("headroom_drift", 1, tmp_path, b, _metrics(1, 1, True), 4),
+    ]
+    with pytest.raises(UserError, match="other questions"):
+        summarize(results, [])
+
+
+def test_each_pair_of_arms_is_compared_once(tmp_path):
+    rep = _report([[1], [0]], [1, 0])
+    names = ["on_policy", "on_policy_larger", "replay_recency", "headroom_drift"]
+    results = [RunResult(n, 1, tmp_path, rep, _metrics(1, 1, False), 4) for n in names]
+    summary = summarize(results, ["on_policy_larger", "replay_recency"])
+    pairs = [(n, ref) for n, a in summary["arms"].items() for ref in a["diffs"]]
+    assert pairs == [
+        ("on_policy", "on_policy_larger"),
+        ("on_policy", "replay_recency"),
+        ("replay_recency", "on_policy_larger"),
+        ("headroom_drift", "on_policy_larger"),
+        ("headroom_drift", "replay_recency"),
+    ]
+
+
+def test_run_costs_without_replay_has_no_acceptance():
+    costs = run_costs(_metrics(2, 5, replay=False), 12)
+    assert costs["env_calls"] == 10 and costs["rollouts"] == 24 and costs["replayed_groups"] == 0
+    assert math.isnan(costs["acceptance_rate_mean"])
+
+
+def test_arm_configs_share_everything_but_the_arm(tmp_path):
+    cfg = experiment_config(batch_prompts=8, replay_ratio=0.5, base_config=str(BASE))
+    args = ("http://127.0.0.1:9", tmp_path / "sft", tmp_path / "run", 3)
+    configs = {name: arm_train_config(cfg, ARMS.get(name), *args) for name in ARMS.names()}
+    assert configs["on_policy"].grpo.batch_prompts == 8
+    assert configs["on_policy_larger"].grpo.batch_prompts == 12
+    assert not configs["on_policy"].replays and not configs["on_policy_larger"].replays
+    for name in ("replay_recency", "headroom_drift", "headroom_only", "drift_only"):
+        c = configs[name]
+        assert (c.arm, c.grpo.batch_prompts, c.replay.budget) == (name, 8, 4)
+    l1 = configs["headroom_drift_l1"]
+    assert l1.replay.tau == pytest.approx(math.sqrt(configs["headroom_drift"].replay.tau))
+    for c in configs.values():
+        assert (c.seed, c.model.path, c.retrieval.urls) == (3, str(tmp_path / "sft"), [args[0]])
+        assert c.retrieval.retriever == "bm25" and c.steps == cfg.steps
+
+
+def test_presets_and_errors():
+    assert experiment_config().arms == list(MAIN_ARMS)
+    abl = experiment_config(ablations=True)
+    assert abl.arms == list(ABLATION_ARMS) and abl.references == ["headroom_drift"]
+    quick = experiment_config(quick=True, overrides=["seeds=[5]"])
+    assert quick.steps < experiment_config().steps and quick.seeds == [5]
+    with pytest.raises(UserError, match="unknown experiment arm"):
+        experiment_config(arms=["on_policy", "bogus"])
+    with pytest.raises(UserError, match="reference"):
+        experiment_config(arms=["on_policy"], references=["replay_recency"])
+    with pytest.raises(UserError, match="nope"):
+        experiment_config(overrides=["nope=1"])
+
+
+@pytest.mark.slow
+def test_quick_experiment_end_to_end(tmp_path):
+    """`hdr experiment --quick`: corpus, index, server, SFT, every main arm x 2 seeds, eval,
+    results and charts, through the real entry point."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hdr.cli",
+        "experiment",
+        "--quick",
+        "--data",
+        str(tmp_path / "data"),
+        "--out",
+        str(out),
+        "--config",
+        str(BASE),
+        "--set",
+        "progress=false",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["arms"]) == list(MAIN_ARMS)
+    for name, arm in results["arms"].items():
+        assert arm["seeds"] == [1, 2]
+        assert 0.0 <= arm["mean_at_k"]["mean"] <= arm["best_at_k"]["mean"] <= 1.0
+        assert arm["costs"]["env_calls"]["mean"] > 0
+        if name not in ("on_policy_larger",):
+            assert "on_policy_larger" in arm["diffs"]
+    larger = results["arms"]["on_policy_larger"]["costs"]["fresh_tokens"]["mean"]
+    assert larger > results["arms"]["on_policy"]["costs"]["fresh_tokens"]["mean"]
+    assert results["arms"]["headroom_drift"]["costs"]["replayed_groups"]["mean"] >= 0
+    assert results["arms"]["replay_recency"]["costs"]["replayed_groups"]["mean"] > 0
+    md = (out / "results.md").read_text()
+    assert "Δ Mean@" in md and "headroom_drift" in md
+    for chart in ("heldout_vs_env_calls.png", "heldout_vs_wall_time.png", "replay_age.png"):
+        assert (out / "charts" / chart).read_bytes()[:4] == b"\x89PNG"
+    # the server subprocess was stopped: its port no longer answers
+    import httpx
+
+    with pytest.raises(httpx.TransportError):
+        httpx.get(results["server_url"] + "/health", timeout=5)

@@ -32,7 +32,10 @@ test: lint
 test-slow: setup
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
 
-index: setup
+index: $(DATA)/index/manifest.json
+
+# The manifest is written last, so its presence means a complete build (minutes): done once.
+$(DATA)/index/manifest.json: | setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr index prepare-wiki --out $(DATA)/wiki-vital.jsonl
 	HF_HUB_OFFLINE=1 $(BIN)/hdr index build --corpus $(DATA)/wiki-vital.jsonl --out $(DATA)/index
 

@@ -141,6 +141,7 @@ def main() -> None:
         doc_words=8,
         on_failure="keep",
     )
+    load_before = os.getloadavg()[0]
     runs = [
         run("hf, 1 URL", "hf", [args.server], args, tokenizer, examples, config),
         run(
@@ -159,6 +160,7 @@ def main() -> None:
         "doc_words": config.doc_words,
         "cpu_threads": torch.get_num_threads(),
         "model": str(args.model),
+        "load_average_1min": [load_before, os.getloadavg()[0]],  # other work on the machine
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"setup": setup, "runs": runs}, indent=2) + "\n")

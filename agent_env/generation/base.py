@@ -7,6 +7,7 @@ distribution it actually sampled from (after temperature and top-p). Generation 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -62,7 +63,8 @@ class GenerationConfig(StrictModel):
     seed: int = Field(0, description="vllm: sampling seed.")
 
 
-GENERATORS: Registry = Registry("generation backend")
+# name -> factory(*, config, model_dir, tokenizer, prompt, model=None) -> Generator
+GENERATORS: Registry[Callable[..., Generator]] = Registry("generation backend")
 
 
 def build_generator(config: GenerationConfig, *, model_dir, tokenizer, prompt, model=None):

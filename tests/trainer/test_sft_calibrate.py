@@ -68,17 +68,14 @@ def test_recommend_prefers_the_selective_point():
     assert log_spaced(0.01) == pytest.approx([0.001, 0.01, 0.1])
 
 
-def test_calibrate_acceptance_grows_with_tau(sft_policy, small_qa, retrieval_url, tmp_path):
+def test_calibrate_closed_and_open_gates(sft_policy, small_qa, retrieval_url, tmp_path):
     overrides = tiny_overrides(retrieval_url, sft_policy, small_qa, tmp_path / "unused")
     cfg = load_config(TrainConfig, TINY_CPU, overrides)
-    report = calibrate(cfg, tmp_path / "cal", steps=3, taus=[0.0, 1e-9, 1e9])
-    rates = [p.acceptance_rate for p in report.points]
-    assert rates[0] == 0.0  # after an update no group's drift is exactly 0
-    assert rates[2] == 1.0  # an unbounded gate admits everything it scans
-    assert all(p.scanned > 0 for p in report.points)
+    report = calibrate(cfg, tmp_path / "cal", steps=2, taus=[0.0, 1e9])
+    closed, open_ = report.points
+    assert closed.scanned > 0 and open_.scanned > 0
+    assert closed.acceptance_rate == 0.0  # after an update no group's drift is exactly 0
+    assert open_.acceptance_rate == 1.0  # an unbounded gate admits everything it scans
     assert "recommended" in report.table()
-    assert json.loads((tmp_path / "cal" / "calibrate.json").read_text())["recommended_tau"] in (
-        0.0,
-        1e-9,
-        1e9,
-    )
+    saved = json.loads((tmp_path / "cal" / "calibrate.json").read_text())
+    assert [p["tau"] for p in saved["points"]] == [0.0, 1e9]

@@ -113,7 +113,7 @@ class ExperimentConfig(StrictModel):
         list(MAIN_REFERENCES), description="Arms every other arm is compared with (paired)."
     )
     seeds: list[int] = Field([1, 2], min_length=1, description="Training seeds of every arm.")
-    steps: int = Field(40, ge=1, description="Training steps per run.")
+    steps: int = Field(60, ge=1, description="Training steps per run.")
     batch_prompts: int = Field(8, ge=2, description="b: fresh prompts per step.")
     group_size: int = Field(5, ge=2, description="G: responses per prompt.")
     replay_ratio: float = Field(0.5, gt=0, description="r = round(ratio * b) replayed groups.")
@@ -122,7 +122,11 @@ class ExperimentConfig(StrictModel):
     eval_every: int = Field(10, ge=0, description="Periodic held-out eval (eval.jsonl) interval.")
     eval_num_questions: int = Field(48, ge=1, description="Periodic held-out subset size.")
     eval_k: int = Field(4, ge=1, description="Samples per question in the periodic eval.")
-    final_questions: int = Field(300, ge=1, description="Final held-out questions (fixed set).")
+    final_questions: int | None = Field(
+        None,
+        ge=1,
+        description="Final held-out questions (a fixed set); None: the whole test split.",
+    )
     final_k: int = Field(5, ge=1, description="Samples per question in the final evaluation.")
     sft_epochs: int | None = Field(None, ge=1, description="SFT epochs; None: base config's.")
     sft_max_examples: int | None = Field(None, ge=1, description="SFT questions; None: all.")
@@ -375,7 +379,7 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
         return sft_dir
     extra = [
         f"sft.init_model={data / 'tiny-policy'}",
-        f"sft.eval_questions={min(100, cfg.final_questions)}",
+        f"sft.eval_questions={min(100, cfg.final_questions or 100)}",
     ]
     if cfg.sft_epochs:
         extra.append(f"sft.epochs={cfg.sft_epochs}")
@@ -396,7 +400,8 @@ def heldout_set(cfg: ExperimentConfig):
     from trainer.evaluate import EvalDataset
     from trainer.loop import heldout_subset
 
-    examples = heldout_subset(load_task("wiki-vital", "test"), 0, cfg.final_questions)
+    examples = load_task("wiki-vital", "test")
+    examples = heldout_subset(examples, 0, cfg.final_questions or len(examples))
     return [EvalDataset("wiki-vital", examples, ("wiki-vital",))]
 
 

@@ -488,6 +488,6 @@ def load_train_config(path: str | None, overrides: list[str], resume: str | None
         if path is None:
             raise UserError("hdr train needs --config FILE (or --resume DIR)")
         return load_config(TrainConfig, path, overrides)
-    ckpt = open_checkpoint(resume)
-    tmp = ckpt.path / "config.yaml"
-    return load_config(TrainConfig, tmp, overrides)
+    if path is not None:
+        raise UserError("--resume continues a run with its own config; drop --config")
+    return load_config(TrainConfig, open_checkpoint(resume).path / "config.yaml", overrides)

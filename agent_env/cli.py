@@ -74,6 +74,9 @@ def rollout_command(
     batch: int = typer.Option(64, "--batch", min=1, help="Questions per rollout batch."),
     device: str = typer.Option("cpu", "--device", help="torch device for hf."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    threads: int | None = typer.Option(
+        None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."
+    ),
     out: Path = typer.Option(
         Path("runs/rollout/trajectories.jsonl"), "--out", help="Trajectories JSONL to write."
     ),
@@ -95,6 +98,7 @@ def rollout_command(
         batch=batch,
         device=device,
         seed=seed,
+        threads=threads,
         out=out,
     )
     run_rollout_job(job, _rollout_config(config, prompt, overrides))

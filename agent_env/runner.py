@@ -30,6 +30,7 @@ class RolloutJob:
     batch: int = 64
     device: str = "cpu"
     seed: int = 0
+    threads: int | None = None
     out: Path | None = None
 
 
@@ -67,6 +68,8 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
 
     console = console or Console()
     torch.manual_seed(job.seed)
+    if job.threads is not None:
+        torch.set_num_threads(job.threads)
     tokenizer = load_tokenizer(job.model)
     examples = load_task(job.task, job.split)[: job.n]
     if not examples:

@@ -126,12 +126,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--topk", type=int, default=3)
     parser.add_argument("--max-tokens-per-turn", type=int, default=24)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: see docs/agent_env.md)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/rollout.json"))
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     examples = wiki_vital_examples("test")
     config = RolloutConfig(

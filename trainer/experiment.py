@@ -119,11 +119,11 @@ class ExperimentConfig(StrictModel):
     replay_ratio: float = Field(0.5, gt=0, description="r = round(ratio * b) replayed groups.")
     lr: float = Field(5e-5, gt=0, description="GRPO learning rate (cpu-bed: 3e-5 to 1e-4).")
     tau: float | None = Field(None, gt=0, description="L2 drift gate; None: the base config's.")
-    eval_every: int = Field(10, ge=0, description="Periodic held-out eval (eval.jsonl) interval.")
+    eval_every: int = Field(15, ge=0, description="Periodic held-out eval (eval.jsonl) interval.")
     eval_num_questions: int = Field(48, ge=1, description="Periodic held-out subset size.")
     eval_k: int = Field(4, ge=1, description="Samples per question in the periodic eval.")
     final_questions: int | None = Field(
-        None,
+        500,
         ge=1,
         description="Final held-out questions (a fixed set); None: the whole test split.",
     )

@@ -480,9 +480,21 @@ def run_all(cfg: ExperimentConfig, url: str, sft_dir: Path, datasets) -> list[Ru
 
     threads = max(1, (os.cpu_count() or 1) // cfg.jobs)
     quiet = cfg.model_copy(update={"progress": False}).model_dump_json()
-    with ProcessPoolExecutor(cfg.jobs, mp_context=mp.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(
+        cfg.jobs, mp_context=mp.get_context("spawn"), initializer=_die_with_parent
+    )
+    try:
         futures = [pool.submit(_job, quiet, n, s, url, str(sft_dir), threads) for n, s in tasks]
-        return [f.result() for f in futures]
+        results = [f.result() for f in futures]
+    except BaseException:
+        # a failed run or an interrupt: stop the other workers now instead of letting them
+        # finish their runs (an unfinished run is started afresh on the next invocation)
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return results
 
 
 # ------------------------------------------------------------------------------ summary

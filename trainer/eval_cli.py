@@ -92,8 +92,28 @@ def experiment_command(
     typer.echo(f"charts: {out_dir / 'charts'}")
 
 
+def demo_command(
+    data: Path = typer.Option(Path("data"), "--data", help="Corpus, index, cached SFT start."),
+    runs: Path = typer.Option(Path("runs"), "--runs", help="Where the demo's run goes."),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="ExperimentConfig override key=value, e.g. --set steps=20."
+    ),
+) -> None:
+    """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
+    headroom_drift run and its held-out evaluation beside the SFT start."""
+    from trainer.experiment import experiment_config, run_experiment
+
+    cfg = experiment_config(demo=True, overrides=overrides, data_dir=data, out_dir=runs / "demo")
+    out_dir = run_experiment(cfg)
+    typer.echo((out_dir / "results.md").read_text())
+    typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")
+    typer.echo(f"charts: {out_dir / 'charts'}")
+    typer.echo(f"run (metrics.jsonl, eval.jsonl, TensorBoard tb/, final model): {out_dir / 'runs'}")
+
+
 def register(app: typer.Typer) -> None:
-    """Add `eval`, `plot` and `experiment` to the root `hdr` app."""
+    """Add `eval`, `plot`, `experiment` and `demo` to the root `hdr` app."""
     app.command("eval")(eval_command)
     app.command("plot")(plot_command)
     app.command("experiment")(experiment_command)
+    app.command("demo")(demo_command)

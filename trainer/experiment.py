@@ -160,10 +160,26 @@ QUICK = {
 }
 
 
+# `hdr demo`: the whole pipeline once, on the embedded defaults, within about 30 minutes on
+# 2 cores: one headroom_drift run from the SFT start, evaluated beside the SFT start.
+DEMO = {
+    "arms": ["headroom_drift"],
+    "references": [],
+    "seeds": [1],
+    "steps": 40,
+    "final_questions": 300,
+    "jobs": 1,
+}
+
+
 def experiment_config(
-    quick: bool = False, ablations: bool = False, overrides: Sequence[str] = (), **fields: Any
+    quick: bool = False,
+    ablations: bool = False,
+    overrides: Sequence[str] = (),
+    demo: bool = False,
+    **fields: Any,
 ) -> ExperimentConfig:
-    """The preset (main or ablations, full or quick), then explicit fields, then `k=v`
+    """The preset (main, ablations or demo; full or quick), then explicit fields, then `k=v`
     overrides; unknown keys and unknown arms are UserErrors."""
     from pydantic import ValidationError
 
@@ -172,6 +188,8 @@ def experiment_config(
     data: dict[str, Any] = {}
     if ablations:
         data.update(arms=list(ABLATION_ARMS), references=list(ABLATION_REFERENCES))
+    if demo:
+        data.update(DEMO)
     if quick:
         data.update(QUICK)
     data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})

@@ -522,8 +522,8 @@ TIME_KEYS = ("time_generation", "time_retrieval", "time_scoring", "time_selectio
 
 def run_costs(metrics: list[dict[str, Any]], rollouts_per_step: int) -> dict[str, float]:
     """Totals of one run from its metrics.jsonl rows. `rollouts`: fresh episodes with the
-    environment (steps x b x G); `env_calls`: batched retrieval requests (one per search
-    turn, whatever the batch size)."""
+    environment (steps x b x G); `search_calls`: search tool calls sent to the retrieval
+    server; `env_calls`: the batched HTTP requests that carried them (one per search turn)."""
     if not metrics:
         raise UserError("a run has no metrics.jsonl rows")
     last = metrics[-1]
@@ -535,6 +535,7 @@ def run_costs(metrics: list[dict[str, Any]], rollouts_per_step: int) -> dict[str
         "steps": len(metrics),
         "rollouts": float(len(metrics) * rollouts_per_step),
         "env_calls": float(last.get("env_calls_total") or total("env_calls")),
+        "search_calls": float(last.get("search_calls_total") or total("search_calls")),
         "wall_time": float(last.get("wall_time_total") or total("time_step")),
         "step_time_mean": total("time_step") / len(metrics),
         "fresh_tokens": total("fresh_tokens"),
@@ -675,6 +676,7 @@ def results_markdown(summary: dict, cfg: ExperimentConfig) -> str:
             [
                 name,
                 f"{c['rollouts'].mean:.0f}",
+                f"{c['search_calls'].mean:.0f}",
                 f"{c['env_calls'].mean:.0f}",
                 f"{c['wall_time'].mean / 60:.1f}",
                 f"{c['step_time_mean'].mean:.2f}",
@@ -687,16 +689,18 @@ def results_markdown(summary: dict, cfg: ExperimentConfig) -> str:
         )
     lines.append(
         "\nCost per run (mean over seeds): rollouts are fresh episodes with the environment "
-        "(steps x b x G); env calls are batched retrieval requests (one per search turn, "
-        "whatever the batch size); times in seconds, summed over steps (the periodic held-out "
-        "evaluation is outside the split and the wall time).\n"
+        "(steps x b x G); search calls are the tool calls they made; env requests are the "
+        "batched HTTP requests that carried them (one per search turn); times in seconds, "
+        "summed over steps (the periodic held-out evaluation is outside the split and the "
+        "wall time).\n"
     )
     lines.append(
         markdown_table(
             [
                 "arm",
                 "rollouts",
-                "env calls",
+                "search calls",
+                "env requests",
                 "wall (min)",
                 "step (s)",
                 "generation",

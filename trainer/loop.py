@@ -77,7 +77,11 @@ class Run:
     logs: RunLogs
     ref_model: Any = None
     counters: dict[str, Any] = field(
-        default_factory=lambda: {"env_calls_total": 0, "wall_time_total": 0.0}
+        default_factory=lambda: {
+            "env_calls_total": 0,
+            "search_calls_total": 0,
+            "wall_time_total": 0.0,
+        }
     )
 
     def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
@@ -369,8 +373,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     run.logs.groups_left(evicted, step)
     # 7. metrics
     run.counters["env_calls_total"] += rollout.env_calls
-    run.counters["wall_time_total"] += time.perf_counter() - t_start
     trajs = [t for group in rollout.groups for t in group]
+    # search tool calls (queries) are the environment cost that scales with fresh rollouts;
+    # env_calls counts the batched HTTP requests that carried them
+    search_calls = sum(t.searches for t in trajs)
+    run.counters["search_calls_total"] = run.counters.get("search_calls_total", 0) + search_calls
+    run.counters["wall_time_total"] += time.perf_counter() - t_start
     return {
         "step": step,
         "reward_mean": float(np.mean([t.reward for t in trajs])),
@@ -383,6 +391,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         **replay_metrics(run, step, fresh, selection, update),
         "env_calls": rollout.env_calls,
         "env_calls_total": run.counters["env_calls_total"],
+        "search_calls": search_calls,
+        "search_calls_total": run.counters["search_calls_total"],
         "dropped_groups": len(rollout.dropped),
         "time_generation": rollout.gen_time,
         "time_retrieval": rollout.retrieval_time,

@@ -77,6 +77,8 @@ def _metrics(steps: int, calls_per_step: int, replay: bool):
                 "step": step,
                 "env_calls": calls_per_step,
                 "env_calls_total": total,
+                "search_calls": 40 * calls_per_step,
+                "search_calls_total": 40 * total,
                 "wall_time_total": 2.0 * step,
                 "time_step": 2.0,
                 "time_generation": 1.0,
@@ -125,6 +127,7 @@ def test_summary_pairs_arms_on_the_same_questions(tmp_path):
     assert "on_policy_larger" not in summary["arms"]["on_policy_larger"]["diffs"]
     costs = hd["costs"]
     assert costs["env_calls"].mean == 3 and costs["rollouts"].mean == 3 * 40
+    assert costs["search_calls"].mean == 3 * 40
     assert costs["wall_time"].mean == 6.0
     assert costs["step_time_mean"].mean == 2.0
     assert costs["time_other"].mean == pytest.approx(3 * (2.0 - 1.9))
@@ -136,7 +139,8 @@ def test_summary_pairs_arms_on_the_same_questions(tmp_path):
     md = results_markdown(summary, cfg)
     assert "| headroom_drift | 2 | 0.625 ± 0.177 |" in md
     assert "| headroom_drift | on_policy_larger | +0.250 ± 0.177 [+0.250, +0.250] |" in md
-    assert "| headroom_drift | 120 | 3 | 0.1 | 2.00 |" in md  # rollouts, env calls, wall, step
+    # rollouts, search calls, env requests, wall, step
+    assert "| headroom_drift | 120 | 120 | 3 | 0.1 | 2.00 |" in md
 
 
 def test_summary_refuses_runs_on_different_questions(tmp_path):

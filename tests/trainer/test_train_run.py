@@ -34,6 +34,8 @@ METRIC_KEYS = [
     "buffer_size",
     "env_calls",
     "env_calls_total",
+    "search_calls",
+    "search_calls_total",
     "time_generation",
     "time_retrieval",
     "time_scoring",
@@ -73,6 +75,7 @@ def test_metrics_have_every_contract_key(short_run):
     for row in rows:
         assert set(METRIC_KEYS) <= set(row), set(METRIC_KEYS) - set(row)
         assert row["fresh_tokens"] > 0 and row["env_calls"] >= 1
+        assert row["search_calls"] >= row["env_calls"]  # one request carries many queries
         assert row["buffer_size"] <= 6
     totals = [r["env_calls_total"] for r in rows]
     assert totals == sorted(totals) and totals[-1] == sum(r["env_calls"] for r in rows)

@@ -8,7 +8,9 @@ config's rollout settings (hf backend, the tiny policy, the server's BM25), whic
 fresh group costs: generation plus retrieval, `rollout.wall_time / b` per group. The groups
 are then re-scored under the same weights, no grad, exactly as the replay selector does
 (`trainer.scoring.score_groups`): each group alone (the conservative figure, used for the
-target), and in chunks of `replay.scan_chunk` groups (what a scan does). Target: re-scoring
+target), and in chunks of `replay.scan_chunk` groups (what a scan does). Exact duplicate
+responses in a group are scored once (trainer.scoring), so the table also gives the mean
+number of distinct responses per group. Target: re-scoring
 one group costs at most 0.2 x producing it fresh. Writes bench/results/rescoring.json and
 prints a table.
 """
@@ -36,7 +38,7 @@ from agent_env.rollout import rollout_groups
 from hdr.config import load_config
 from trainer.config import TrainConfig
 from trainer.loop import Run, behaviour_groups, load_policy, sample_prompts
-from trainer.scoring import score_groups
+from trainer.scoring import score_groups, unique_rows
 
 TARGET = 0.2
 
@@ -91,6 +93,10 @@ def main() -> None:
                     ratio_alone=statistics.median(alone) / fresh,
                     ratio_chunked=chunked / fresh,
                     tokens_per_group=statistics.mean(int(g.attention_mask.sum()) for g in groups),
+                    distinct_rows_per_group=statistics.mean(
+                        len(unique_rows(g.input_ids, g.attention_mask, g.loss_mask)[0])
+                        for g in groups
+                    ),
                 )
             )
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -103,14 +109,15 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=1))
     table = Table(title=f"re-scoring vs fresh, per group (b={b}, G={G}, median of {len(rows)})")
     for col in ("fresh (gen+ret)", "gen", "ret", "rescore alone", "rescore chunked",
-                "ratio alone", "ratio chunked", f"target <= {TARGET}"):  # fmt: skip
+                "ratio alone", "ratio chunked", "distinct/G", f"target <= {TARGET}"):  # fmt: skip
         table.add_column(col)
     s = summary
     table.add_row(
         f"{s['fresh_per_group'] * 1e3:.0f} ms", f"{s['generation_per_group'] * 1e3:.0f} ms",
         f"{s['retrieval_per_group'] * 1e3:.1f} ms", f"{s['rescore_alone'] * 1e3:.1f} ms",
         f"{s['rescore_chunked'] * 1e3:.1f} ms", f"{s['ratio_alone']:.3f}",
-        f"{s['ratio_chunked']:.3f}", "yes" if report["meets_target"] else "NO",
+        f"{s['ratio_chunked']:.3f}", f"{s['distinct_rows_per_group']:.1f}/{G}",
+        "yes" if report["meets_target"] else "NO",
     )  # fmt: skip
     Console(width=160).print(table)
 

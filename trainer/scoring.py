@@ -5,7 +5,8 @@ One function serves three uses: the behaviour log-probs of a step's fresh groups
 (with grad). Rows are left padded; position ids are `cumsum(attention_mask) - 1` so that a
 padded row sees the same positions as an unpadded one, in generation and here alike.
 
-Two economies:
+Three economies:
+- exact duplicate rows (a group's responses often share query and answer) are scored once;
 - memory-bounded chunks of rows, each trimmed of the left-padding columns no row in it uses,
   rows sorted by length first so chunks pad little;
 - the output layer (hidden -> vocabulary) runs only at positions whose next token is wanted
@@ -81,15 +82,27 @@ def token_logprobs(
     chunk_size: int = 16,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    dedupe: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Teacher-forced log-probs of `input_ids[:, 1:]`, in chunks of `chunk_size` rows.
 
     Arguments as `forward_logprobs`; returns `[N, T-1]` log-probs (0 off `target_mask`) and
-    entropy (or None), on the CPU in the rows' original order. Call under `torch.no_grad()`
-    unless the graph is wanted (then memory is not bounded: the update chunks by itself).
+    entropy (or None), on the CPU in the rows' original order. Rows that are exact duplicates
+    (same ids, attention and target mask: a group's responses often are) are scored once when
+    `dedupe`. Call under `torch.no_grad()` unless the graph is wanted (then memory is not
+    bounded: the update chunks by itself).
     """
-    device = next(model.parameters()).device
     N, T = input_ids.shape
+    if dedupe and N > 1:
+        unique, inverse = unique_rows(input_ids, attention_mask, target_mask)
+        if len(unique) < N:
+            tm = None if target_mask is None else target_mask[unique]
+            lp, ent = token_logprobs(
+                model, input_ids[unique], attention_mask[unique], tm, chunk_size, temperature,
+                with_entropy, dedupe=False,
+            )  # fmt: skip
+            return lp[inverse], None if ent is None else ent[inverse]
+    device = next(model.parameters()).device
     lengths = attention_mask.sum(dim=-1)
     order = torch.argsort(lengths, stable=True)
     out = torch.zeros(N, T - 1)
@@ -109,6 +122,23 @@ def token_logprobs(
         if ent is not None:
             ent[rows] = e.float().cpu()
     return out, ent
+
+
+def unique_rows(
+    input_ids: Tensor, attention_mask: Tensor, target_mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Indices of the first occurrence of each distinct row, and each row's index into them."""
+    parts = [input_ids.long(), attention_mask.long()]
+    if target_mask is not None:
+        parts.append(target_mask.long())
+    key = torch.cat(parts, dim=1)  # (N, 3T)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)  # (N,): class of each row
+    first = torch.full((int(inverse.max()) + 1,), len(key), dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(key)), reduce="amin")
+    order = torch.argsort(first)  # classes in order of first appearance
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    return first[order], rank[inverse]
 
 
 def left_pad(

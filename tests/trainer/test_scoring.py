@@ -98,3 +98,17 @@ def test_drift_zero_after_ingress_and_grows_after_update(llama):
     assert SELECTORS.get("headroom_drift")(buffer, 1, params, score).groups == []
     params = SelectParams(budget=2, tau=max(drifts) * 2)
     assert len(SELECTORS.get("headroom_drift")(buffer, 1, params, score).groups) == 2
+
+
+def test_duplicate_rows_are_scored_once_with_the_same_result(llama):
+    from trainer.scoring import unique_rows
+
+    rows = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 9]]
+    ids, attn = left_pad(rows), left_pad([[1] * len(r) for r in rows])
+    first, inverse = unique_rows(ids, attn, None)
+    assert first.tolist() == [0, 1, 4] and inverse.tolist() == [0, 1, 0, 1, 2]
+    with torch.no_grad():
+        deduped, _ = token_logprobs(llama, ids, attn)
+        plain, _ = token_logprobs(llama, ids, attn, dedupe=False)
+    torch.testing.assert_close(deduped, plain, atol=1e-6, rtol=0)
+    assert torch.equal(deduped[0], deduped[2]) and not torch.equal(deduped[0], deduped[4])

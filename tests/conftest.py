@@ -1,8 +1,9 @@
 """Session fixtures shared by every package's tests: a small corpus, its index, a live server.
 
-`small_corpus` is the ten real Search-R1 passages of `shared/fixtures/wiki18_sample.jsonl`
-(lines 0-9) followed by the first `SMALL_CORPUS_ARTICLES` vital articles of the embedded corpus
-in the package's order (lines 10+), so questions about those articles have their answer indexed.
+`small_corpus` is the ten real Search-R1 passages of `tests/fixtures/wiki18_sample.jsonl` (a
+copy of the shared fixture; lines 0-9) followed by the first `SMALL_CORPUS_ARTICLES` vital
+articles of the embedded corpus in the package's order (lines 10+), so questions about those
+articles have their answer indexed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Test corpora: where the shared wiki-18 sample lives and how the small corpus is made.
+"""Test corpora: the wiki-18 sample and how the small corpus is made.
+
+`fixtures/wiki18_sample.jsonl` is a copy of the project's shared fixture (`shared/fixtures/`),
+kept in the repository so a clone tests on its own.
 
 Import as `from corpora import ...` (pytest puts `tests/` on sys.path).
 """
@@ -9,7 +12,7 @@ import itertools
 import json
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 WIKI18_SAMPLE = FIXTURES / "wiki18_sample.jsonl"  # 10 real Search-R1 passages, ids "0".."9"
 SMALL_CORPUS_ARTICLES = 300
 

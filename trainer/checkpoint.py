@@ -235,3 +235,17 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     elif not (path / MANIFEST).exists() and not STEP_DIR.match(path.name):
         raise UserError(f"{path} is neither a checkpoint nor a run directory with checkpoints")
     return Checkpoint(path=path, step=_verify(path))
+
+
+def save_model(model, tokenizer, out: Path) -> Path:
+    """`save_pretrained` (model and tokenizer) into a temporary directory beside `out`, then
+    rename it into place: `out` is either the old model or the whole new one."""
+    out = Path(out)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -23,9 +23,7 @@ arm but a config (`grpo.batch_prompts` 1.5x, `arm: on_policy`).
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +34,13 @@ import torch
 
 from hdr.config import dump_config, load_config
 from hdr.errors import UserError
-from trainer.checkpoint import Checkpoint, TrainState, open_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    Checkpoint,
+    TrainState,
+    open_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from trainer.config import TrainConfig
 from trainer.grpo import group_advantages, kl_k3, masked_mean, policy_loss
 from trainer.replay import (
@@ -481,14 +485,7 @@ def save(run: Run, step: int) -> Path:
 
 def save_final(run: Run) -> Path:
     """`final/`: model and tokenizer, loadable with from_pretrained (written atomically)."""
-    final, tmp = run.run_dir / "final", run.run_dir / f".tmp-final-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    run.model.save_pretrained(tmp, safe_serialization=True)
-    run.tokenizer.save_pretrained(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
+    return save_model(run.model, run.tokenizer, run.run_dir / "final")
 
 
 def load_train_config(path: str | None, overrides: list[str], resume: str | None) -> TrainConfig:

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 
 from hdr.errors import UserError
+from trainer.checkpoint import save_model
 
 
 def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], list[int]]]:
@@ -159,15 +158,3 @@ def run_sft(config) -> Path:
             log.flush()
             print(f"hdr sft: {json.dumps(record)}", flush=True)
     return save_model(model, tokenizer, out)
-
-
-def save_model(model, tokenizer, out: Path) -> Path:
-    """`save_pretrained` into a temporary directory, then rename it into place."""
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out

@@ -5,6 +5,9 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
+# Where the CPU torch wheel comes from. Empty: pip's configured sources (on the reference
+# machine a local wheel). Elsewhere: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 DATA    ?= data
 RUNS    ?= runs
 PORT    ?= 8000
@@ -18,7 +21,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 

@@ -30,29 +30,17 @@ def init_model_command(
 
 def _rollout_config(config_path: Path | None, prompt: str | None, overrides: list[str]):
     """RolloutConfig from YAML + a prompt preset (if the YAML sets none) + dotted overrides."""
-    import yaml
-    from pydantic import ValidationError
-
     from agent_env.prompts import PromptConfig
     from agent_env.rollout import RolloutConfig
-    from hdr.config import apply_override, format_validation_error
+    from hdr.config import build_config, read_config_file
     from hdr.errors import UserError
 
-    data: dict = {}
-    if config_path is not None:
-        if not config_path.is_file():
-            raise UserError(f"config file not found: {config_path}")
-        data = yaml.safe_load(config_path.read_text()) or {}
+    data = read_config_file(config_path) if config_path is not None else {}
     if prompt is not None:
         if prompt not in ("instruct", "compact"):
             raise UserError(f"--prompt must be instruct or compact, not {prompt!r}")
         data.setdefault("prompt", PromptConfig.preset(prompt).model_dump())
-    for override in overrides:
-        apply_override(data, override)
-    try:
-        return RolloutConfig.model_validate(data)
-    except ValidationError as err:
-        raise UserError(format_validation_error(err)) from None
+    return build_config(RolloutConfig, data, overrides)
 
 
 def rollout_command(

@@ -8,6 +8,7 @@ one `UserError` line naming the offending key.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,25 +48,33 @@ def format_validation_error(err: ValidationError) -> str:
     return f"config key {where}: {first['msg']}{more}"
 
 
-def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] = ()) -> M:
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise UserError(f"config file {path} is not valid YAML: {err}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise UserError(f"config file {path} must hold a mapping at the top level")
-        data = loaded or {}
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds ({} for an empty file); UserError otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"config file {path} is not valid YAML: {err}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise UserError(f"config file {path} must hold a mapping at the top level")
+    return loaded or {}
+
+
+def build_config(model: type[M], data: dict[str, Any], overrides: Sequence[str] = ()) -> M:
+    """Apply each `a.b.c=value` override to `data` (in place), then validate it as `model`."""
     for override in overrides:
         apply_override(data, override)
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise UserError(format_validation_error(err)) from None
+
+
+def load_config(model: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
+    """`model` from the YAML file at `path` (or nothing) and dotted overrides."""
+    return build_config(model, read_config_file(path) if path is not None else {}, overrides)
 
 
 def dump_config(config: BaseModel) -> str:

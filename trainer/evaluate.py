@@ -219,35 +219,16 @@ def eval_config_for(
     The model must be evaluated with the prompt it was trained on; the training config is
     where that prompt is written down. The eval YAML's own sections win over it.
     """
-    import yaml
-    from pydantic import ValidationError
+    from hdr.config import build_config, read_config_file
 
-    from hdr.config import apply_override, format_validation_error
-
-    def read(path: Path) -> dict[str, Any]:
-        if not path.is_file():
-            raise UserError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise UserError(f"config file {path} is not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise UserError(f"config file {path} must hold a mapping at the top level")
-        return data
-
-    data = read(Path(config_path)) if config_path is not None else {}
+    data = read_config_file(config_path) if config_path is not None else {}
     source = Path(train_config) if train_config is not None else find_train_config(Path(model_dir))
     if source is not None:
-        trained = read(source)
+        trained = read_config_file(source)
         for section in TRAIN_SECTIONS:
             if section in trained:
                 data.setdefault(section, trained[section])
-    for override in overrides:
-        apply_override(data, override)
-    try:
-        return EvalConfig.model_validate(data)
-    except ValidationError as err:
-        raise UserError(format_validation_error(err)) from None
+    return build_config(EvalConfig, data, overrides)
 
 
 # ------------------------------------------------------------------------------- data

@@ -181,9 +181,7 @@ def experiment_config(
 ) -> ExperimentConfig:
     """The preset (main, ablations or demo; full or quick), then explicit fields, then `k=v`
     overrides; unknown keys and unknown arms are UserErrors."""
-    from pydantic import ValidationError
-
-    from hdr.config import apply_override, format_validation_error
+    from hdr.config import build_config
 
     data: dict[str, Any] = {}
     if ablations:
@@ -193,12 +191,7 @@ def experiment_config(
     if quick:
         data.update(QUICK)
     data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
-    for override in overrides:
-        apply_override(data, override)
-    try:
-        cfg = ExperimentConfig.model_validate(data)
-    except ValidationError as err:
-        raise UserError(format_validation_error(err)) from None
+    cfg = build_config(ExperimentConfig, data, overrides)
     for name in [*cfg.arms, *cfg.references]:
         ARMS.get(name)  # UserError listing the valid arms on a typo
     missing = [r for r in cfg.references if r not in cfg.arms]

@@ -381,7 +381,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     # search tool calls (queries) are the environment cost that scales with fresh rollouts;
     # env_calls counts the batched HTTP requests that carried them
     search_calls = sum(t.searches for t in trajs)
-    run.counters["search_calls_total"] = run.counters.get("search_calls_total", 0) + search_calls
+    run.counters["search_calls_total"] += search_calls
     run.counters["wall_time_total"] += time.perf_counter() - t_start
     return {
         "step": step,

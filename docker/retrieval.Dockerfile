@@ -29,6 +29,7 @@ COPY hdr ./hdr
 COPY retrieval_server ./retrieval_server
 COPY agent_env ./agent_env
 COPY trainer ./trainer
+COPY evaluation ./evaluation
 RUN pip install .
 
 COPY --chmod=755 docker/retrieval-entrypoint.sh /usr/local/bin/retrieval-entrypoint.sh

@@ -21,6 +21,7 @@ COPY hdr /app/hdr
 COPY retrieval_server /app/retrieval_server
 COPY agent_env /app/agent_env
 COPY trainer /app/trainer
+COPY evaluation /app/evaluation
 COPY configs /app/configs
 COPY docker/trainer-entrypoint.sh /app/docker/trainer-entrypoint.sh
 

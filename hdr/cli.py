@@ -24,12 +24,14 @@ app = typer.Typer(
 
 def _register_all() -> None:
     from agent_env.cli import register as register_agent_env
+    from evaluation.cli import register as register_evaluation
     from retrieval_server.cli import register as register_retrieval
     from trainer.cli import register as register_trainer
 
     register_retrieval(app)
     register_agent_env(app)
     register_trainer(app)
+    register_evaluation(app)
 
 
 _register_all()

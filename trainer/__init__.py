@@ -1,1 +1,2 @@
-"""GRPO with Headroom-Drift Replay, teacher-forced scoring, evaluation and checkpoints."""
+"""GRPO with Headroom-Drift Replay: the training loop, teacher-forced scoring, replay, SFT,
+calibration and checkpoints."""

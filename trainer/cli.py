@@ -1,5 +1,5 @@
-"""`hdr` subcommands of the trainer package: `sft`, `train`, `calibrate` (and, from
-`trainer.eval_cli`, `eval`, `plot`, `experiment`). Heavy imports happen inside the bodies."""
+"""`hdr` subcommands of the trainer package: `sft`, `train`, `calibrate`. Heavy imports happen
+inside the bodies."""
 
 from __future__ import annotations
 
@@ -59,9 +59,6 @@ def calibrate_command(
 
 def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
-    from trainer.eval_cli import register as register_eval
-
     app.command("sft")(sft_command)
     app.command("train")(train_command)
     app.command("calibrate")(calibrate_command)
-    register_eval(app)

@@ -4,7 +4,7 @@ A fixed subset of the held-out task, through the same rollout loop as training: 
 per question at the rollout temperature (Mean@k, Best@k) and one greedy decode (greedy EM).
 It runs under a forked torch RNG seeded from the run's seed and the step, so evaluating never
 changes what training samples next, and a resumed run evaluates exactly as the original.
-The full evaluation over every test set is `hdr eval` (trainer.evaluate).
+The full evaluation over every test set is `hdr eval` (evaluation.evaluate).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer.metrics_eval import best_at_k, mean_at_k
+from evaluation.metrics import best_at_k, mean_at_k
 
 
 def heldout_eval(run, step: int) -> dict[str, Any]:

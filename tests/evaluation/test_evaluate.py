@@ -17,8 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hdr.errors import UserError
-from trainer.evaluate import (
+from evaluation.evaluate import (
     PARTIAL,
     EvalConfig,
     evaluate,
@@ -26,6 +25,7 @@ from trainer.evaluate import (
     load_eval_datasets,
     load_report,
 )
+from hdr.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def _interrupted_eval(policy_dir, datasets, config, out, url, after_calls):
 
     from agent_env.generation import build_generator
     from agent_env.retrieval_client import RetrievalClient
-    from trainer.evaluate import weights_signature
+    from evaluation.evaluate import weights_signature
 
     tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
     generator = build_generator(
@@ -308,7 +308,7 @@ def test_hdr_eval_command_two_files_and_errors(
 
 
 def test_eval_config_takes_the_runs_prompt(tmp_path):
-    from trainer.evaluate import eval_config_for
+    from evaluation.evaluate import eval_config_for
 
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)

@@ -1,6 +1,6 @@
 """`hdr eval`, `hdr plot` and `hdr experiment`: evaluation, charts and the replay experiment.
 
-`trainer/cli.py` calls `register(app)`. Heavy imports (torch, transformers, matplotlib) happen
+`hdr/cli.py` calls `register(app)`. Heavy imports (torch, transformers, matplotlib) happen
 inside the command bodies so `hdr --help` answers at once.
 """
 
@@ -38,7 +38,7 @@ def eval_command(
 ) -> None:
     """Mean@k, Best@k and greedy EM per dataset, with plain and size-weighted averages,
     through the full rollout loop. Writes eval.json and eval.md; rerun to resume."""
-    from trainer.evaluate import eval_config_for, evaluate
+    from evaluation.evaluate import eval_config_for, evaluate
 
     cfg = eval_config_for(model, config, train_config, overrides)
     out_dir = out or Path("eval") / (model.parent.name if model.name == "final" else model.name)
@@ -53,7 +53,7 @@ def plot_command(
 ) -> None:
     """PNG charts from run dirs: held-out reward against env calls and wall time, replay age,
     acceptance rate, replay count against stored headroom. One line per arm."""
-    from trainer.plots import plot_run_dirs
+    from evaluation.plots import plot_run_dirs
 
     for path in plot_run_dirs(run_dirs, out):
         typer.echo(str(path))
@@ -75,7 +75,7 @@ def experiment_command(
 ) -> None:
     """Train every arm with the same SFT start, seeds and held-out questions against a real
     `hdr serve`; write results.json, results.md and charts."""
-    from trainer.experiment import experiment_config, run_experiment
+    from evaluation.experiment import experiment_config, run_experiment
 
     default_out = Path("runs") / ("ablations" if ablations else "experiment")
     cfg = experiment_config(
@@ -101,7 +101,7 @@ def demo_command(
 ) -> None:
     """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
     headroom_drift run and its held-out evaluation beside the SFT start."""
-    from trainer.experiment import experiment_config, run_experiment
+    from evaluation.experiment import experiment_config, run_experiment
 
     cfg = experiment_config(demo=True, overrides=overrides, data_dir=data, out_dir=runs / "demo")
     out_dir = run_experiment(cfg)

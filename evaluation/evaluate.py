@@ -6,7 +6,7 @@ multi-turn loop (`rollout_groups`: generate, search the retrieval server, observ
 A response is correct when its answer is an exact match of a golden answer (SQuAD
 normalisation, `agent_env.rewards.exact_match`), whatever reward the rollout config trains
 with. Numbers per dataset, their plain average and the average weighted by dataset size, as
-the paper reports them (`trainer.metrics_eval`).
+the paper reports them (`evaluation.metrics`).
 
 Datasets: FlashRAG JSONL, Search-R1 parquet (agent_env.data loaders) or the name `wiki-vital`
 (the embedded task's test split). Search-R1's seven test sets are named from `data_source`
@@ -40,9 +40,7 @@ from pydantic import BaseModel, Field
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
-from hdr.config import StrictModel
-from hdr.errors import UserError
-from trainer.metrics_eval import (
+from evaluation.metrics import (
     WIKI_VITAL,
     average_scores,
     best_at_k,
@@ -56,6 +54,8 @@ from trainer.metrics_eval import (
     write_json_atomic,
     write_text_atomic,
 )
+from hdr.config import StrictModel
+from hdr.errors import UserError
 
 __all__ = [
     "DatasetResult",

@@ -9,12 +9,12 @@ What it does, end to end, on the embedded defaults:
 4. each arm x seed is `trainer.loop.train(config)` with dotted overrides on the base config
    (`configs/tiny-cpu.yaml`): same SFT start, same seeds (so the same prompt order), same
    periodic held-out subset;
-5. each final model is evaluated by `trainer.evaluate` on one fixed held-out set of
+5. each final model is evaluated by `evaluation.evaluate` on one fixed held-out set of
    wiki-vital test questions, identical for every arm and seed (and the SFT start once);
 6. results: per arm Mean@k, Best@k, greedy EM (mean and spread over seeds), differences to
    the reference arms paired on the same questions with standard errors, env calls, wall
    time and its split, mean step time; `results.json`, `results.md` and the charts of
-   `trainer.plots` in the out dir.
+   `evaluation.plots` in the out dir.
 
 The arms (paper's role-aligned baselines, Search-R1 setting): `on_policy` (b fresh groups per
 step), `on_policy_larger` (1.5b fresh: more environment cost), `replay_recency` (b fresh + r
@@ -50,16 +50,16 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from hdr.config import StrictModel
-from hdr.errors import UserError
-from hdr.registry import Registry
-from trainer.metrics_eval import (
+from evaluation.metrics import (
     markdown_table,
     mean_spread,
     paired_difference,
     write_json_atomic,
     write_text_atomic,
 )
+from hdr.config import StrictModel
+from hdr.errors import UserError
+from hdr.registry import Registry
 
 # --------------------------------------------------------------------------------- arms
 
@@ -408,7 +408,7 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
 def heldout_set(cfg: ExperimentConfig):
     """The final evaluation's questions: the same for every arm and seed."""
     from agent_env.data import load_task
-    from trainer.evaluate import EvalDataset
+    from evaluation.evaluate import EvalDataset
     from trainer.loop import heldout_subset
 
     examples = load_task("wiki-vital", "test")
@@ -418,7 +418,7 @@ def heldout_set(cfg: ExperimentConfig):
 
 def final_eval(cfg: ExperimentConfig, model_dir: Path, train_config, datasets, out: Path):
     """Held-out evaluation of one model (reused when `out/eval.json` exists)."""
-    from trainer.evaluate import EvalConfig, evaluate, load_report
+    from evaluation.evaluate import EvalConfig, evaluate, load_report
 
     if (out / "eval.json").is_file():
         return load_report(out)
@@ -439,14 +439,14 @@ class RunResult:
     arm: str
     seed: int
     run_dir: Path
-    report: Any  # trainer.evaluate.EvalReport
+    report: Any  # evaluation.evaluate.EvalReport
     metrics: list[dict[str, Any]]
     rollouts_per_step: int  # b x G of the arm: fresh episodes with the environment per step
 
 
 def run_arm(cfg, arm: Arm, seed: int, url: str, sft_dir: Path, datasets) -> RunResult:
+    from evaluation.plots import read_jsonl
     from trainer.loop import train
-    from trainer.plots import read_jsonl
 
     run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"
     config = arm_train_config(cfg, arm, url, sft_dir, run_dir, seed)
@@ -729,7 +729,7 @@ def machine_info() -> dict[str, Any]:
 
 def run_experiment(cfg: ExperimentConfig) -> Path:
     """Everything above, in order; returns the out dir (results.json, results.md, charts/)."""
-    from trainer.plots import load_run, plot_runs
+    from evaluation.plots import load_run, plot_runs
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

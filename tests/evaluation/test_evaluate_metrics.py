@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from trainer.metrics_eval import (
+from evaluation.metrics import (
     DatasetScore,
     average_scores,
     best_at_k,

@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hdr.errors import UserError
-from trainer.evaluate import DatasetResult, EvalReport
-from trainer.experiment import (
+from evaluation.evaluate import DatasetResult, EvalReport
+from evaluation.experiment import (
     ABLATION_ARMS,
     ARMS,
     MAIN_ARMS,
@@ -24,6 +23,7 @@ from trainer.experiment import (
     run_costs,
     summarize,
 )
+from hdr.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "configs" / "tiny-cpu.yaml"

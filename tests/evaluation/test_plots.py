@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
+from evaluation.plots import load_run, plot_run_dirs, read_jsonl, run_label
 from hdr.errors import UserError
-from trainer.plots import load_run, plot_run_dirs, read_jsonl, run_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -143,7 +143,7 @@ def test_plot_command_writes_charts_and_reports_missing_dirs(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from trainer.eval_cli import register
+    from evaluation.cli import register
 
     app = typer.Typer()
     app.callback()(lambda: None)  # a group, as the root `hdr` app is

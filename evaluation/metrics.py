@@ -1,6 +1,6 @@
 """Evaluation arithmetic: Mean@k, Best@k, greedy EM, averages over datasets, paired differences.
 
-Pure functions over numpy arrays; no model, no HTTP. `trainer.evaluate` fills the arrays
+Pure functions over numpy arrays; no model, no HTTP. `evaluation.evaluate` fills the arrays
 from rollouts and the experiment compares arms with them.
 
 - `correct` is a `[Q, k]` array of 0/1 (one row per question, one column per sample).

@@ -1,11 +1,13 @@
 """Micro-batching: concurrent requests are encoded and searched together.
 
 Each request becomes a `PendingSearch` on an asyncio queue. One worker task takes the first
-pending search, waits up to `batch_wait_ms` for more (or until `max_batch_queries` queries are
-collected), then runs one search per retriever over all their queries in a worker thread, so the
-event loop keeps accepting requests meanwhile. While a batch is searched the next one collects,
-so batches grow with load and throughput grows with concurrency. One request is never split:
-a request larger than `max_batch_queries` is searched alone.
+pending search together with everything else already queued (up to `max_batch_queries`
+queries), then runs one search per retriever over all their queries in a worker thread, so the
+event loop keeps accepting requests meanwhile. An idle server therefore searches a lone request
+at once, with no fixed wait; while a batch is searched the next one accumulates, so batches grow
+with load and throughput grows with concurrency. `batch_wait_ms > 0` adds an optional wait for
+company after the first request (off by default). One request is never split: a request larger
+than `max_batch_queries` is searched alone.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class MicroBatcher:
         return await pending.result
 
     async def _collect(self) -> list[PendingSearch]:
-        """The next batch: the first pending search plus those arriving within the wait."""
+        """The next batch: the first pending search, all already queued, then (only with
+        `batch_wait_ms > 0`) those arriving within the wait."""
         first, self._carried = self._carried, None
         batch = [first if first is not None else await self._queue.get()]
         size = len(batch[0].queries)

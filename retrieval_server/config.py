@@ -29,9 +29,10 @@ class ServerConfig(StrictModel):
     max_queries: int = Field(default=1024, ge=1, description="Most queries in one request.")
     max_query_chars: int = Field(default=2048, ge=1, description="Longest query, in characters.")
     batch_wait_ms: float = Field(
-        default=5.0,
+        default=0.0,
         ge=0.0,
-        description="How long the first request of a micro-batch waits for company (ms).",
+        description="Extra wait (ms) of a micro-batch's first request for company; 0: search at "
+        "once and batch only what queued up while the previous batch was searched.",
     )
     max_batch_queries: int = Field(
         default=256, ge=1, description="Most queries encoded and searched together."

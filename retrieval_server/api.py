@@ -58,6 +58,17 @@ class PlainResponse(BaseModel):
     result: list[list[Document]]
 
 
+class EmulatedCostReport(BaseModel):
+    """`/health`'s account of the emulation: the settings and what they cost so far."""
+
+    enabled: bool
+    request_latency_ms: float
+    query_latency_ms: float
+    rate_limit_rps: float
+    requests_charged: int
+    seconds_waited: float
+
+
 class HealthResponse(BaseModel):
     status: str
     documents: int
@@ -65,6 +76,7 @@ class HealthResponse(BaseModel):
     index_type: str
     retrievers: list[str]
     default_retriever: str
+    emulated_cost: EmulatedCostReport
 
 
 class ErrorResponse(BaseModel):

@@ -44,6 +44,7 @@ from retrieval_server.api import (
 )
 from retrieval_server.batching import MicroBatcher
 from retrieval_server.config import ServerConfig
+from retrieval_server.emulated_cost import CostEmulator
 from retrieval_server.index import DocumentStore, LoadedIndex, load_index
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
 
@@ -213,6 +214,7 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
 def create_app(config: ServerConfig) -> FastAPI:
     """The retrieval service for one index; resources load when the app starts."""
     metrics = ServerMetrics()
+    emulator = CostEmulator(config.emulated_cost)
     auth = bearer_auth(config)
     RetrieveBody = limited_request_model(
         config.max_queries, config.max_query_chars, config.max_topk
@@ -249,6 +251,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 400, f"unknown retriever {name!r}; available: {', '.join(sorted(state.retrievers))}"
             )
         topk = request.topk or config.default_topk
+        await emulator.charge(len(request.queries))
         hits = await state.batcher.search(request.queries, topk, name)
         scored = await asyncio.to_thread(fetch_documents, state.index.documents, hits)
         if request.return_scores:
@@ -267,6 +270,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             index_type=manifest.index_type,
             retrievers=sorted(state.retrievers),
             default_retriever=config.default_retriever,
+            emulated_cost=emulator.report(),
         )
 
     @app.get("/metrics", dependencies=[Depends(auth)], response_class=Response)

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 
 from hdr.config import StrictModel
+from retrieval_server.emulated_cost import EmulatedCostConfig
 
 
 class ServerConfig(StrictModel):
@@ -39,6 +40,11 @@ class ServerConfig(StrictModel):
     )
     hnsw_ef_search: int = Field(
         default=128, ge=1, description="HNSW search breadth (only for index_type hnsw)."
+    )
+    emulated_cost: EmulatedCostConfig = Field(
+        default_factory=EmulatedCostConfig,
+        description="Emulated remote-API cost per /retrieve request (off by default), e.g. "
+        "`--set emulated_cost.request_latency_ms=200`.",
     )
     api_token: SecretStr | None = Field(
         default=None,

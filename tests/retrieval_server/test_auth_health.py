@@ -52,4 +52,12 @@ def test_health_is_open_and_describes_the_index(protected_url: str, small_corpus
         "index_type": "flat",
         "retrievers": ["bm25", "dense"],
         "default_retriever": "bm25",
+        "emulated_cost": {
+            "enabled": False,
+            "request_latency_ms": 0.0,
+            "query_latency_ms": 0.0,
+            "rate_limit_rps": 0.0,
+            "requests_charged": 0,
+            "seconds_waited": 0.0,
+        },
     }

@@ -8,6 +8,16 @@ they have no single answer, and so are empty ones. The split is by a hash of the
 Example ids are the article's position in the package file (= its corpus line id as written
 by `hdr index prepare-wiki`), prefixed with the data source as every QAExample id is.
 
+`wiki-bridge` is the multi-turn embedded task, bridge questions that need two searches. A
+bridge article A (unique non-empty description, title at least two characters) is *named*
+by exactly one other article B: A's title occurs, as whole words, in B's summary and in no
+other summary. The question gives A only by its description ("Which article mentions:
+Buddhist temple complex in Cambodia"), the answer is B's title ("Suryavarman II"). So a
+policy must first search the description to learn A's title, then search that title to find
+the one article naming it. Pairs where the question shares a word (4+ letters) with B's
+title are dropped, since one search could then find B directly. The split is by a hash of
+A's title, as wiki-vital's; ids are `wiki-bridge/{A's file position}`.
+
 Search-R1's parquet files carry the whole instruction prompt rather than the question; the
 loader takes the `question` column when the file has one (Search-R1's own scripts keep it)
 and otherwise the text after the last "Question:" of the user message.
@@ -25,6 +35,8 @@ from pathlib import Path
 from hdr.errors import UserError
 
 WIKI_VITAL = "wiki-vital"
+WIKI_BRIDGE = "wiki-bridge"
+BRIDGE_TEMPLATE = "Which article mentions: {description}"
 _SPLIT_NAMES = {"train", "dev", "test", "val", "valid", "validation"}
 
 
@@ -147,13 +159,79 @@ def wiki_vital_examples(split: str = "test") -> list[QAExample]:
     return examples
 
 
+_WORD = re.compile(r"\w+")
+
+
+def _content_words(text: str) -> set[str]:
+    """Lower-cased 5-letter stems of the words of 4+ letters ("elephants" ~ "Elephant")."""
+    return {w.lower()[:5] for w in _WORD.findall(text) if len(w) >= 4}
+
+
+def bridge_pairs(articles: list) -> list[tuple[int, int]]:
+    """(bridge A, answer B) article positions: B's summary is the only one naming A's title
+    (whole words, case-sensitive), A's description is unique, non-empty and shares no word of
+    4+ letters with B's title. In A's file order; deterministic."""
+    by_word: dict[str, set[int]] = {}
+    for i, article in enumerate(articles):
+        for word in set(_WORD.findall(article.extract)):
+            by_word.setdefault(word, set()).add(i)
+    descriptions = Counter(a.description.strip() for a in articles)
+    pairs = []
+    for i, a in enumerate(articles):
+        description, words = a.description.strip(), _WORD.findall(a.title)
+        if not description or descriptions[description] > 1 or len(a.title) < 2 or not words:
+            continue
+        postings = sorted((by_word.get(w, set()) for w in words), key=len)  # smallest first
+        candidates = set(postings[0]).intersection(*postings[1:]) - {i}
+        named = re.compile(r"(?<!\w)" + re.escape(a.title) + r"(?!\w)")
+        namers = [j for j in sorted(candidates) if named.search(articles[j].extract)]
+        if len(namers) != 1:
+            continue
+        question = BRIDGE_TEMPLATE.format(description=description)
+        if _content_words(question) & _content_words(articles[namers[0]].title):
+            continue
+        pairs.append((i, namers[0]))
+    return pairs
+
+
+def wiki_bridge_examples(split: str = "test", limit: int | None = None) -> list[QAExample]:
+    """The multi-turn embedded task (see the module docstring); `limit`: only the first
+    `limit` articles of the corpus take part (the tests' small index holds only those)."""
+    import itertools
+
+    from retrieval_server.corpus import iter_vital_articles
+
+    if split not in ("train", "test", "all"):
+        raise UserError(f"unknown wiki-bridge split {split!r}; valid: all, test, train")
+    articles = list(itertools.islice(iter_vital_articles(), limit))
+    examples = []
+    for i, j in bridge_pairs(articles):
+        bridge = articles[i]
+        if split != "all" and is_test_title(bridge.title) != (split == "test"):
+            continue
+        examples.append(
+            QAExample(
+                id=f"{WIKI_BRIDGE}/{i}",
+                question=BRIDGE_TEMPLATE.format(description=bridge.description.strip()),
+                golden_answers=[articles[j].title],
+                data_source=WIKI_BRIDGE,
+            )
+        )
+    return examples
+
+
 def load_task(spec: str, split: str = "test") -> list[QAExample]:
-    """`wiki-vital` (with `split`), or a path: `.jsonl` (FlashRAG) or `.parquet` (Search-R1)."""
+    """`wiki-vital` or `wiki-bridge` (with `split`), or a path: `.jsonl` (FlashRAG) or
+    `.parquet` (Search-R1)."""
     if spec == WIKI_VITAL:
         return wiki_vital_examples(split)
+    if spec == WIKI_BRIDGE:
+        return wiki_bridge_examples(split)
     path = Path(spec)
     if path.suffix == ".jsonl":
         return load_flashrag_jsonl(path)
     if path.suffix == ".parquet":
         return load_searchr1_parquet(path)
-    raise UserError(f"unknown task {spec!r}; give {WIKI_VITAL}, a .jsonl or a .parquet file")
+    raise UserError(
+        f"unknown task {spec!r}; give {WIKI_VITAL}, {WIKI_BRIDGE}, a .jsonl or a .parquet file"
+    )

@@ -70,6 +70,7 @@ class ClientStats:
     retries: int = 0
     failures: int = 0  # chunks that ran out of retries
     queries: int = 0
+    passages: int = 0  # documents returned over all queries
     latency_s: float = 0.0  # wall time spent inside search()
     request_latencies: list[float] = field(default_factory=list)
     max_in_flight: int = 0  # most concurrent requests seen
@@ -134,7 +135,9 @@ class RetrievalClient:
             self.stats.calls += 1
             self.stats.queries += len(queries)
             self.stats.latency_s += time.perf_counter() - start
-        return [docs for part in parts for docs in part]
+        results = [docs for part in parts for docs in part]
+        self.stats.passages += sum(len(docs) for docs in results)
+        return results
 
     async def _post_with_retries(self, queries: list[str], url_index: int):
         c = self.config

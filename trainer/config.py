@@ -59,6 +59,12 @@ class GRPOConfig(StrictModel):
     updates_per_step: int = Field(1, ge=1, description="Optimizer passes over each step's batch.")
     micro_batch: int = Field(32, ge=1, description="Rows per forward/backward chunk (memory).")
     score_chunk: int = Field(64, ge=1, description="Rows per no-grad scoring chunk (memory).")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO-style: drop groups whose rewards are all equal and refill the batch"
+        " with extra fresh prompts (counted as fresh cost), up to `refill_rounds` times.",
+    )
+    refill_rounds: int = Field(3, ge=0, description="Most refill rollouts per step.")
 
     @property
     def fresh_rows(self) -> int:
@@ -76,6 +82,15 @@ class ReplayConfig(StrictModel):
         "l2", description="Drift of the gate for headroom_drift and drift_only (l2: mean sq.)."
     )
     scan_chunk: int = Field(8, ge=1, description="Most groups scored per scan chunk.")
+    tau_age: float = Field(
+        500.0,
+        gt=0,
+        description="replay_freshness_per: age scale (steps) of the priority's decay"
+        " exp(-age / tau_age); the published default is 500 steps.",
+    )
+    is_beta_start: float = Field(
+        0.4, ge=0, le=1, description="replay_freshness_per: importance exponent at step 0 (-> 1)."
+    )
     store_zero_advantage: bool = Field(
         False, description="Store groups whose advantages are all 0 (they carry no gradient)."
     )
@@ -176,4 +191,8 @@ class TrainConfig(StrictModel):
             tau=self.replay.tau,
             norm=self.replay.drift_norm,
             chunk=self.replay.scan_chunk,
+            seed=self.seed,
+            total_steps=self.steps,
+            tau_age=self.replay.tau_age,
+            is_beta_start=self.replay.is_beta_start,
         )

@@ -18,7 +18,12 @@ Departures from the paper's setup: the behaviour log-probs come from teacher for
 from the sampler (they agree up to float error with the hf backend; with vLLM they avoid the
 sampler/trainer mismatch); the held-out evaluation during training is a small fixed subset
 (Mean@k, Best@k, greedy EM), the full evaluation is `hdr eval`. `on_policy_larger` is not an
-arm but a config (`grpo.batch_prompts` 1.5x, `arm: on_policy`).
+arm but a config (`grpo.batch_prompts` 1.5x, `arm: on_policy`); `on_policy_filtered` is
+`grpo.dynamic_sampling` (DAPO-style: zero-variance groups dropped and refilled by extra fresh
+prompts, which count as fresh cost) with `arm: on_policy`.
+
+Every step logs its cost ledger (`trainer.telemetry.StepCost`, `cost_*` keys): tokens by
+phase, environment calls and passages, informative groups and tokens, CPU seconds by phase.
 """
 
 from __future__ import annotations
@@ -55,12 +60,14 @@ from trainer.replay import (
 from trainer.scoring import (
     align,
     concat_left_padded,
+    distinct_tokens,
     forward_logprobs,
+    forwarded_tokens,
     left_pad,
     score_groups,
     token_logprobs,
 )
-from trainer.telemetry import RunLogs, quantiles
+from trainer.telemetry import RunLogs, StepCost, quantiles
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Run:
     eval_examples: list
     logs: RunLogs
     ref_model: Any = None
+    cost: StepCost = field(default_factory=StepCost)  # the current step's ledger
     counters: dict[str, Any] = field(
         default_factory=lambda: {
             "env_calls_total": 0,
@@ -90,6 +98,7 @@ class Run:
 
     def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
         """The replay `ScoreFn`: current-policy log-probs of stored groups, no grad."""
+        self.cost.scan_tf_tokens += distinct_tokens(groups)
         return score_groups(
             self.model, groups, self.config.grpo.score_chunk, self.config.rollout.temperature
         )
@@ -129,6 +138,14 @@ def sample_prompts(examples: list, seed: int, step: int, b: int) -> list:
         perm = np.random.default_rng([seed, epoch]).permutation(n)
         out.append(examples[int(perm[pos])])
     return out
+
+
+def refill_prompts(examples: list, seed: int, step: int, round_: int, n: int) -> list:
+    """`n` extra prompts for dynamic sampling's refill `round_` of `step`: distinct, drawn from
+    a stream of their own, a pure function of (seed, step, round)."""
+    rng = np.random.default_rng([seed, step, round_, 7_919])
+    picks = rng.choice(len(examples), size=min(n, len(examples)), replace=False)
+    return [examples[int(i)] for i in picks]
 
 
 def heldout_subset(examples: list, seed: int, size: int) -> list:
@@ -249,7 +266,10 @@ def trajectory_rows(groups: list[list]) -> tuple[torch.Tensor, ...]:
 def behaviour_groups(run: Run, groups: list[list], step: int) -> tuple[list[StoredGroup], float]:
     """Teacher-forced behaviour log-probs (`gen_logprobs`) and advantages of the fresh groups;
     returns them as StoredGroups (not yet in the buffer) and the mean token entropy."""
+    if not groups:
+        return [], 0.0
     ids, attn, mask = trajectory_rows(groups)
+    run.cost.behaviour_tf_tokens += forwarded_tokens(ids, attn, mask)
     with torch.no_grad():
         lp, ent = token_logprobs(
             run.model,
@@ -286,15 +306,30 @@ class UpdateStats:
     replay_headroom: list[float]
 
 
-def update_policy(run: Run, fresh: list[StoredGroup], replayed: list[StoredGroup]) -> UpdateStats:
+def update_policy(
+    run: Run,
+    fresh: list[StoredGroup],
+    replayed: list[StoredGroup],
+    weights: list[float] | None = None,
+) -> UpdateStats:
     """`updates_per_step` optimizer passes over fresh + replayed rows, in chunks of
-    `micro_batch` rows whose gradients add up to the token mean over the whole batch."""
+    `micro_batch` rows whose gradients add up to the token mean over the whole batch.
+    `weights` (one per replayed group, importance weights of a sampling selector) scale that
+    group's advantages, which scales its loss terms exactly since a weight is positive."""
     cfg, groups = run.config.grpo, fresh + replayed
+    if not groups:  # dynamic sampling kept nothing and nothing was replayed
+        run.scheduler.step()
+        return UpdateStats(0.0, 0.0, 0.0, [], [])
+    weights = weights or [1.0] * len(replayed)
     ids = concat_left_padded([g.input_ids for g in groups])
     attn = concat_left_padded([g.attention_mask for g in groups])
     mask = concat_left_padded([g.loss_mask for g in groups])
     old = concat_left_padded([g.gen_logprobs for g in groups])
-    adv = torch.cat([g.advantages for g in groups])  # (N,)
+    adv = torch.cat(
+        [g.advantages for g in fresh]
+        + [g.advantages * w for g, w in zip(replayed, weights, strict=True)]
+    )  # (N,)
+    run.cost.update_tf_tokens += int(attn.sum()) * cfg.updates_per_step
     total = mask.sum().clamp(min=1.0)
     order = torch.argsort(attn.sum(dim=1), stable=True)
     first_pass = torch.zeros_like(old)
@@ -346,29 +381,85 @@ def chunk_loss(run: Run, ids, attn, mask, old, adv) -> tuple[torch.Tensor, float
     return loss, kl, lp.detach().float().cpu()
 
 
+@dataclass
+class FreshBatch:
+    """The step's fresh groups for the update, and every rollout made to get them."""
+
+    groups: list[list]  # kept groups (b, or fewer after dynamic sampling's filter)
+    rollouts: list  # RolloutResult of the step's batch and of each refill
+    passages: int  # documents the environment returned over all of them
+
+    @property
+    def trajectories(self) -> list:
+        """The trajectories rolled out this step (refills included, dropped groups not)."""
+        return [t for r in self.rollouts for g in r.groups for t in g]
+
+    @property
+    def spent(self) -> list:
+        """Every trajectory that cost a rollout: refills and dropped groups included."""
+        return [t for r in self.rollouts for g in [*r.groups, *r.dropped] for t in g]
+
+
+def has_reward_variance(group: list) -> bool:
+    """Whether a group's rewards differ (else every advantage is 0: no gradient)."""
+    return len({t.reward for t in group}) > 1
+
+
+def rollout_fresh(run: Run, step: int) -> FreshBatch:
+    """Roll out the step's `b` prompts. With `grpo.dynamic_sampling` (DAPO-style), groups
+    whose rewards are all equal are dropped and refilled with extra prompts, up to
+    `refill_rounds` times; the kept groups are capped at `b`."""
+    from agent_env.rollout import rollout_groups
+
+    cfg = run.config
+    b = cfg.grpo.batch_prompts
+    passages_before = run.client.stats.passages
+
+    def roll(examples: list):
+        return rollout_groups(
+            run.generator, run.client, run.tokenizer, examples, cfg.grpo.group_size, cfg.rollout
+        )
+
+    rollouts = [roll(sample_prompts(run.train_examples, cfg.seed, step, b))]
+    kept = rollouts[0].groups
+    if cfg.grpo.dynamic_sampling:
+        kept = [g for g in kept if has_reward_variance(g)]
+        for round_ in range(1, cfg.grpo.refill_rounds + 1):
+            if len(kept) >= b:
+                break
+            extra = refill_prompts(run.train_examples, cfg.seed, step, round_, b - len(kept))
+            rollouts.append(roll(extra))
+            kept += [g for g in rollouts[-1].groups if has_reward_variance(g)]
+        kept = kept[:b]
+    if not any(r.groups for r in rollouts):
+        raise UserError(f"step {step}: every group's retrieval failed; is the server up?")
+    return FreshBatch(kept, rollouts, run.client.stats.passages - passages_before)
+
+
 def train_step(run: Run, step: int) -> dict[str, Any]:
     """One GRPO step with replay; returns its metrics record."""
     from agent_env.rewards import exact_match
-    from agent_env.rollout import rollout_groups
 
-    cfg, t_start = run.config, time.perf_counter()
+    cfg, t_start, run.cost = run.config, time.perf_counter(), StepCost()
     # 1-2. rollout of b prompts x G responses, each rewarded by agent_env
-    examples = sample_prompts(run.train_examples, cfg.seed, step, cfg.grpo.batch_prompts)
-    rollout = rollout_groups(
-        run.generator, run.client, run.tokenizer, examples, cfg.grpo.group_size, cfg.rollout
-    )
-    if not rollout.groups:
-        raise UserError(f"step {step}: every group's retrieval failed; is the server up?")
+    with run.cost.cpu("rollout"):
+        batch = rollout_fresh(run, step)
     # 3. behaviour log-probs and advantages
     t0 = time.perf_counter()
-    fresh, entropy = behaviour_groups(run, rollout.groups, step)
+    with run.cost.cpu("scoring"):
+        fresh, entropy = behaviour_groups(run, batch.groups, step)
     t1 = time.perf_counter()
     # 4. replay selection
-    selection = SELECTORS.get(cfg.arm)(run.buffer, step, cfg.select_params, run.score)
+    with run.cost.cpu("selection"):
+        selector = SELECTORS.get(cfg.arm)
+        selection = selector(run.buffer, step, cfg.select_params, run.score, fresh=fresh)
     t2 = time.perf_counter()
-    # 5. one update on fresh + replayed
-    update = update_policy(run, fresh, selection.groups)
-    run.generator.sync_weights(run.model)
+    # 5. one update on fresh + replayed (a swap selector leaves some fresh groups out)
+    swapped = set(selection.swap_out)
+    trained = [g for k, g in enumerate(fresh) if k not in swapped]
+    with run.cost.cpu("update"):
+        update = update_policy(run, trained, selection.groups, selection.weights)
+        run.generator.sync_weights(run.model)
     t3 = time.perf_counter()
     # 6. ingress after the update
     for group in selection.groups:
@@ -376,12 +467,11 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     evicted = run.buffer.ingest(fresh, cfg.replay.store_zero_advantage)
     run.logs.groups_left(evicted, step)
     # 7. metrics
-    run.counters["env_calls_total"] += rollout.env_calls
-    trajs = [t for group in rollout.groups for t in group]
-    # search tool calls (queries) are the environment cost that scales with fresh rollouts;
-    # env_calls counts the batched HTTP requests that carried them
-    search_calls = sum(t.searches for t in trajs)
-    run.counters["search_calls_total"] += search_calls
+    trajs = batch.trajectories
+    record_cost(run.cost, batch, trained, selection)
+    env_calls = sum(r.env_calls for r in batch.rollouts)
+    run.counters["env_calls_total"] += env_calls
+    run.counters["search_calls_total"] += run.cost.search_calls
     run.counters["wall_time_total"] += time.perf_counter() - t_start
     return {
         "step": step,
@@ -393,19 +483,44 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "kl": update.kl,
         "lr": run.scheduler.get_last_lr()[0],
         **replay_metrics(run, step, fresh, selection, update),
-        "env_calls": rollout.env_calls,
+        "env_calls": env_calls,
         "env_calls_total": run.counters["env_calls_total"],
-        "search_calls": search_calls,
+        "search_calls": run.cost.search_calls,
         "search_calls_total": run.counters["search_calls_total"],
-        "dropped_groups": len(rollout.dropped),
-        "time_generation": rollout.gen_time,
-        "time_retrieval": rollout.retrieval_time,
+        "dropped_groups": sum(len(r.dropped) for r in batch.rollouts),
+        "time_generation": sum(r.gen_time for r in batch.rollouts),
+        "time_retrieval": sum(r.retrieval_time for r in batch.rollouts),
         "time_scoring": t1 - t0,
         "time_selection": t2 - t1,
         "time_update": t3 - t2,
         "time_step": time.perf_counter() - t_start,
         "wall_time_total": run.counters["wall_time_total"],
+        **run.cost.record(),
     }
+
+
+def record_cost(
+    cost: StepCost, batch: FreshBatch, trained: list[StoredGroup], sel: Selection
+) -> None:
+    """Fill the step's ledger from what was rolled out, updated on and selected (the
+    teacher-forced tokens and CPU seconds were counted as they happened)."""
+    trajs = batch.spent
+    cost.prompt_tokens = sum(len(t.prompt_ids) for t in trajs)
+    cost.generated_tokens = sum(sum(t.loss_mask) for t in trajs)
+    cost.observation_tokens = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
+    cost.fresh_groups = sum(len(r.groups) + len(r.dropped) for r in batch.rollouts)
+    cost.search_calls = sum(t.searches for t in trajs)
+    cost.env_requests = sum(r.env_calls for r in batch.rollouts)
+    cost.passages = batch.passages
+    cost.env_wait_s = sum(r.retrieval_time for r in batch.rollouts)
+    groups = trained + sel.groups
+    cost.update_groups = len(groups)
+    cost.informative_groups = sum(not g.all_zero_advantage for g in groups)
+    cost.informative_tokens = sum(
+        int(g.loss_mask[g.advantages != 0].sum()) for g in groups
+    )  # rows with A != 0
+    cost.replayed_groups = len(sel.groups)
+    cost.scanned_groups = sel.scanned
 
 
 def replay_metrics(

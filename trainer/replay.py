@@ -202,12 +202,22 @@ ScoreFn = Callable[[Sequence[StoredGroup]], list[Tensor]]
 
 @dataclass(frozen=True)
 class SelectParams:
-    """What a selector needs to know: budget `R`, gate `tau`, drift norm, scan chunk (groups)."""
+    """What a selector needs to know: budget `R`, gate `tau`, drift norm, scan chunk (groups);
+    for the sampling selectors a seed, the run length and the age scale `tau_age` (steps)."""
 
     budget: int
     tau: float = math.inf
     norm: str = "l2"
     chunk: int = 8
+    seed: int = 0
+    total_steps: int = 1
+    tau_age: float = 500.0
+    is_beta_start: float = 0.4
+
+    def generator(self, step: int) -> torch.Generator:
+        """A torch RNG for `step` that depends only on (seed, step), so a resumed run draws
+        what the original would have."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + step)
 
 
 @dataclass
@@ -221,6 +231,9 @@ class Selection:
     drift_admitted: list[float] = field(default_factory=list)
     headroom_stored: list[float] = field(default_factory=list)  # admitted, before refresh
     headroom_refreshed: list[float] = field(default_factory=list)  # admitted, after refresh
+    weights: list[float] = field(default_factory=list)  # importance weight per group (1 if empty)
+    swap_out: list[int] = field(default_factory=list)  # fresh groups left out of the update
+    scored: list[Tensor] = field(default_factory=list)  # admitted groups' scan log-probs
 
     @property
     def acceptance_rate(self) -> float:
@@ -229,8 +242,16 @@ class Selection:
 
 
 class Selector(Protocol):
+    """Picks stored groups for `step`. `fresh` are the step's own groups (not yet stored);
+    only `replay_zero_variance_swap` looks at them."""
+
     def __call__(
-        self, buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+        self,
+        buffer: ReplayBuffer,
+        step: int,
+        params: SelectParams,
+        score: ScoreFn,
+        fresh: Sequence[StoredGroup] = (),
     ) -> Selection: ...
 
 
@@ -283,18 +304,21 @@ def scan(
                 sel.drift_admitted.append(drift)
                 sel.headroom_stored.append(stored)
                 sel.headroom_refreshed.append(group.headroom)
+                sel.scored.append(logprobs)
     return sel
 
 
 @SELECTORS.register("on_policy")
-def on_policy(buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn) -> Selection:
+def on_policy(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
+) -> Selection:
     """No replay: the step trains on its fresh groups only."""
     return Selection()
 
 
 @SELECTORS.register("replay_recency")
 def replay_recency(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
 ) -> Selection:
     """Naive replay: the `R` most recent groups, no gate and no re-scoring."""
     groups = by_recency(eligible(buffer, step))[: params.budget]
@@ -305,7 +329,7 @@ def replay_recency(
 
 @SELECTORS.register("headroom_only")
 def headroom_only(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
 ) -> Selection:
     """Headroom order, no drift gate (the PER-style priority analogue); headroom refreshed."""
     return scan(
@@ -319,7 +343,9 @@ def headroom_only(
 
 
 @SELECTORS.register("drift_only")
-def drift_only(buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn) -> Selection:
+def drift_only(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
+) -> Selection:
     """Recency order, gated by `D(g) <= tau`."""
     return scan(
         by_recency(eligible(buffer, step)),
@@ -333,7 +359,7 @@ def drift_only(buffer: ReplayBuffer, step: int, params: SelectParams, score: Sco
 
 @SELECTORS.register("headroom_drift")
 def headroom_drift(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
 ) -> Selection:
     """Headroom order, gated by `D(g) <= tau` with the configured norm (L2 by default)."""
     return scan(
@@ -348,9 +374,98 @@ def headroom_drift(
 
 @SELECTORS.register("headroom_drift_l1")
 def headroom_drift_l1(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
 ) -> Selection:
     """Headroom order, gated by the L1 drift `mean |logprob - gen_logprob| <= tau`."""
     return scan(
         by_headroom(eligible(buffer, step)), params.budget, params.tau, "l1", score, params.chunk
+    )
+
+
+# --- published replay rules for GRPO (no re-scoring, stored behaviour log-probs) -----------
+
+
+def freshness_priority(rewards: Tensor, age: Tensor, tau_age: float) -> Tensor:
+    """Freshness-aware priority of stored groups: `mean_i |r[g, i]| * exp(-age[g] / tau_age)`.
+
+    `rewards`: `[n, G]`; `age`: `[n]` steps since the group entered. Returns `[n]`. The
+    published rule scores one trajectory by `|reward| * exp(-age / tau_age)`; a group's
+    priority here is the mean of its responses' scores, since replay moves whole groups.
+    """
+    return rewards.abs().float().mean(dim=-1) * torch.exp(-age.float() / tau_age)
+
+
+def importance_weights(probs: Tensor, picked: Tensor, beta: float) -> Tensor:
+    """Prioritized-replay importance weights of the picked items, normalised by their max.
+
+    `probs`: `[n]` sampling probabilities over the whole buffer; `picked`: `[k]` indices.
+    `w = (n * P(i)) ** -beta / max w` (Schaul et al.'s correction; beta annealed to 1).
+    """
+    w = (len(probs) * probs[picked]).pow(-beta)
+    return w / w.max()
+
+
+def zero_variance_swap_score(rewards: Tensor, advantages: Tensor) -> Tensor:
+    """Swap score of stored groups: `sum_i |A[g, i]| * std_i r[g]` (Bessel). `[n, G]` -> `[n]`."""
+    return advantages.abs().float().sum(dim=-1) * rewards.float().std(dim=-1, unbiased=True)
+
+
+def sample_proportional(scores: Tensor, k: int, rng: torch.Generator) -> Tensor:
+    """`k` distinct indices drawn in proportion to `scores` (>= 0); fewer when fewer are
+    positive. Returns `[k']` int64."""
+    positive = int((scores > 0).sum())
+    k = min(k, positive)
+    if k == 0:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.multinomial(scores.double(), k, replacement=False, generator=rng)
+
+
+@SELECTORS.register("replay_freshness_per")
+def replay_freshness_per(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
+) -> Selection:
+    """Freshness-aware prioritized replay: `R` groups sampled without replacement in proportion
+    to `freshness_priority`, importance weights with exponent annealed linearly from
+    `is_beta_start` to 1 over the run; stored behaviour log-probs, no re-scoring, no gate."""
+    groups = eligible(buffer, step)
+    if not groups or params.budget == 0:
+        return Selection()
+    rewards = torch.stack([g.rewards for g in groups])  # (n, G)
+    age = torch.tensor([step - g.entered_step for g in groups])  # (n,)
+    priority = freshness_priority(rewards, age, params.tau_age)
+    picked = sample_proportional(priority, params.budget, params.generator(step))
+    if len(picked) == 0:
+        return Selection()
+    progress = min(1.0, step / max(1, params.total_steps))
+    beta = params.is_beta_start + (1.0 - params.is_beta_start) * progress
+    weights = importance_weights(priority / priority.sum(), picked, beta)
+    chosen = [groups[int(i)] for i in picked]
+    return Selection(
+        groups=chosen,
+        headroom_stored=[g.headroom for g in chosen],
+        weights=[float(w) for w in weights],
+    )
+
+
+@SELECTORS.register("replay_zero_variance_swap")
+def replay_zero_variance_swap(
+    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
+) -> Selection:
+    """Zero-variance swap: each fresh group whose rewards are all equal (no gradient) is
+    replaced by a stored group, drawn without replacement in proportion to
+    `zero_variance_swap_score`; as many swaps as there are such groups and stored groups
+    with a positive score (the budget `R` does not apply); stored log-probs, no re-scoring."""
+    flat = [k for k, g in enumerate(fresh) if g.all_zero_advantage]
+    groups = eligible(buffer, step)
+    if not flat or not groups:
+        return Selection()
+    scores = zero_variance_swap_score(
+        torch.stack([g.rewards for g in groups]), torch.stack([g.advantages for g in groups])
+    )
+    picked = sample_proportional(scores, len(flat), params.generator(step))
+    chosen = [groups[int(i)] for i in picked]
+    return Selection(
+        groups=chosen,
+        headroom_stored=[g.headroom for g in chosen],
+        swap_out=flat[: len(chosen)],
     )

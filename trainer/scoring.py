@@ -184,3 +184,25 @@ def score_groups(
         out.append(lp[row : row + G, lp.shape[1] - T :] * g.loss_mask)
         row += G
     return out
+
+
+def forwarded_tokens(
+    input_ids: Tensor, attention_mask: Tensor, target_mask: Tensor | None = None
+) -> int:
+    """Real tokens `token_logprobs` (with `dedupe`) runs through the model for these rows:
+    the attention-mask sum over distinct rows. `[N, T]` each -> int."""
+    if len(input_ids) > 1:
+        unique, _ = unique_rows(input_ids, attention_mask, target_mask)
+        attention_mask = attention_mask[unique]
+    return int(attention_mask.sum())
+
+
+def distinct_tokens(groups: Sequence) -> int:
+    """Real tokens `score_groups` runs through the model for `groups` (see `forwarded_tokens`)."""
+    if not groups:
+        return 0
+    return forwarded_tokens(
+        concat_left_padded([g.input_ids for g in groups]),
+        concat_left_padded([g.attention_mask for g in groups]),
+        concat_left_padded([g.loss_mask for g in groups]),
+    )

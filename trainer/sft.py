@@ -39,7 +39,9 @@ def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], 
     from agent_env.rollout import rollout_groups
 
     oracle = {ex.question.strip(): list(ex.golden_answers) for ex in examples}
-    generator = ScriptedGenerator(tokenizer, config.rollout.prompt, oracle=oracle)
+    generator = ScriptedGenerator(
+        tokenizer, config.rollout.prompt, oracle=oracle, searches=max(1, config.rollout.max_turns)
+    )
     rows, chunk = [], config.sft.rollout_chunk
     for lo in range(0, len(examples), chunk):
         result = rollout_groups(

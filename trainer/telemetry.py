@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,66 @@ def quantiles(values: list[float]) -> list[float]:
     if not values:
         return []
     return [float(q) for q in np.quantile(np.asarray(values, dtype=float), QUANTILES)]
+
+
+@dataclass
+class StepCost:
+    """The cost ledger of one training step; logged as `cost_<field>` in metrics.jsonl.
+
+    Counts (tokens, calls, groups) are machine-independent: the same config and seed give
+    the same counts on any machine. Seconds are not: `env_wait_s` is wall time waiting on
+    the retrieval server, `cpu_*_s` are process CPU seconds (every thread) by phase.
+    Teacher-forced tokens are the real (attention-mask) tokens of the rows a phase runs
+    through the model; the no-grad phases score exact-duplicate rows once, so they count
+    distinct rows; the update counts every row once per optimizer pass (forward + backward).
+    """
+
+    prompt_tokens: int = 0  # prompts of the fresh trajectories (refills included)
+    generated_tokens: int = 0  # tokens the policy sampled (loss mask 1), refills included
+    observation_tokens: int = 0  # environment text appended to responses (loss mask 0)
+    behaviour_tf_tokens: int = 0  # scoring the kept fresh groups' behaviour log-probs
+    scan_tf_tokens: int = 0  # re-scoring replay candidates
+    update_tf_tokens: int = 0  # the update's forward + backward
+    fresh_groups: int = 0  # groups rolled out (refills and dropped groups included)
+    search_calls: int = 0  # tool calls (queries) sent to the environment
+    env_requests: int = 0  # batched HTTP requests that carried them
+    passages: int = 0  # passages the environment returned
+    update_groups: int = 0  # groups in the update, fresh + replayed
+    informative_groups: int = 0  # ... of which have some non-zero advantage
+    informative_tokens: int = 0  # policy tokens of responses with non-zero advantage
+    replayed_groups: int = 0
+    scanned_groups: int = 0
+    env_wait_s: float = 0.0
+    cpu_rollout_s: float = 0.0  # generation and the client's side of retrieval
+    cpu_scoring_s: float = 0.0
+    cpu_selection_s: float = 0.0
+    cpu_update_s: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        return {f"cost_{k}": v for k, v in asdict(self).items()}
+
+    @contextmanager
+    def cpu(self, phase: str) -> Iterator[None]:
+        """Add the process CPU seconds spent in the block to `cpu_<phase>_s`."""
+        start = time.process_time()
+        try:
+            yield
+        finally:
+            name = f"cpu_{phase}_s"
+            setattr(self, name, getattr(self, name) + time.process_time() - start)
+
+
+COST_KEYS = tuple(f"cost_{f.name}" for f in fields(StepCost))
+COUNT_KEYS = tuple(k for k in COST_KEYS if not k.endswith("_s"))
+
+
+def cost_totals(records: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """A run's ledger: every `cost_*` field summed over its steps' metrics records."""
+    totals: dict[str, float] = dict.fromkeys(COST_KEYS, 0)
+    for row in records:
+        for key in COST_KEYS:
+            totals[key] += row[key]
+    return totals
 
 
 def _filter_jsonl(path: Path, keep) -> None:

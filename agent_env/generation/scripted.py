@@ -1,10 +1,13 @@
 """`scripted` backend: a deterministic policy for tests, reference figures and SFT targets.
 
-First turn: search the question text verbatim. After an information block: answer the title
-of Doc 1. In oracle mode (given question -> golden answers) it answers the golden title when
-that title is among the retrieved documents and Doc 1's otherwise, which is the best a
-policy that copies the question can do; the trainer's `hdr sft` uses it to make supervised
-trajectories. Its log-probs are 0.0 (the action has probability 1 under this policy).
+First turn: search the question text verbatim. With `searches=1` (default), after an
+information block: answer the title of Doc 1. With `searches=n`, after each of the first
+n-1 blocks it searches Doc 1's title (the bridge hop of `wiki-bridge`), and after the n-th
+it answers the first title of that block that it has not searched. In oracle mode (given
+question -> golden answers) it answers the golden title when that title is among the
+documents it retrieved, which is the best a policy that searches this way can do; the
+trainer's `hdr sft` uses it to make supervised trajectories. Its log-probs are 0.0 (the
+action has probability 1 under this policy).
 
 It reads the question and the documents back from the decoded context, so it works through
 the same Generator interface, with the same prompt config, as a real model.
@@ -43,6 +46,21 @@ def _strip_quotes(title: str) -> str:
     return title
 
 
+def searched_queries(context_text: str) -> list[str]:
+    """The queries of the searches so far (the opening tag may be the prompt's)."""
+    return [q.strip() for q in re.findall(r"<search>(.*?)</search>", context_text, re.DOTALL)]
+
+
+def all_document_titles(context_text: str) -> list[str]:
+    """Titles of the documents of every information block, in order."""
+    titles, start = [], context_text.find(INFO_OPEN)
+    while start >= 0:
+        end = context_text.find(INFO_CLOSE, start)
+        titles += document_titles(context_text[: end if end >= 0 else None])
+        start = context_text.find(INFO_OPEN, start + 1)
+    return titles
+
+
 def document_titles(context_text: str) -> list[str]:
     """Titles (quotes removed) of the documents in the last information block."""
     start = context_text.rfind(INFO_OPEN)
@@ -57,11 +75,16 @@ class ScriptedGenerator:
     """Search the question, then answer Doc 1's title (or, with an oracle, the gold title)."""
 
     def __init__(
-        self, tokenizer, prompt: PromptConfig, oracle: dict[str, list[str]] | None = None
+        self,
+        tokenizer,
+        prompt: PromptConfig,
+        oracle: dict[str, list[str]] | None = None,
+        searches: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
         self.prompt = prompt
         self.oracle = oracle
+        self.searches = searches
         self._question = _question_pattern(prompt.template)
 
     def sync_weights(self, model) -> None:
@@ -75,11 +98,14 @@ class ScriptedGenerator:
         question_match = self._question.search(text)
         question = question_match.group(1).strip() if question_match else ""
         titles = document_titles(text)
-        if titles:
-            action = self._choose(question, titles)
-            body, open_tag, close_tag = f" {action} ", ANSWER_OPEN, ANSWER_CLOSE
-        else:
+        blocks = text.count(INFO_OPEN)
+        if not titles:
             body, open_tag, close_tag = f" {question} ", SEARCH_OPEN, SEARCH_CLOSE
+        elif blocks < self.searches:
+            body, open_tag, close_tag = f" {titles[0]} ", SEARCH_OPEN, SEARCH_CLOSE
+        else:
+            action = self._choose(question, titles, text)
+            body, open_tag, close_tag = f" {action} ", ANSWER_OPEN, ANSWER_CLOSE
         # The context may already hold the opening tag (compact prompt); don't repeat it.
         prefix = "" if text.endswith(open_tag) else open_tag
         ids = self.tokenizer.encode(prefix + body + close_tag, add_special_tokens=False)
@@ -87,13 +113,15 @@ class ScriptedGenerator:
         ids = ids[: params.max_tokens]
         return Completion(ids, [0.0] * len(ids), finished=finished)
 
-    def _choose(self, question: str, titles: list[str]) -> str:
+    def _choose(self, question: str, titles: list[str], text: str) -> str:
         if self.oracle is not None:
             gold = {normalize_answer(a) for a in self.oracle.get(question, [])}
-            for title in titles:
+            for title in all_document_titles(text):
                 if normalize_answer(title) in gold:
                     return title
-        return titles[0]
+        searched = {normalize_answer(q) for q in searched_queries(text)[1:]}
+        unsearched = [t for t in titles if normalize_answer(t) not in searched]
+        return (unsearched or titles)[0]
 
 
 @GENERATORS.register("scripted")

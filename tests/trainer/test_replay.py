@@ -11,9 +11,12 @@ from trainer.replay import (
     ReplayBuffer,
     SelectParams,
     StoredGroup,
+    freshness_priority,
     headroom,
+    importance_weights,
     make_group,
     policy_drift,
+    zero_variance_swap_score,
 )
 
 LN = math.log
@@ -219,6 +222,8 @@ def test_registry_names_and_unknown_arm():
             "drift_only",
             "headroom_drift",
             "headroom_drift_l1",
+            "replay_freshness_per",
+            "replay_zero_variance_swap",
         ]
     )
     with pytest.raises(UserError, match="headroom_drift"):
@@ -259,3 +264,63 @@ def test_buffer_state_roundtrip():
         ("b", 0.4, 0),
     ]
     assert torch.equal(back.groups()[1].gen_logprobs, buf.groups()[1].gen_logprobs)
+
+
+# --- the published rules: freshness-aware PER and the zero-variance swap ----------------------
+
+
+def rewarded(name: str, rewards, step: int) -> StoredGroup:
+    g = group(name, 0.5, step)
+    g.rewards = torch.tensor(rewards)
+    return g
+
+
+def test_freshness_priority_and_importance_weights_hand_values():
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [-1.0, 0.0]])
+    age = torch.tensor([0, 10, 10])
+    got = freshness_priority(rewards, age, tau_age=10.0)
+    assert got.tolist() == pytest.approx([0.5, math.exp(-1), 0.5 * math.exp(-1)])
+    probs = torch.tensor([0.5, 0.25, 0.25])
+    # (n P)^-beta with n=3, beta=1: 1/1.5, 1/0.75 -> normalised by the max (1/0.75)
+    w = importance_weights(probs, torch.tensor([0, 1]), beta=1.0)
+    assert w.tolist() == pytest.approx([0.5, 1.0])
+
+
+def test_freshness_per_samples_by_priority_and_weights_without_rescoring():
+    buf = buffer_of(
+        rewarded("old", [1.0, 1.0], 0),
+        rewarded("zero", [0.0, 0.0], 5),
+        rewarded("new", [1.0, 0.0], 5),
+    )
+    params = SelectParams(budget=2, seed=3, total_steps=10, tau_age=2.0)
+
+    def no_scoring(groups):
+        raise AssertionError("freshness PER must not re-score")
+
+    sel = SELECTORS.get("replay_freshness_per")(buf, 6, params, no_scoring)
+    # a group of zero rewards has priority 0 and is never drawn: the other two are
+    assert sorted(g.group_id for g in sel.groups) == ["new", "old"]
+    assert sel.scanned == 0 and len(sel.weights) == 2 and max(sel.weights) == 1.0
+    again = SELECTORS.get("replay_freshness_per")(buf, 6, params, no_scoring)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in sel.groups]  # seeded
+
+
+def test_zero_variance_swap_replaces_only_flat_fresh_groups():
+    stored = buffer_of(rewarded("a", [1.0, 0.0], 0), rewarded("b", [0.0, 0.0], 0))
+    stored.groups()[1].advantages = torch.zeros(2)
+    fresh = [
+        group("f0", 0.5, 1),
+        group("f1", 0.0, 1, adv=(0.0, 0.0)),
+        group("f2", 0.0, 1, adv=(0.0, 0.0)),
+    ]
+    score = zero_variance_swap_score(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.7, -0.7]]))
+    assert score.item() == pytest.approx(1.4 * math.sqrt(0.5))
+    sel = SELECTORS.get("replay_zero_variance_swap")(
+        stored, 1, SelectParams(budget=0), lambda gs: [], fresh=fresh
+    )
+    # two flat fresh groups, but only one stored group has a positive score
+    assert [g.group_id for g in sel.groups] == ["a"] and sel.swap_out == [1]
+    none_flat = SELECTORS.get("replay_zero_variance_swap")(
+        stored, 1, SelectParams(budget=4), lambda gs: [], fresh=fresh[:1]
+    )
+    assert none_flat.groups == [] and none_flat.swap_out == []

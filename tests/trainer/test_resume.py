@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from hdr.errors import UserError
 from trainer.checkpoint import list_checkpoints, open_checkpoint
+from trainer.telemetry import COUNT_KEYS
 
 COMPARED = [
     "reward_mean",
@@ -35,6 +36,7 @@ COMPARED = [
     "buffer_size",
     "env_calls",
     "env_calls_total",
+    *COUNT_KEYS,  # the cost ledger's counts: a resumed run spends what the original did
 ]
 
 

@@ -66,6 +66,11 @@ def experiment_command(
         False, "--ablations", help="headroom_only, drift_only, headroom_drift_l1 vs headroom_drift."
     ),
     quick: bool = typer.Option(False, "--quick", help="A few-minute version (pipeline check)."),
+    bridge: bool = typer.Option(
+        False,
+        "--bridge",
+        help="The multi-turn wiki-bridge task with an emulated search-API cost, 7 arms.",
+    ),
     base_config: Path = typer.Option(
         Path("configs/tiny-cpu.yaml"), "--config", "-c", help="Base TrainConfig YAML."
     ),
@@ -77,10 +82,13 @@ def experiment_command(
     `hdr serve`; write results.json, results.md and charts."""
     from evaluation.experiment import experiment_config, run_experiment
 
-    default_out = Path("runs") / ("ablations" if ablations else "experiment")
+    default_out = Path("runs") / (
+        ("bridge-" if bridge else "") + ("ablations" if ablations else "experiment")
+    )
     cfg = experiment_config(
         quick=quick,
         ablations=ablations,
+        bridge=bridge,
         overrides=overrides,
         data_dir=data,
         out_dir=out or default_out,

@@ -45,21 +45,24 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
 
 from evaluation.metrics import (
+    bootstrap_seeds_questions,
     markdown_table,
     mean_spread,
     paired_difference,
+    seed_t_interval,
     write_json_atomic,
     write_text_atomic,
 )
 from hdr.config import StrictModel
 from hdr.errors import UserError
 from hdr.registry import Registry
+from trainer.telemetry import cost_totals
 
 # --------------------------------------------------------------------------------- arms
 
@@ -94,8 +97,39 @@ _add(Arm("headroom_drift", "headroom_drift", doc="b fresh + r by headroom, L2 dr
 _add(Arm("headroom_only", "headroom_only", doc="b fresh + r by headroom, no gate"))
 _add(Arm("drift_only", "drift_only", doc="b fresh + r newest passing the L2 drift gate"))
 _add(Arm("headroom_drift_l1", "headroom_drift_l1", doc="b fresh + r by headroom, L1 gate"))
+_add(
+    Arm(
+        "on_policy_filtered",
+        "on_policy",
+        replays=False,
+        overrides=("grpo.dynamic_sampling=true",),
+        doc="b fresh, zero-variance groups dropped and refilled by extra fresh prompts (DAPO)",
+    )
+)
+_add(
+    Arm(
+        "replay_freshness_per",
+        "replay_freshness_per",
+        doc="b fresh + r sampled by |reward| x exp(-age/tau_age), importance-weighted",
+    )
+)
+_add(
+    Arm(
+        "replay_zero_variance_swap",
+        "replay_zero_variance_swap",
+        doc="b fresh, zero-variance ones swapped for stored groups by sum|A| x std(r)",
+    )
+)
 
-MAIN_ARMS = ("on_policy", "on_policy_larger", "replay_recency", "headroom_drift")
+MAIN_ARMS = (
+    "on_policy",
+    "on_policy_larger",
+    "on_policy_filtered",
+    "replay_recency",
+    "headroom_drift",
+    "replay_freshness_per",
+    "replay_zero_variance_swap",
+)
 MAIN_REFERENCES = ("on_policy_larger", "replay_recency")
 ABLATION_ARMS = ("headroom_drift", "headroom_only", "drift_only", "headroom_drift_l1")
 ABLATION_REFERENCES = ("headroom_drift",)
@@ -106,6 +140,9 @@ class ExperimentConfig(StrictModel):
     """The experiment's knobs; `--quick` and `--ablations` are presets of these."""
 
     base_config: str = Field("configs/tiny-cpu.yaml", description="TrainConfig YAML of every arm.")
+    task: str = Field(
+        "wiki-vital", description="Training and held-out task: wiki-vital or wiki-bridge."
+    )
     data_dir: str = Field("data", description="Corpus, index and the cached SFT start.")
     out_dir: str = Field("runs/experiment", description="Runs, evaluations, results, charts.")
     arms: list[str] = Field(list(MAIN_ARMS), description="Arms to train, in table order.")
@@ -119,6 +156,18 @@ class ExperimentConfig(StrictModel):
     replay_ratio: float = Field(0.5, gt=0, description="r = round(ratio * b) replayed groups.")
     lr: float = Field(5e-5, gt=0, description="GRPO learning rate (cpu-bed: 3e-5 to 1e-4).")
     tau: float | None = Field(None, gt=0, description="L2 drift gate; None: the base config's.")
+    tau_l1: float | None = Field(
+        None,
+        gt=0,
+        description="L1 gate of headroom_drift_l1, from its own `hdr calibrate` sweep; None:"
+        " sqrt(tau), an upper bound by Jensen and so a looser gate than L2's.",
+    )
+    tau_age: float | None = Field(
+        None,
+        gt=0,
+        description="replay_freshness_per's age scale in steps; None: steps / 4 (the published"
+        " 500 steps is a quarter of a 2,000-step run).",
+    )
     eval_every: int = Field(15, ge=0, description="Periodic held-out eval (eval.jsonl) interval.")
     eval_num_questions: int = Field(48, ge=1, description="Periodic held-out subset size.")
     eval_k: int = Field(4, ge=1, description="Samples per question in the periodic eval.")
@@ -132,6 +181,17 @@ class ExperimentConfig(StrictModel):
     sft_max_examples: int | None = Field(None, ge=1, description="SFT questions; None: all.")
     corpus_limit: int | None = Field(None, ge=1, description="Index only the first N articles.")
     retriever: str = Field("bm25", description="Retriever the server and rollouts use.")
+    server_overrides: list[str] = Field(
+        [],
+        description="`hdr serve --set` settings, e.g. emulated_cost.request_latency_ms=500;"
+        " the server's /health (emulated cost included) goes into results.json.",
+    )
+    schedule: Literal["interleaved", "by_arm"] = Field(
+        "interleaved",
+        description="interleaved: runs ordered seed by seed, every arm of a seed in turn, so"
+        " with `jobs` runs at once every arm meets the same machine load; by_arm: arm by arm.",
+    )
+    bootstrap_resamples: int = Field(2000, ge=100, description="Seeds x questions bootstrap.")
     train_overrides: list[str] = Field([], description="Extra dotted overrides for every run.")
     jobs: int = Field(
         2, ge=1, description="Runs trained at once, each in its own process with cpu/jobs threads."
@@ -172,11 +232,40 @@ DEMO = {
 }
 
 
+# The multi-turn, cost-dominated comparison (docs/results.md): bridge questions that need two
+# searches, max_turns 2, the environment made to cost what a hosted search API does. The
+# emulated cost (1 s a request + 20 ms a query) makes a step's environment wait about twice
+# its generation time on 2 cores, so a fresh group costs well over 10x its teacher-forced
+# re-scoring: the regime of the paper's agentic-search claim. 5 seeds x 7 arms; each command
+# is one seed (`seeds=[n]`) so that it fits 120 minutes on 2 cores (see docs/results.md).
+BRIDGE = {
+    "task": "wiki-bridge",
+    "seeds": [1, 2, 3, 4, 5],
+    "steps": 40,
+    "batch_prompts": 8,
+    "group_size": 5,
+    "eval_every": 10,
+    "eval_num_questions": 48,
+    "final_questions": None,
+    "jobs": 2,
+    "server_overrides": [
+        "emulated_cost.request_latency_ms=1000",
+        "emulated_cost.query_latency_ms=20",
+    ],
+    "train_overrides": [
+        "rollout.max_turns=2",
+        'rollout.prompt.observation_suffix=""',
+    ],
+    "sft_epochs": 12,
+}
+
+
 def experiment_config(
     quick: bool = False,
     ablations: bool = False,
     overrides: Sequence[str] = (),
     demo: bool = False,
+    bridge: bool = False,
     **fields: Any,
 ) -> ExperimentConfig:
     """The preset (main, ablations or demo; full or quick), then explicit fields, then `k=v`
@@ -184,12 +273,21 @@ def experiment_config(
     from hdr.config import build_config
 
     data: dict[str, Any] = {}
+    if bridge:
+        data.update(BRIDGE)
     if ablations:
         data.update(arms=list(ABLATION_ARMS), references=list(ABLATION_REFERENCES))
     if demo:
         data.update(DEMO)
     if quick:
-        data.update(QUICK)
+        quick_preset = dict(QUICK)
+        if bridge:  # the bridge task's articles span the whole corpus: keep its index whole
+            quick_preset.pop("corpus_limit")
+            quick_preset["train_overrides"] = [
+                *BRIDGE["train_overrides"],
+                *QUICK["train_overrides"],
+            ]
+        data.update(quick_preset)
     data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
     cfg = build_config(ExperimentConfig, data, overrides)
     for name in [*cfg.arms, *cfg.references]:
@@ -273,8 +371,15 @@ def _sigterm_as_exit() -> Iterator[None]:
 
 
 @contextmanager
-def serve(index: Path, retriever: str, log: Path, timeout_s: float = 300.0) -> Iterator[str]:
-    """A real `hdr serve` subprocess on a free loopback port; yields its URL, stops it after."""
+def serve(
+    index: Path,
+    retriever: str,
+    log: Path,
+    timeout_s: float = 300.0,
+    settings: Sequence[str] = (),
+) -> Iterator[str]:
+    """A real `hdr serve` subprocess on a free loopback port (`settings`: its `--set`
+    options); yields its URL, stops it after."""
     import httpx
 
     port = free_port()
@@ -292,6 +397,7 @@ def serve(index: Path, retriever: str, log: Path, timeout_s: float = 300.0) -> I
         "--retriever",
         retriever,
         "--no-access-log",
+        *(arg for setting in settings for arg in ("--set", setting)),
     ]
     url = f"http://127.0.0.1:{port}"
     with log.open("a") as fh:
@@ -344,6 +450,9 @@ def base_train_config(
         f"model.path={sft_dir}",
         f"retrieval.urls=[{json.dumps(url)}]",
         f"retrieval.retriever={cfg.retriever}",
+        f"data.train={cfg.task}",
+        f"data.eval={cfg.task}",
+        f"replay.tau_age={cfg.tau_age or max(1.0, cfg.steps / 4)}",
         f"grpo.batch_prompts={cfg.batch_prompts}",
         f"grpo.group_size={cfg.group_size}",
         f"grpo.lr={cfg.lr}",
@@ -371,7 +480,7 @@ def arm_train_config(
     if not arm.replays:
         extra.append("replay.budget=0")
     if arm.selector == "headroom_drift_l1":
-        extra.append(f"replay.tau={math.sqrt(base.replay.tau)}")
+        extra.append(f"replay.tau={cfg.tau_l1 or math.sqrt(base.replay.tau)}")
     return base_train_config(cfg, url, sft_dir, run_dir, seed, [*extra, *arm.overrides])
 
 
@@ -411,9 +520,9 @@ def heldout_set(cfg: ExperimentConfig):
     from evaluation.evaluate import EvalDataset
     from trainer.loop import heldout_subset
 
-    examples = load_task("wiki-vital", "test")
+    examples = load_task(cfg.task, "test")
     examples = heldout_subset(examples, 0, cfg.final_questions or len(examples))
-    return [EvalDataset("wiki-vital", examples, ("wiki-vital",))]
+    return [EvalDataset(cfg.task, examples, (cfg.task,))]
 
 
 def final_eval(cfg: ExperimentConfig, model_dir: Path, train_config, datasets, out: Path):
@@ -479,11 +588,20 @@ def _job(cfg_json: str, arm: str, seed: int, url: str, sft_dir: str, threads: in
     return result
 
 
+def run_order(cfg: ExperimentConfig) -> list[tuple[str, int]]:
+    """(arm, seed) in the order runs start: seed by seed with every arm in turn
+    (`interleaved`), or arm by arm."""
+    if cfg.schedule == "interleaved":
+        return [(name, seed) for seed in cfg.seeds for name in cfg.arms]
+    return [(name, seed) for name in cfg.arms for seed in cfg.seeds]
+
+
 def run_all(cfg: ExperimentConfig, url: str, sft_dir: Path, datasets) -> list[RunResult]:
-    """Every arm x seed, in table order; with `jobs` > 1, that many at once in worker
-    processes (the two seeds of an arm run side by side, so each arm's wall times are
-    measured under the same sharing of the CPU)."""
-    tasks = [(name, seed) for name in cfg.arms for seed in cfg.seeds]
+    """Every arm x seed; with `jobs` > 1, that many at once in worker processes with
+    cpu/jobs torch threads each. `interleaved` (default) orders them seed by seed with every
+    arm in turn, so the arms share the machine alike; the ledger's CPU seconds and token
+    counts do not depend on that sharing, wall times do."""
+    tasks = run_order(cfg)
     if cfg.jobs == 1:
         return [run_arm(cfg, ARMS.get(n), s, url, sft_dir, datasets) for n, s in tasks]
     import multiprocessing as mp
@@ -511,6 +629,8 @@ def run_all(cfg: ExperimentConfig, url: str, sft_dir: Path, datasets) -> list[Ru
 # ------------------------------------------------------------------------------ summary
 
 TIME_KEYS = ("time_generation", "time_retrieval", "time_scoring", "time_selection", "time_update")
+CPU_KEYS = ("cost_cpu_rollout_s", "cost_cpu_scoring_s", "cost_cpu_selection_s", "cost_cpu_update_s")
+TF_KEYS = ("cost_behaviour_tf_tokens", "cost_scan_tf_tokens", "cost_update_tf_tokens")
 
 
 def run_costs(metrics: list[dict[str, Any]], rollouts_per_step: int) -> dict[str, float]:
@@ -535,6 +655,9 @@ def run_costs(metrics: list[dict[str, Any]], rollouts_per_step: int) -> dict[str
         "replay_tokens": total("replay_tokens"),
         "replayed_groups": total("replayed_groups"),
     }
+    out.update(cost_totals(metrics))
+    out["cost_cpu_s"] = sum(out[k] for k in CPU_KEYS)
+    out["cost_tf_tokens"] = sum(out[k] for k in TF_KEYS)
     for key in TIME_KEYS:
         out[key] = total(key)
     out["time_other"] = max(0.0, total("time_step") - sum(out[k] for k in TIME_KEYS))
@@ -547,7 +670,29 @@ def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
 
 
-def summarize(results: list[RunResult], references: Sequence[str], sft_report=None) -> dict:
+METRICS = (("mean_at_k", "mean"), ("best_at_k", "best"), ("greedy_em", "greedy"))
+
+
+def seed_statistics(runs: list[RunResult], refs: list[RunResult], resamples: int) -> dict:
+    """Per metric, over the seeds both arms ran: the t-interval over seeds of the per-seed
+    paired difference and the seeds x questions bootstrap interval (95%)."""
+    mine, theirs = {r.seed: r for r in runs}, {r.seed: r for r in refs}
+    seeds = sorted(set(mine) & set(theirs))
+    out = {}
+    for metric, short in METRICS:
+        a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
+        b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
+        out[metric] = {
+            "seeds": seeds,
+            "t": seed_t_interval(list(a.mean(axis=1) - b.mean(axis=1))),
+            "bootstrap": bootstrap_seeds_questions(a, b, resamples=resamples),
+        }
+    return out
+
+
+def summarize(
+    results: list[RunResult], references: Sequence[str], sft_report=None, resamples: int = 2000
+) -> dict:
     """Per arm: held-out scores and costs over seeds, paired differences to the references."""
     arms: dict[str, list[RunResult]] = {}
     for r in results:
@@ -581,6 +726,7 @@ def summarize(results: list[RunResult], references: Sequence[str], sft_report=No
             },
             "costs_per_seed": costs,
             "diffs": {},
+            "seed_stats": {},
         }
         for metric in ("mean_at_k", "best_at_k", "greedy_em"):
             entry[metric] = mean_spread(entry["per_seed"][metric])
@@ -596,6 +742,7 @@ def summarize(results: list[RunResult], references: Sequence[str], sft_report=No
                     ("greedy_em", "greedy"),
                 )
             }
+            entry["seed_stats"][ref] = seed_statistics(runs, arms[ref], resamples)
         out["arms"][name] = entry
     if sft_report is not None:
         out["sft_start"] = {
@@ -637,63 +784,115 @@ def results_markdown(summary: dict, cfg: ExperimentConfig) -> str:
             [name, len(a["seeds"]), _pm(a["mean_at_k"]), _pm(a["best_at_k"]), _pm(a["greedy_em"])]
         )
     lines.append(markdown_table(["arm", "seeds", f"Mean@{k}", f"Best@{k}", "greedy EM"], rows))
-    diff_rows = []
+    lines += paired_tables(summary)
+    lines += cost_tables(summary)
+    return "\n".join(lines)
+
+
+def _iv(interval) -> str:
+    if math.isnan(interval.low):
+        return f"{interval.mean:+.3f}"
+    return f"{interval.mean:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}]"
+
+
+def paired_tables(summary: dict) -> list[str]:
+    """Paired differences with seed-level intervals; the verdict column follows the t-interval."""
+    k, rows = summary["k"], []
     for name, a in summary["arms"].items():
-        for ref, d in a["diffs"].items():
-            cells = []
-            noisy = False
-            for metric in ("mean_at_k", "best_at_k", "greedy_em"):
-                p = d[metric]
-                seeds = ", ".join(f"{x:+.3f}" for x in p.per_seed)
-                cells.append(f"{p.diff:+.3f} ± {p.se:.3f} [{seeds}]")
-                noisy |= p.seed_std > abs(p.diff)
-            diff_rows.append([name, ref, *cells, "yes" if noisy else "no"])
-    if diff_rows:
-        lines.append(
-            "\nPaired differences (arm − reference) on the same questions: mean ± standard "
-            "error over questions of the seed-averaged difference; in brackets the difference "
-            "of each seed pair. Last column: whether the spread between seeds exceeds the "
-            "difference for any metric (then the difference is not distinguishable from seed "
-            "noise).\n"
-        )
-        lines.append(
-            markdown_table(
-                ["arm", "vs", f"Δ Mean@{k}", f"Δ Best@{k}", "Δ greedy EM", "seed spread > Δ"],
-                diff_rows,
-            )
-        )
-    cost_rows = []
+        for ref, stats in a["seed_stats"].items():
+            cells, verdicts = [], []
+            for metric, _ in METRICS:
+                st = stats[metric]
+                boot = st["bootstrap"]
+                cells.append(f"{_iv(st['t'])}<br>boot [{boot.low:+.3f}, {boot.high:+.3f}]")
+                t = st["t"]
+                verdicts.append(
+                    "n/a"
+                    if math.isnan(t.low)
+                    else ("+" if t.low > 0 else "−" if t.high < 0 else "0")
+                )
+            rows.append([name, ref, len(stats["mean_at_k"]["seeds"]), *cells, " ".join(verdicts)])
+    if not rows:
+        return []
+    return [
+        "\nPaired differences (arm − reference), seeds matched (same seed: same SFT start and "
+        "prompt order). First line: mean over seeds of the per-seed difference with its 95% "
+        "t-interval over seeds; `boot`: 95% bootstrap interval resampling seeds and questions. "
+        "Verdict per metric (Mean, Best, greedy) from the t-interval: + or − when it excludes "
+        "0, 0 when it does not (no difference shown), n/a with one seed.\n",
+        markdown_table(
+            ["arm", "vs", "seeds", f"Δ Mean@{k}", f"Δ Best@{k}", "Δ greedy EM", "verdict"], rows
+        ),
+    ]
+
+
+def cost_tables(summary: dict) -> list[str]:
+    """The cost ledger per run (machine-independent counts; CPU seconds), then wall times."""
+    ledger, walls = [], []
     for name, a in summary["arms"].items():
-        c = a["costs"]
-        cost_rows.append(
+        c = {key: v.mean for key, v in a["costs"].items()}
+        steps = max(c["steps"], 1)
+        ledger.append(
             [
                 name,
-                f"{c['rollouts'].mean:.0f}",
-                f"{c['search_calls'].mean:.0f}",
-                f"{c['env_calls'].mean:.0f}",
-                f"{c['wall_time'].mean / 60:.1f}",
-                f"{c['step_time_mean'].mean:.2f}",
-                *(f"{c[key].mean:.0f}" for key in (*TIME_KEYS, "time_other")),
-                f"{c['replayed_groups'].mean:.0f}",
-                "–"
-                if math.isnan(c["acceptance_rate_mean"].mean)
-                else f"{c['acceptance_rate_mean'].mean:.2f}",
+                f"{c['cost_fresh_groups']:.0f}",
+                f"{c['cost_generated_tokens'] / 1e3:.1f}",
+                f"{c['cost_behaviour_tf_tokens'] / 1e3:.1f}",
+                f"{c['cost_scan_tf_tokens'] / 1e3:.1f}",
+                f"{c['cost_update_tf_tokens'] / 1e3:.1f}",
+                f"{c['cost_search_calls']:.0f}",
+                f"{c['cost_env_requests']:.0f}",
+                f"{c['cost_passages']:.0f}",
+                f"{c['cost_informative_groups'] / steps:.1f}"
+                f" / {c['cost_update_groups'] / steps:.1f}",
+                f"{c['cost_replayed_groups']:.0f} / {c['cost_scanned_groups']:.0f}",
+                f"{c['cost_cpu_s'] / 60:.1f}",
+                f"{c['cost_env_wait_s'] / 60:.1f}",
             ]
         )
-    lines.append(
-        "\nCost per run (mean over seeds): rollouts are fresh episodes with the environment "
-        "(steps x b x G); search calls are the tool calls they made; env requests are the "
-        "batched HTTP requests that carried them (one per search turn); times in seconds, "
-        "summed over steps (the periodic held-out evaluation is outside the split and the "
-        "wall time).\n"
-    )
-    lines.append(
+        walls.append(
+            [
+                name,
+                f"{c['wall_time'] / 60:.1f}",
+                f"{c['step_time_mean']:.2f}",
+                *(f"{c[key]:.0f}" for key in (*TIME_KEYS, "time_other")),
+                *(f"{c[key]:.0f}" for key in CPU_KEYS),
+                "–"
+                if math.isnan(c["acceptance_rate_mean"])
+                else f"{c['acceptance_rate_mean']:.2f}",
+            ]
+        )
+    return [
+        "\nCost ledger per run (mean over seeds; `cost_*` of metrics.jsonl summed over steps). "
+        "Counts are machine-independent: fresh groups rolled out (refills included), tokens in "
+        "thousands (generated by the policy; teacher-forced in behaviour scoring, replay scan "
+        "and update forward+backward), search tool calls, batched env requests, passages "
+        "returned; informative / all groups per update; replayed / scanned groups. CPU is "
+        "process CPU minutes over the four phases; env wait is wall minutes waiting on the "
+        "environment (emulated cost included).\n",
         markdown_table(
             [
                 "arm",
-                "rollouts",
+                "fresh groups",
+                "gen tok (k)",
+                "behav tf (k)",
+                "scan tf (k)",
+                "update tf (k)",
                 "search calls",
-                "env requests",
+                "env req",
+                "passages",
+                "informative/update",
+                "replayed/scanned",
+                "CPU (min)",
+                "env wait (min)",
+            ],
+            ledger,
+        ),
+        "\nMachine-dependent times per run (mean over seeds, seconds unless stated): wall "
+        "time, mean step, the wall split by phase, and process CPU seconds by phase.\n",
+        markdown_table(
+            [
+                "arm",
                 "wall (min)",
                 "step (s)",
                 "generation",
@@ -702,13 +901,15 @@ def results_markdown(summary: dict, cfg: ExperimentConfig) -> str:
                 "selection",
                 "update",
                 "other",
-                "replayed groups",
+                "CPU rollout",
+                "CPU scoring",
+                "CPU selection",
+                "CPU update",
                 "acceptance",
             ],
-            cost_rows,
-        )
-    )
-    return "\n".join(lines)
+            walls,
+        ),
+    ]
 
 
 def machine_info() -> dict[str, Any]:
@@ -739,12 +940,20 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     index = ensure_index(cfg, log)
     datasets = heldout_set(cfg)
     results: list[RunResult] = []
-    with _sigterm_as_exit(), serve(index, cfg.retriever, out / "server.log") as url:
+    import httpx
+
+    server_log = out / "server.log"
+    with (
+        _sigterm_as_exit(),
+        serve(index, cfg.retriever, server_log, settings=cfg.server_overrides) as url,
+    ):
         sft_dir = ensure_sft(cfg, url, log)
         sft_config = base_train_config(cfg, url, sft_dir, out / "sft", 0)
         sft_report = final_eval(cfg, sft_dir, sft_config, datasets, out / "sft_start")
         results = run_all(cfg, url, sft_dir, datasets)
-    summary = summarize(results, cfg.references, sft_report)
+        server_health = httpx.get(f"{url}/health", timeout=30).json()  # emulated cost totals
+    summary = summarize(results, cfg.references, sft_report, cfg.bootstrap_resamples)
+    summary["server"] = server_health
     summary["config"] = cfg.model_dump()
     summary["machine"] = machine_info()
     summary["total_wall_time"] = time.perf_counter() - started

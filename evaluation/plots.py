@@ -9,6 +9,10 @@ averaged (the mean line, with the min-max over seeds shaded):
   in episodes (step x b x G from the run's config): `env_calls_total` counts batched HTTP
   requests, one per search turn whatever the batch size, which would hide that a larger
   fresh batch costs more; without a config it falls back to `env_calls_total`;
+- `quality_vs_<cost>.png` for generated tokens, environment requests and CPU seconds:
+  held-out Mean@k (solid) and Best@k (dashed) against the cumulative cost ledger
+  (`cost_*` in metrics.jsonl) at each evaluation step, band = min-max over seeds; tokens and
+  requests are machine-independent, CPU seconds are not;
 - `replay_age.png`: histogram of the age (steps since entry) of replayed groups, as a
   fraction of each arm's replays (the paper contrasts headroom_drift with replay_recency);
 - `acceptance_rate.png`: fraction of scanned buffer groups the gate admitted, per step;
@@ -46,8 +50,11 @@ ARM_COLORS = {
     "headroom_only": "#2ca02c",
     "drift_only": "#9467bd",
     "headroom_drift_l1": "#8c564b",
+    "on_policy_filtered": "#17becf",
+    "replay_freshness_per": "#e377c2",
+    "replay_zero_variance_swap": "#bcbd22",
 }
-_FALLBACK_COLORS = ["#e377c2", "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39"]
+_FALLBACK_COLORS = ["#393b79", "#637939", "#843c39", "#7b4173", "#5254a3", "#8ca252"]
 _SEED_DIR = re.compile(r"^seed[-_]?\d+$")
 
 
@@ -277,6 +284,67 @@ def plot_heldout(groups: dict[str, list[RunData]], out_dir: Path) -> list[Path]:
     return [p for p in made if p is not None]
 
 
+COST_AXES = {
+    "generated_tokens": (("cost_generated_tokens",), "generated tokens (fresh rollouts)", 1.0),
+    "env_requests": (("cost_env_requests",), "environment requests (batched HTTP)", 1.0),
+    "cpu_seconds": (
+        ("cost_cpu_rollout_s", "cost_cpu_scoring_s", "cost_cpu_selection_s", "cost_cpu_update_s"),
+        "process CPU minutes (rollout + scoring + selection + update)",
+        1 / 60,
+    ),
+}
+
+
+def _with_cumulative_cost(run: RunData) -> list[dict[str, Any]]:
+    """The run's eval rows with `cum_<axis>`: each cost axis summed over steps <= the row's."""
+    totals = dict.fromkeys(COST_AXES, 0.0)
+    by_step: dict[int, dict[str, float]] = {0: dict(totals)}
+    for row in run.metrics:
+        if not all(k in row for keys, _, _ in COST_AXES.values() for k in keys):
+            return []  # a run logged before the cost ledger existed
+        for axis, (keys, _, _) in COST_AXES.items():
+            totals[axis] += sum(float(row[k]) for k in keys)
+        by_step[int(row["step"])] = dict(totals)
+    return [
+        {**e, **{f"cum_{a}": v for a, v in by_step[int(e["step"])].items()}}
+        for e in run.evals
+        if int(e.get("step", -1)) in by_step
+    ]
+
+
+def plot_quality_vs_cost(groups: dict[str, list[RunData]], out_dir: Path) -> list[Path]:
+    """Held-out Mean@k and Best@k against each cumulative cost axis, one line per arm."""
+    costed = {
+        label: [RunData(r.path, r.label, r.seed, r.metrics, _with_cumulative_cost(r)) for r in runs]
+        for label, runs in groups.items()
+    }
+    k = next((r.get("k") for runs in groups.values() for run in runs for r in run.evals), "k")
+    made = []
+    for axis, (_, xlabel, scale) in COST_AXES.items():
+        fig, ax = _figure(
+            f"Held-out Mean@{k} (solid) and Best@{k} (dashed) against cost",
+            xlabel,
+            "held-out score (band: min-max over seeds)",
+        )
+        drawn = False
+        for i, (label, runs) in enumerate(costed.items()):
+            for metric, style in (("mean_at_k", "-"), ("best_at_k", "--")):
+                curve = _seed_curves(runs, "evals", f"cum_{axis}", metric)
+                if curve is None:
+                    continue
+                x, y, lo, hi = curve
+                color = _color(label, i)
+                ax.plot(x * scale, y, style, color=color, ms=3, marker="o",
+                        label=f"{label} ({len(runs)} seeds)" if style == "-" else None)  # fmt: skip
+                if len(runs) > 1:
+                    ax.fill_between(x * scale, lo, hi, color=color, alpha=0.12, linewidth=0)
+                drawn = True
+        if drawn:
+            ax.legend(fontsize=7)
+            made.append(_save(fig, out_dir / f"quality_vs_{axis}.png"))
+    return made
+
+
 def plot_replay_age(groups: dict[str, list[RunData]], out_dir: Path) -> Path | None:
     ages = {
         label: [
@@ -374,6 +442,7 @@ def plot_runs(runs: Sequence[RunData], out_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = _by_label(runs)
     made = plot_heldout(groups, out_dir)
+    made += plot_quality_vs_cost(groups, out_dir)
     for chart in (plot_replay_age, plot_acceptance, plot_replay_count):
         path = chart(groups, out_dir)
         if path is not None:

@@ -21,9 +21,11 @@ from evaluation.experiment import (
     experiment_config,
     results_markdown,
     run_costs,
+    run_order,
     summarize,
 )
 from hdr.errors import UserError
+from trainer.telemetry import StepCost
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "configs" / "tiny-cpu.yaml"
@@ -90,6 +92,23 @@ def _metrics(steps: int, calls_per_step: int, replay: bool):
                 "acceptance_rate": 0.5 if replay else None,
                 "fresh_tokens": 100,
                 "replay_tokens": 50 if replay else 0,
+                **StepCost(
+                    prompt_tokens=400,
+                    generated_tokens=100,
+                    behaviour_tf_tokens=500,
+                    scan_tf_tokens=300 if replay else 0,
+                    update_tf_tokens=700,
+                    fresh_groups=8,
+                    search_calls=40 * calls_per_step,
+                    env_requests=calls_per_step,
+                    passages=120,
+                    update_groups=10 if replay else 8,
+                    informative_groups=6 if replay else 4,
+                    replayed_groups=2 if replay else 0,
+                    scanned_groups=4 if replay else 0,
+                    cpu_rollout_s=1.0,
+                    cpu_update_s=0.5,
+                ).record(),
             }
         )
     return rows
@@ -138,9 +157,18 @@ def test_summary_pairs_arms_on_the_same_questions(tmp_path):
     )
     md = results_markdown(summary, cfg)
     assert "| headroom_drift | 2 | 0.625 ± 0.177 |" in md
-    assert "| headroom_drift | on_policy_larger | +0.250 ± 0.177 [+0.250, +0.250] |" in md
-    # rollouts, search calls, env requests, wall, step
-    assert "| headroom_drift | 120 | 120 | 3 | 0.1 | 2.00 |" in md
+    # per-seed differences 0.25 and 0.25: a t-interval of width 0; the bootstrap also
+    # resamples questions, whose differences vary
+    assert "| headroom_drift | on_policy_larger | 2 | +0.250 [+0.250, +0.250]<br>boot [" in md
+    stats = hd["seed_stats"]["on_policy_larger"]["mean_at_k"]
+    assert stats["seeds"] == [1, 2] and stats["bootstrap"].low < 0.25 < stats["bootstrap"].high
+    # the ledger: fresh groups, generated/behaviour/scan/update tokens (k), search calls, env
+    # requests, passages, informative/update groups per step, replayed/scanned, CPU minutes
+    assert (
+        "| headroom_drift | 24 | 0.3 | 1.5 | 0.9 | 2.1 | 120 | 3 | 360 | 6.0 / 10.0 | 6 / 12 "
+        "| 0.1 |" in md
+    )
+    assert hd["costs"]["cost_cpu_s"].mean == pytest.approx(4.5)
 
 
 def test_summary_refuses_runs_on_different_questions(tmp_path):
@@ -250,3 +278,28 @@ def test_quick_experiment_end_to_end(tmp_path):
 
     with pytest.raises(httpx.TransportError):
         httpx.get(results["server_url"] + "/health", timeout=5)
+
+
+def test_bridge_preset_runs_the_multi_turn_task_against_an_emulated_api(tmp_path):
+    cfg = experiment_config(bridge=True, base_config=str(BASE))
+    assert cfg.task == "wiki-bridge" and len(cfg.seeds) >= 5 and cfg.arms == list(MAIN_ARMS)
+    assert any(s.startswith("emulated_cost.request_latency_ms=") for s in cfg.server_overrides)
+    args = ("http://127.0.0.1:9", tmp_path / "sft", tmp_path / "run", 1)
+    for name in cfg.arms:
+        c = arm_train_config(cfg, ARMS.get(name), *args)
+        assert (c.data.train, c.data.eval) == ("wiki-bridge", "wiki-bridge")
+        assert c.rollout.max_turns == 2 and c.rollout.prompt.observation_suffix == ""
+        assert c.replay.tau_age == cfg.steps / 4
+    filtered = arm_train_config(cfg, ARMS.get("on_policy_filtered"), *args)
+    assert filtered.grpo.dynamic_sampling and not filtered.replays
+    quick = experiment_config(bridge=True, quick=True)
+    assert quick.corpus_limit is None and "rollout.max_turns=2" in quick.train_overrides
+
+
+def test_runs_are_interleaved_so_every_arm_meets_the_same_machine():
+    cfg = experiment_config(arms=["on_policy", "headroom_drift"], references=[], seeds=[1, 2])
+    assert run_order(cfg) == [
+        ("on_policy", 1), ("headroom_drift", 1), ("on_policy", 2), ("headroom_drift", 2)
+    ]  # fmt: skip
+    by_arm = cfg.model_copy(update={"schedule": "by_arm"})
+    assert run_order(by_arm)[:2] == [("on_policy", 1), ("on_policy", 2)]

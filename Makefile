@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine (see README):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
 #   make test   sets up .venv and runs lint plus the default (not slow) tests
+# and the container stack, end to end (docs/stack.md):
+#   make test-stack   builds both CPU images and runs docker compose up, train, restart, down
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -12,7 +14,7 @@ DATA    ?= data
 RUNS    ?= runs
 PORT    ?= 8000
 
-.PHONY: setup test test-slow lint demo serve index experiment ablations clean
+.PHONY: setup test test-slow test-stack lint demo serve index experiment ablations clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +36,11 @@ test: lint
 
 test-slow: setup
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
+
+# Installs and starts a Docker engine where none runs (as root; stops what it started),
+# builds the images and runs the stack: tests/stack/run.sh.
+test-stack: setup
+	PY=$(abspath $(BIN))/python bash tests/stack/run.sh
 
 index: $(DATA)/index/manifest.json
 

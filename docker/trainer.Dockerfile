@@ -1,84 +1,73 @@
-# syntax=docker/dockerfile:1
-# The hdr trainer, in two targets:
+# The hdr CPU trainer: slim Python base with the CPU torch wheel; runs configs/tiny-cpu.yaml
+# on the embedded defaults (the tiny policy is built in the container). Non-root user.
 #
-#   cpu  slim Python base with the CPU torch wheel; runs configs/tiny-cpu.yaml on the
-#        embedded defaults (tiny policy built in the container). The default target.
-#          docker build -f docker/trainer.Dockerfile --target cpu -t hdr-trainer:cpu .
-#   gpu  CUDA runtime base with the project's `gpu` extra (vLLM, which brings its own
-#        CUDA torch build); runs configs/search-r1-qwen2.5-3b.yaml.
-#          docker build -f docker/trainer.Dockerfile --target gpu -t hdr-trainer:gpu .
+#   docker build -f docker/trainer.Dockerfile -t hdr-trainer:cpu .
 #
-# Both run docker/trainer-entrypoint.sh as a non-root user, write runs to /runs and
-# take their settings from environment variables (see that script and docs/stack.md).
+# The GPU trainer (vLLM on a CUDA base) is docker/trainer-gpu.Dockerfile. Both run
+# docker/trainer-entrypoint.sh, write runs to /runs and take their settings from environment
+# variables (see that script and docs/stack.md).
+#
+# Build arguments: BASE_IMAGE, TORCH_VERSION, TORCH_INDEX_URL, WHEELHOUSE, as in
+# docker/retrieval.Dockerfile. The `src` and `venv` stages are word for word those there (a
+# test checks it), so the second image's build reuses the first's venv from the cache.
 
-ARG PYTHON_VERSION=3.11
-ARG CUDA_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
+ARG BASE_IMAGE=python:3.11-slim
 
-# The project files both targets install; nothing else of the context is used.
+# -------------------------------------------- src (the project's sources, not an image)
 FROM scratch AS src
-COPY pyproject.toml README.md /app/
-COPY hdr /app/hdr
-COPY retrieval_server /app/retrieval_server
-COPY agent_env /app/agent_env
-COPY trainer /app/trainer
-COPY evaluation /app/evaluation
+COPY pyproject.toml README.md /src/
+COPY hdr /src/hdr
+COPY retrieval_server /src/retrieval_server
+COPY agent_env /src/agent_env
+COPY trainer /src/trainer
+COPY evaluation /src/evaluation
+
+# ------------------------------------------------------- venv (build stage, not shipped)
+FROM ${BASE_IMAGE} AS venv
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG WHEELHOUSE=docker/wheelhouse
+COPY ${WHEELHOUSE}/ /tmp/wheelhouse/
+COPY pyproject.toml README.md /tmp/deps/
+# 1. torch first, the CPU build: the project's torch range is then already satisfied and pip
+#    never pulls a multi-gigabyte CUDA build. From the wheelhouse when it holds the wheel (its
+#    dependencies still come from the package index), else from the CPU wheel index.
+# 2. The dependencies alone: pyproject.toml without the packages installs an empty `hdr`
+#    with every dependency, so a change to the code rebuilds only the cheap last step.
+RUN python -m venv /opt/venv \
+    && set -- /tmp/wheelhouse/torch-"${TORCH_VERSION}"*.whl \
+    && if [ -f "$1" ]; then \
+        /opt/venv/bin/pip install "$1"; \
+    else \
+        /opt/venv/bin/pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; \
+    fi \
+    && /opt/venv/bin/pip install /tmp/deps \
+    && rm -rf /tmp/wheelhouse /tmp/deps /root/.cache
+# 3. The project itself.
+COPY --from=src /src /tmp/src
+RUN /opt/venv/bin/pip install --no-deps --force-reinstall /tmp/src \
+    && rm -rf /tmp/src /root/.cache
+
+# ------------------------------------------------------- app (the files of /app, not an image)
+FROM scratch AS app
 COPY configs /app/configs
 COPY docker/trainer-entrypoint.sh /app/docker/trainer-entrypoint.sh
 
-# ---------------------------------------------------------------------------- gpu
-FROM ${CUDA_IMAGE} AS gpu
-ENV DEBIAN_FRONTEND=noninteractive \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-# Triton (under vLLM and torch.compile) compiles small C launchers at run time:
-# it needs a C compiler and the Python headers.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends \
-        python3 python3-venv python3-dev build-essential \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-WORKDIR /app
-COPY --from=src /app /app
-# vLLM pins the CUDA torch build it was compiled against; let it choose.
-RUN pip install ".[gpu]"
-RUN chmod 755 /app/docker/trainer-entrypoint.sh \
-    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin hdr \
-    && mkdir -p /runs \
-    && chown hdr:hdr /runs
-USER hdr
-# Models fetched from the hub are cached on the runs volume, so a restart does not refetch.
-ENV HDR_CONFIG=/app/configs/search-r1-qwen2.5-3b.yaml \
-    HDR_RUNS_DIR=/runs \
-    HDR_MODEL= \
-    HF_HOME=/runs/.cache/huggingface
-VOLUME ["/runs"]
-# Relative paths a run may write land on the volume, not in the root-owned /app.
-WORKDIR /runs
-ENTRYPOINT ["/app/docker/trainer-entrypoint.sh"]
-
-# ---------------------------------------------------------------------------- cpu
-FROM python:${PYTHON_VERSION}-slim AS cpu
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first, from the CPU wheel index, so the project install never pulls CUDA.
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
-WORKDIR /app
-COPY --from=src /app /app
-RUN pip install .
-RUN chmod 755 /app/docker/trainer-entrypoint.sh \
-    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin hdr \
+# ------------------------------------------------------------------------ cpu (final)
+# Metadata first and the venv last: on a copy-on-write-less storage driver (vfs) every
+# instruction after a large layer copies it again.
+FROM ${BASE_IMAGE} AS cpu
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin hdr \
     && mkdir -p /runs \
     && chown hdr:hdr /runs
 USER hdr
 # Everything the CPU run needs ships in Python packages: nothing is fetched at run time.
-ENV HDR_CONFIG=/app/configs/tiny-cpu.yaml \
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HDR_CONFIG=/app/configs/tiny-cpu.yaml \
     HDR_RUNS_DIR=/runs \
     HDR_MODEL=tiny \
     HF_HUB_OFFLINE=1
@@ -86,3 +75,5 @@ VOLUME ["/runs"]
 # Relative paths a run may write land on the volume, not in the root-owned /app.
 WORKDIR /runs
 ENTRYPOINT ["/app/docker/trainer-entrypoint.sh"]
+COPY --from=app /app /app
+COPY --from=venv /opt/venv /opt/venv

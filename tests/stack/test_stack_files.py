@@ -21,7 +21,10 @@ from stackfiles import COMPOSE, ENTRYPOINTS, INTERPOLATION, REPLICAS, ROOT, inte
 DOCKERFILES = {
     "retrieval": ROOT / "docker" / "retrieval.Dockerfile",
     "trainer": ROOT / "docker" / "trainer.Dockerfile",
+    "trainer-gpu": ROOT / "docker" / "trainer-gpu.Dockerfile",
 }
+# The entrypoint script each image runs.
+RUNS = {"retrieval": "retrieval", "trainer": "trainer", "trainer-gpu": "trainer"}
 DOCS = ROOT / "docs" / "stack.md"
 
 
@@ -48,11 +51,16 @@ def stage_names(path: Path) -> list[str]:
 
 
 def copy_sources(path: Path) -> list[str]:
-    """Sources of every COPY that reads the build context (not `--from=` another stage)."""
-    sources = []
+    """Sources of every COPY that reads the build context (not `--from=` another stage), with
+    build arguments at their defaults."""
+    sources, defaults = [], {}
     for op, args in dockerfile_instructions(path):
+        if op == "ARG" and "=" in args:
+            name, default = args.split("=", 1)
+            defaults[name.strip()] = default.strip()
         if op != "COPY":
             continue
+        args = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m[1]], args)
         words = shlex.split(args)
         if any(word.startswith("--from=") for word in words):
             continue
@@ -217,16 +225,15 @@ def test_dockerignore_keeps_the_context_small():
         assert ignored(heavy, patterns), heavy
 
 
-def test_trainer_dockerfile_has_cpu_and_gpu_targets():
-    dockerfile = DOCKERFILES["trainer"]
-    assert {"cpu", "gpu"} <= set(stage_names(dockerfile))
-    text = dockerfile.read_text()
-    assert re.search(r"FROM \$\{CUDA_IMAGE\} AS gpu", text)
-    assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:12\.\S*-runtime", text)
-    assert 'pip install ".[gpu]"' in text
-    assert "--index-url" in text and "whl/cpu" in text
-    # `docker build` without --target gives the CPU image: the last stage.
-    assert stage_names(dockerfile)[-1] == "cpu"
+def test_trainer_dockerfiles_have_cpu_and_gpu_targets():
+    # `docker build` without --target gives the CPU image: the last stage. The GPU image has
+    # its own file, because the classic builder builds every stage before the target.
+    assert stage_names(DOCKERFILES["trainer"])[-1] == "cpu"
+    assert stage_names(DOCKERFILES["trainer-gpu"])[-1] == "gpu"
+    gpu = DOCKERFILES["trainer-gpu"].read_text()
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\} AS gpu$", gpu, re.M)
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.\S*-runtime", gpu, re.M)
+    assert 'pip install "/tmp/src[gpu]"' in gpu
 
 
 def test_images_run_as_non_root_and_start_their_entrypoint_script():
@@ -244,20 +251,57 @@ def test_images_run_as_non_root_and_start_their_entrypoint_script():
                 assert user not in (None, "root", "0"), name
                 entrypoints.append(json.loads(args)[0])
         assert entrypoints, name
-        script = ENTRYPOINTS[name]
+        script = ENTRYPOINTS[RUNS[name]]
         for entrypoint in entrypoints:
             assert PurePosixPath(entrypoint).name == script.name, (name, entrypoint)
-        assert f"docker/{script.name}" in copy_sources(dockerfile) or name == "trainer"
+        assert f"docker/{script.name}" in copy_sources(dockerfile), name
         assert git_mode(script) == "100755", f"{script} is not executable in git"
 
 
-def test_retrieval_dockerfile_installs_cpu_torch_first_and_checks_health():
-    text = DOCKERFILES["retrieval"].read_text()
-    assert re.search(r"FROM python:\$\{PYTHON_VERSION\}-slim", text)
-    torch_at = text.index('pip install "torch==${TORCH_VERSION}" --index-url')
-    assert "ARG TORCH_VERSION=2.13.0" in text
-    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
-    assert torch_at < text.index("RUN pip install .")
+def stage_text(path: Path, name: str) -> str:
+    """The text of one stage: from its FROM line to the next stage's banner comment."""
+    text = path.read_text()
+    start = re.search(rf"^FROM .* AS {name}$", text, re.M).start()
+    end = text.find("\n# ---", start)
+    return text[start : end if end > 0 else len(text)]
+
+
+def test_cpu_images_share_their_build_stages_word_for_word():
+    """The second CPU image's build reuses the first one's venv from the build cache."""
+    for stage in ("src", "venv"):
+        assert stage_text(DOCKERFILES["retrieval"], stage) == stage_text(
+            DOCKERFILES["trainer"], stage
+        ), stage
+
+
+def test_cpu_images_take_base_and_torch_from_build_arguments_with_normal_defaults():
+    for name in ("retrieval", "trainer"):
+        text = DOCKERFILES[name].read_text()
+        assert "ARG BASE_IMAGE=python:3.11-slim" in text, name
+        assert re.findall(r"^FROM (\S+)", text, re.M) == ["scratch", "${BASE_IMAGE}"] + (
+            ["scratch", "${BASE_IMAGE}"] if name == "trainer" else ["${BASE_IMAGE}"]
+        ), name
+        assert "ARG TORCH_VERSION=2.13.0" in text
+        assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+        assert "ARG WHEELHOUSE=docker/wheelhouse" in text
+        venv = stage_text(DOCKERFILES[name], "venv")
+        # torch (wheelhouse or CPU index) before the dependencies, the project last.
+        torch_at = venv.index('pip install "torch==${TORCH_VERSION}" --index-url')
+        assert torch_at < venv.index("pip install /tmp/deps")
+        assert venv.index("pip install /tmp/deps") < venv.index("pip install --no-deps")
+        # Classic-builder compatible: no BuildKit-only syntax, no frontend fetched.
+        assert not re.search(r"^#\s*syntax", text, re.M)
+        for op, args in dockerfile_instructions(DOCKERFILES[name]):
+            assert "--chmod" not in args and "--mount" not in args, (op, args)
+        # The final stage copies the venv, and nothing of the build's temporary files.
+        final = stage_text(DOCKERFILES[name], "retrieval" if name == "retrieval" else "cpu")
+        assert "COPY --from=venv /opt/venv /opt/venv" in final
+        assert "/tmp/" not in final
+    assert (ROOT / "docker" / "wheelhouse").is_dir()
+    assert not ignored("docker/wheelhouse", dockerignore_patterns())
+
+
+def test_retrieval_dockerfile_checks_health():
     healthchecks = [
         args
         for op, args in dockerfile_instructions(DOCKERFILES["retrieval"])
@@ -300,9 +344,9 @@ def test_every_setting_is_documented_with_its_default():
                 assert default in rows[name], f"docs/stack.md does not give {name}'s default"
 
 
-def test_docs_say_the_images_were_not_built_here():
+def test_docs_say_the_gpu_image_was_not_built_here():
     text = DOCS.read_text()
-    assert "not built" in text and "no Docker engine" in text
+    assert "GPU image was not built" in text
 
 
 # --------------------------------------------------------------- a real compose client

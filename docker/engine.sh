@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# A Docker engine and compose client for `make test-stack`, on a machine that may have neither.
+#
+#   docker/engine.sh install   apt-get install docker.io docker-compose debootstrap, where missing
+#   docker/engine.sh start     start dockerd unless an engine already answers; remember that we did
+#   docker/engine.sh stop      stop dockerd only if `start` started it
+#   docker/engine.sh compose   print the compose command to use: `docker compose` (the v2 plugin)
+#                              when it works, else `docker-compose` (Debian's v1 client)
+#
+# The engine it starts suits a sandboxed machine such as this project's build machines:
+# `dockerd --storage-driver=overlay2 --iptables=false --bridge=none` (no iptables, no default
+# bridge), with `--storage-driver=vfs` when overlay2 does not start. Containers then reach each
+# other on the user-defined bridge network compose creates, and published ports go through
+# docker-proxy. Builds need `--network host` there (no default bridge); tests/stack/run.sh
+# passes it.
+#
+# Settings: HDR_DOCKERD_STORAGE (storage drivers to try, in order; default "overlay2 vfs"),
+# HDR_DOCKERD_ARGS (extra dockerd arguments), HDR_ENGINE_STATE (where the pid file and the
+# log of an engine started here go; default /run/hdr-stack-engine).
+set -euo pipefail
+
+STATE="${HDR_ENGINE_STATE:-/run/hdr-stack-engine}"
+PIDFILE="$STATE/dockerd.pid"
+LOG="$STATE/dockerd.log"
+
+log() { echo "engine: $*" >&2; }
+
+engine_up() { docker info >/dev/null 2>&1; }
+
+install() {
+    local missing=()
+    command -v docker >/dev/null 2>&1 && command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+    compose_cmd >/dev/null 2>&1 || missing+=(docker-compose)
+    command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+    if [[ ${#missing[@]} -eq 0 ]]; then
+        log "docker, dockerd, a compose client and debootstrap are installed"
+        return
+    fi
+    if [[ $(id -u) -ne 0 ]]; then
+        log "missing ${missing[*]}; install them (apt-get install ${missing[*]}) or run as root"
+        exit 1
+    fi
+    log "apt-get install ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null
+}
+
+# Starts dockerd with one storage driver; returns 1 if it exits (driver unsupported here).
+start_with() {
+    local driver="$1"
+    log "starting dockerd (storage driver $driver, no iptables, no default bridge); log: $LOG"
+    # setsid: the engine is not killed with this script's process group; `stop` ends it.
+    # shellcheck disable=SC2086
+    setsid dockerd --storage-driver="$driver" --iptables=false --bridge=none \
+        --pidfile "$STATE/dockerd.engine.pid" ${HDR_DOCKERD_ARGS:-} >"$LOG" 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+    for _ in $(seq 120); do
+        if engine_up; then
+            log "dockerd is up (pid $(cat "$PIDFILE"), storage driver $driver)"
+            return 0
+        fi
+        if ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+            log "dockerd exited with storage driver $driver:"
+            tail -5 "$LOG" >&2
+            rm -f "$PIDFILE"
+            return 1
+        fi
+        sleep 0.5
+    done
+    log "dockerd did not answer within 60 s:"
+    tail -20 "$LOG" >&2
+    stop
+    exit 1
+}
+
+start() {
+    if engine_up; then
+        log "an engine is already running; using it (it will be left running)"
+        return
+    fi
+    if [[ $(id -u) -ne 0 ]]; then
+        log "no Docker engine is running and starting one needs root"
+        exit 1
+    fi
+    mkdir -p "$STATE"
+    # overlay2 where the kernel and the backing filesystem allow it; vfs (a full copy of
+    # every layer for each container and build step, so minutes per start) otherwise.
+    local driver
+    for driver in ${HDR_DOCKERD_STORAGE:-overlay2 vfs}; do
+        start_with "$driver" && return
+    done
+    log "dockerd started with none of: ${HDR_DOCKERD_STORAGE:-overlay2 vfs}"
+    exit 1
+}
+
+stop() {
+    if [[ ! -f "$PIDFILE" ]]; then
+        log "no engine was started here; nothing to stop"
+        return
+    fi
+    local pid
+    pid="$(cat "$PIDFILE")"
+    if kill -0 "$pid" 2>/dev/null; then
+        log "stopping the dockerd started here (pid $pid)"
+        kill -TERM "$pid"
+        for _ in $(seq 60); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.5
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            log "dockerd $pid still running after 30 s; killing it"
+            kill -KILL "$pid"
+        fi
+    fi
+    rm -f "$PIDFILE"
+}
+
+compose_cmd() {
+    if docker compose version >/dev/null 2>&1; then
+        echo "docker compose"
+    elif command -v docker-compose >/dev/null 2>&1 && docker-compose version >/dev/null 2>&1; then
+        echo "docker-compose"
+    else
+        return 1
+    fi
+}
+
+case "${1:-}" in
+    install) install ;;
+    start) start ;;
+    stop) stop ;;
+    compose) compose_cmd || { log "no compose client"; exit 1; } ;;
+    *)
+        echo "usage: $0 install|start|stop|compose" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,63 @@
+# The hdr GPU trainer: CUDA runtime base with the project's `gpu` extra (vLLM, which brings
+# the CUDA torch build it pins); runs configs/search-r1-qwen2.5-3b.yaml. Non-root user.
+#
+#   docker build -f docker/trainer-gpu.Dockerfile -t hdr-trainer:gpu .
+#
+# Unbuilt where hdr's stack is tested (no GPU, no registry): written against its real base.
+# It runs docker/trainer-entrypoint.sh like the CPU trainer (docker/trainer.Dockerfile).
+#
+# Build arguments:
+#   CUDA_IMAGE   nvidia/cuda:12.4.1-runtime-ubuntu22.04   (Ubuntu's python3 is 3.10)
+
+ARG CUDA_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
+
+# ------------------------------------------------------- venv (build stage, not shipped)
+FROM ${CUDA_IMAGE} AS venv
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
+COPY pyproject.toml README.md /tmp/src/
+COPY hdr /tmp/src/hdr
+COPY retrieval_server /tmp/src/retrieval_server
+COPY agent_env /tmp/src/agent_env
+COPY trainer /tmp/src/trainer
+COPY evaluation /tmp/src/evaluation
+# vLLM pins the CUDA torch build it was compiled against; let it choose.
+RUN /opt/venv/bin/pip install "/tmp/src[gpu]" \
+    && rm -rf /tmp/src /root/.cache
+
+# ------------------------------------------------------- app (the files of /app, not an image)
+FROM scratch AS app
+COPY configs /app/configs
+COPY docker/trainer-entrypoint.sh /app/docker/trainer-entrypoint.sh
+
+# ------------------------------------------------------------------------ gpu (final)
+FROM ${CUDA_IMAGE} AS gpu
+ENV DEBIAN_FRONTEND=noninteractive \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# Triton (under vLLM and torch.compile) compiles small C launchers at run time, so this
+# image keeps a C compiler and the Python headers on purpose: the one build tool it ships.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin hdr \
+    && mkdir -p /runs \
+    && chown hdr:hdr /runs
+COPY --from=venv /opt/venv /opt/venv
+COPY --from=app /app /app
+USER hdr
+# Models fetched from the hub are cached on the runs volume, so a restart does not refetch.
+ENV HDR_CONFIG=/app/configs/search-r1-qwen2.5-3b.yaml \
+    HDR_RUNS_DIR=/runs \
+    HDR_MODEL= \
+    HF_HOME=/runs/.cache/huggingface
+VOLUME ["/runs"]
+# Relative paths a run may write land on the volume, not in the root-owned /app.
+WORKDIR /runs
+ENTRYPOINT ["/app/docker/trainer-entrypoint.sh"]

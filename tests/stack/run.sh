@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# `make test-stack`: build the CPU images and run the compose stack for real, end to end.
+#
+#  1. a Docker engine and a compose client: installed from Debian's packages where missing,
+#     an engine started where none runs (and stopped at the end; one already running is left);
+#  2. the base image: python:3.11-slim when present or pullable, else a local stand-in built
+#     from Debian's packages (docker/standin-base.sh; no image registry needed);
+#  3. the CPU torch wheel: from the PyTorch CPU index when reachable, else copied into
+#     docker/wheelhouse by the host's pip;
+#  4. `docker build` of docker/retrieval.Dockerfile and docker/trainer.Dockerfile (target cpu);
+#  5. pytest -m stack tests/stack: images lean and non-root; `docker compose up` with a
+#     200-article corpus, the healthcheck, a Search-R1 request from the host, the trainer
+#     training over the compose network, a retrieval restart mid-run, checkpoints and metrics
+#     in the volume, teardown with volumes.
+# It prints each phase's duration, the image sizes and the machine's load.
+#
+# Settings: HDR_STACK_BASE (base image; default: python:3.11-slim, else the stand-in),
+# HDR_STACK_RETRIEVAL_IMAGE (hdr-retrieval:stack-test), HDR_STACK_TRAINER_IMAGE
+# (hdr-trainer:stack-test), TORCH_VERSION (2.13.0). The images and the build cache are kept
+# for the next run; `docker image rm` them (and `docker builder prune -af`) to free the disk.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT="$PWD"
+PY="${PY:-$ROOT/.venv/bin/python}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+STANDIN=hdr-standin/python:3.11-slim
+export HDR_STACK_RETRIEVAL_IMAGE="${HDR_STACK_RETRIEVAL_IMAGE:-hdr-retrieval:stack-test}"
+export HDR_STACK_TRAINER_IMAGE="${HDR_STACK_TRAINER_IMAGE:-hdr-trainer:stack-test}"
+
+START=$SECONDS
+PHASES=()
+log() { echo "test-stack: $*" >&2; }
+phase_start() {
+    PHASE_NAME="$1"
+    PHASE_T0=$SECONDS
+    log "== $1 (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+}
+phase_end() { PHASES+=("$(printf '%-58s %5d s' "$PHASE_NAME" $((SECONDS - PHASE_T0)))"); }
+
+summary() {
+    local status=$?
+    echo
+    echo "test-stack summary ($(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores," \
+        "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)):"
+    printf '  %s\n' "${PHASES[@]}"
+    printf '  %-58s %5d s\n' "total" $((SECONDS - START))
+    if [[ -n "${SIZES:-}" ]]; then
+        echo "$SIZES"
+    fi
+    docker/engine.sh stop || true
+    if [[ $status -eq 0 ]]; then echo "test-stack: PASSED"; else echo "test-stack: FAILED ($status)"; fi
+    exit $status
+}
+
+phase_start "engine and compose client (install where missing, start)"
+docker/engine.sh install
+docker/engine.sh start
+trap summary EXIT
+export HDR_STACK_COMPOSE="${HDR_STACK_COMPOSE:-$(docker/engine.sh compose)}"
+log "compose client: $HDR_STACK_COMPOSE ($($HDR_STACK_COMPOSE version --short 2>/dev/null || true))"
+phase_end
+
+phase_start "base image"
+BASE="${HDR_STACK_BASE:-python:3.11-slim}"
+if docker image inspect "$BASE" >/dev/null 2>&1; then
+    log "using $BASE (present)"
+elif timeout 120 docker pull -q "$BASE" >/dev/null 2>&1; then
+    log "using $BASE (pulled)"
+elif [[ -z "${HDR_STACK_BASE:-}" ]]; then
+    BASE="$STANDIN"
+    if docker image inspect "$BASE" >/dev/null 2>&1; then
+        log "no registry: using the stand-in $BASE built by an earlier run"
+    else
+        log "no registry: building the stand-in $BASE from Debian's packages"
+        docker/standin-base.sh "$BASE"
+    fi
+else
+    log "base image $BASE is neither present nor pullable"
+    exit 1
+fi
+phase_end
+
+phase_start "CPU torch wheel"
+BUILD_ARGS=(--build-arg "BASE_IMAGE=$BASE" --build-arg "TORCH_VERSION=$TORCH_VERSION")
+if ls docker/wheelhouse/torch-"$TORCH_VERSION"*.whl >/dev/null 2>&1; then
+    log "docker/wheelhouse already holds torch $TORCH_VERSION"
+elif curl -sSf -o /dev/null --max-time 20 "$TORCH_INDEX_URL/torch/" 2>/dev/null; then
+    log "the images fetch torch from $TORCH_INDEX_URL"
+    BUILD_ARGS+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
+else
+    log "$TORCH_INDEX_URL unreachable: copying torch $TORCH_VERSION into docker/wheelhouse" \
+        "with the host's pip"
+    "$PY" -m pip download -q --no-deps "torch==$TORCH_VERSION" -d docker/wheelhouse
+fi
+phase_end
+
+# BuildKit where the client has it (buildx, or the classic client's built-in one, such as
+# Debian's docker.io 20.10): it skips the metadata containers that make the classic builder
+# slow on vfs. The Dockerfiles build with either.
+BUILD=(docker build)
+if docker buildx version >/dev/null 2>&1; then
+    export DOCKER_BUILDKIT=1
+elif [[ -x /usr/bin/docker ]] && /usr/bin/docker version --format '{{.Client.Version}}' 2>/dev/null |
+    grep -q '^20\.'; then
+    export DOCKER_BUILDKIT=1
+    BUILD=(/usr/bin/docker build)
+fi
+log "builder: ${BUILD[*]} (DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0})"
+# --network host: an engine started without a default bridge (as here) gives build steps no
+# network otherwise; on any other engine it is the host's network, as pip would have.
+BUILD+=(--network host "${BUILD_ARGS[@]}")
+
+phase_start "build $HDR_STACK_RETRIEVAL_IMAGE (docker/retrieval.Dockerfile)"
+"${BUILD[@]}" -f docker/retrieval.Dockerfile -t "$HDR_STACK_RETRIEVAL_IMAGE" . \
+    >"${TMPDIR:-/tmp}/hdr-stack-build-retrieval.log" 2>&1 || {
+    tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-retrieval.log"
+    exit 1
+}
+phase_end
+phase_start "build $HDR_STACK_TRAINER_IMAGE (docker/trainer.Dockerfile, target cpu)"
+"${BUILD[@]}" -f docker/trainer.Dockerfile --target cpu -t "$HDR_STACK_TRAINER_IMAGE" . \
+    >"${TMPDIR:-/tmp}/hdr-stack-build-trainer.log" 2>&1 || {
+    tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-trainer.log"
+    exit 1
+}
+phase_end
+SIZES="$(docker image ls --format '  image {{.Repository}}:{{.Tag}}  {{.Size}}' |
+    grep -E "$HDR_STACK_RETRIEVAL_IMAGE|$HDR_STACK_TRAINER_IMAGE|$BASE" || true)"
+echo "$SIZES"
+
+phase_start "pytest -m stack tests/stack (compose up, train, restart, down)"
+HF_HUB_OFFLINE=1 "$PY" -m pytest -m stack -p no:cacheprovider -q -s tests/stack
+phase_end

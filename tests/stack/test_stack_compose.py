@@ -1,0 +1,291 @@
+"""The stack for real: `docker compose up` on built images, a Search-R1 request from the host,
+the CPU trainer training against the retrieval service over the compose network, a restart of
+the retrieval container mid-run, and a teardown that leaves no container, network or volume.
+
+Marked `stack` and left out of the default suite: it needs a Docker engine, a compose client
+and the two CPU images. `make test-stack` (tests/stack/run.sh) provides all three and then runs
+this module; it names the compose client and the image tags in HDR_STACK_* variables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shlex
+import subprocess
+import tarfile
+import time
+
+import httpx
+import pytest
+from stackfiles import COMPOSE, ROOT, free_port
+
+pytestmark = pytest.mark.stack
+
+SMALL = ROOT / "tests" / "stack" / "compose.small.yml"
+ARTICLES = 200  # HDR_CORPUS_LIMIT of the test stack
+STEPS = 12  # steps= in compose.small.yml
+UP_TIMEOUT = 900  # s: first start builds the corpus and index, then the healthcheck must pass
+TRAIN_TIMEOUT = 1200  # s: tiny policy + one SFT epoch + 12 small steps on a loaded 2-core CPU
+RESTART_AT_STEP = 2  # the retrieval container is restarted once this step is in metrics.jsonl
+
+
+def setting(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        pytest.fail(f"{name} is not set: run this through `make test-stack` (tests/stack/run.sh)")
+    return value
+
+
+class Stack:
+    """One compose project of the test: the default files plus the small override."""
+
+    def __init__(self) -> None:
+        self.compose = shlex.split(setting("HDR_STACK_COMPOSE"))
+        self.project = f"hdrstack{os.getpid()}"
+        self.port = free_port()
+        self.env = {key: value for key, value in os.environ.items() if not key.startswith("HDR_")}
+        self.env.update(
+            COMPOSE_PROJECT_NAME=self.project,
+            HDR_RETRIEVAL_IMAGE=setting("HDR_STACK_RETRIEVAL_IMAGE"),
+            HDR_TRAINER_IMAGE=setting("HDR_STACK_TRAINER_IMAGE"),
+            HDR_RETRIEVAL_PORT=str(self.port),
+            HDR_CORPUS_LIMIT=str(ARTICLES),
+        )
+        self.timings: dict[str, float] = {}
+
+    def run(self, *args: str, timeout: float = 300, check: bool = True):
+        command = [*self.compose, "-f", str(COMPOSE), "-f", str(SMALL), *args]
+        done = subprocess.run(
+            command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+        if check and done.returncode != 0:
+            pytest.fail(f"`{shlex.join(command)}` exited {done.returncode}:\n{done.stderr}")
+        return done
+
+    def container(self, service: str) -> str:
+        ids = self.run("ps", "-q", service).stdout.split()
+        assert len(ids) == 1, f"{service}: containers {ids}"
+        return ids[0]
+
+    def inspect(self, container: str, template: str) -> str:
+        return docker("inspect", "--format", template, container).strip()
+
+    def logs(self, service: str) -> str:
+        done = self.run("logs", "--no-color", service, check=False)
+        return done.stdout + done.stderr
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def volume(self, name: str) -> str:
+        return f"{self.project}_{name}"
+
+
+def docker(*args: str, timeout: float = 120) -> str:
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"docker {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+def read_volume(stack: Stack, volume: str, path: str) -> dict[str, bytes]:
+    """{relative path: bytes} of the regular files under `path` in a volume, read through a
+    throwaway container of the trainer image (the host cannot see the engine's volumes)."""
+    done = subprocess.run(
+        [
+            *("docker", "run", "--rm", "--network", "none", "-v", f"{volume}:/vol:ro"),
+            *(
+                "--entrypoint",
+                "tar",
+                stack.env["HDR_TRAINER_IMAGE"],
+                "-C",
+                "/vol",
+                "-cf",
+                "-",
+                path,
+            ),
+        ],
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
+        for member in tar.getmembers():
+            if member.isfile():
+                files[member.name] = tar.extractfile(member).read()
+    return files
+
+
+def metrics_steps(stack: Stack, trainer: str) -> list[dict]:
+    done = subprocess.run(
+        ["docker", "exec", trainer, "cat", "/runs/tiny-cpu/metrics.jsonl"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if done.returncode != 0:
+        return []
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def wait_for(what: str, predicate, timeout: float, interval: float = 2.0, diagnose=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(
+        f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose() if diagnose else ''}"
+    )
+
+
+LEAN_CHECK = r"""
+id -u
+for tool in gcc cc g++ make; do command -v $tool && echo "build tool: $tool"; done
+for dir in /root/.cache /tmp/src /tmp/deps /tmp/wheelhouse "$HOME/.cache/pip"; do
+    [ -e "$dir" ] && echo "left over: $dir"
+done
+ls /var/lib/apt/lists | grep -v -e '^lock$' -e '^partial$' | sed 's/^/apt list: /'
+python -c "import torch, hdr; print('torch', torch.__version__, torch.version.cuda)"
+"""
+
+
+@pytest.mark.parametrize("image", ["HDR_STACK_RETRIEVAL_IMAGE", "HDR_STACK_TRAINER_IMAGE"])
+def test_images_run_as_non_root_without_build_tools_or_caches(image):
+    tag = setting(image)
+    out = docker(
+        "run", "--rm", "--network", "none", "--entrypoint", "sh", tag, "-c", LEAN_CHECK
+    ).splitlines()
+    assert out[0] == "10001", out  # the `hdr` user
+    assert not [line for line in out if line.startswith(("build tool", "left over", "apt list"))]
+    # The CPU torch build (no CUDA runtime), the one the project pins.
+    assert out[-1] == "torch 2.13.0+cpu None", out
+
+
+@pytest.fixture
+def stack():
+    stack = Stack()
+    try:
+        yield stack
+    finally:
+        stack.run("down", "--volumes", "--remove-orphans", "--timeout", "20", check=False)
+        print("\n" + "\n".join(f"stack timing: {k} {v:.0f} s" for k, v in stack.timings.items()))
+
+
+@pytest.mark.timeout(UP_TIMEOUT + 2 * TRAIN_TIMEOUT)
+def test_compose_up_serves_trains_survives_a_restart_and_tears_down(stack):
+    t0 = time.monotonic()
+    # 1. `up`: compose starts retrieval, waits for its healthcheck, then starts the trainer.
+    stack.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+    stack.timings["compose up -d (first-start index build until healthy)"] = time.monotonic() - t0
+    retrieval = stack.container("retrieval")
+    assert stack.inspect(retrieval, "{{.State.Health.Status}}") == "healthy"
+    assert stack.inspect(retrieval, "{{.Config.User}}") == "hdr"
+    logs = stack.logs("retrieval")
+    assert "preparing the embedded wiki corpus" in logs and "building it from" in logs
+
+    # 2. A Search-R1 request from the host, on the published loopback port.
+    health = httpx.get(stack.url("/health"), timeout=10).json()
+    assert health["status"] == "ok" and health["documents"] == ARTICLES, health
+    first = json.loads(
+        docker("exec", retrieval, "head", "-n", "1", "/data/wiki-vital.jsonl").splitlines()[0]
+    )
+    title = first["contents"].split("\n", 1)[0].strip('"')
+    request = {"queries": [title, "a famous scientist"], "topk": 3, "return_scores": True}
+    response = httpx.post(stack.url("/retrieve"), json=request, timeout=60)
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    assert [len(hits) for hits in result] == [3, 3]
+    assert all(set(hit) == {"document", "score"} for hits in result for hit in hits)
+    assert first["id"] in {hit["document"]["id"] for hit in result[0]}, (title, result[0])
+    plain = httpx.post(stack.url("/retrieve"), json={**request, "return_scores": False}).json()
+    assert [[doc["id"] for doc in hits] for hits in plain["result"]] == [
+        [hit["document"]["id"] for hit in hits] for hits in result
+    ]
+    assert httpx.post(stack.url("/retrieve"), json={"queries": []}).json() == {"result": []}
+
+    # 3. The trainer trains against `http://retrieval:8000` on the compose network.
+    trainer = stack.container("trainer")
+    assert stack.inspect(trainer, "{{.Config.User}}") == "hdr"
+    t1 = time.monotonic()
+
+    def reached_step() -> bool:
+        if stack.inspect(trainer, "{{.State.Running}}") != "true":
+            pytest.fail(f"the trainer exited early:\n{stack.logs('trainer')[-4000:]}")
+        return len(metrics_steps(stack, trainer)) >= RESTART_AT_STEP
+
+    wait_for(
+        f"training step {RESTART_AT_STEP}",
+        reached_step,
+        TRAIN_TIMEOUT,
+        diagnose=lambda: stack.logs("trainer")[-4000:],
+    )
+    stack.timings[f"trainer start until step {RESTART_AT_STEP}"] = time.monotonic() - t1
+    requests_before = stack.logs("retrieval").count("POST /retrieve")
+    assert requests_before >= 3, "the trainer's searches reached the server"
+
+    # 4. Restart the retrieval container while the trainer runs; the outage lasts while the
+    #    server stops, stays down, starts again and loads its index (no rebuild).
+    t2 = time.monotonic()
+    stack.run("stop", "retrieval", timeout=120)
+    assert stack.inspect(retrieval, "{{.State.ExitCode}}") in ("0", "143"), "graceful stop"
+    time.sleep(5)
+    stack.run("start", "retrieval", timeout=120)
+    wait_for(
+        "retrieval healthy again",
+        lambda: stack.inspect(retrieval, "{{.State.Health.Status}}") == "healthy",
+        300,
+        diagnose=lambda: stack.logs("retrieval")[-4000:],
+    )
+    stack.timings["retrieval stop + 5 s + start until healthy"] = time.monotonic() - t2
+    assert stack.logs("retrieval").count("building it from") == 1, "the index was not rebuilt"
+
+    # 5. The trainer either rides out the outage and finishes, or fails with one clean line.
+    status = int(docker("wait", trainer, timeout=TRAIN_TIMEOUT).strip())
+    stack.timings["trainer start until exit"] = time.monotonic() - t1
+    trainer_log = stack.logs("trainer")
+    files = read_volume(stack, stack.volume("hdr-runs"), "tiny-cpu")
+    metrics = [json.loads(line) for line in files["tiny-cpu/metrics.jsonl"].splitlines()]
+    steps = [record["step"] for record in metrics]
+    assert "Traceback" not in trainer_log, trainer_log[-4000:]
+    if status == 0:
+        assert steps == list(range(1, STEPS + 1)), steps
+        assert "tiny-cpu/final/config.json" in files
+        # The restarted server answered the trainer: searches after the restart.
+        assert stack.logs("retrieval").count("POST /retrieve") > requests_before
+        print(f"\nstack: the trainer rode out the restart and finished {STEPS} steps")
+    else:
+        last = trainer_log.strip().splitlines()[-1]
+        assert "error" in last.lower(), trainer_log[-4000:]
+        print(f"\nstack: the trainer stopped cleanly (exit {status}): {last}")
+    # Checkpoints and metrics in the volume: the last two of every 4 steps, each complete.
+    saved = sorted(
+        {name.split("/")[2] for name in files if name.startswith("tiny-cpu/checkpoints/")}
+    )
+    expected = [f"step-{s:06d}" for s in range(4, max(steps) + 1, 4)][-2:]
+    assert saved == expected, (saved, steps)
+    for checkpoint in saved:
+        prefix = f"tiny-cpu/checkpoints/{checkpoint}/"
+        manifest = json.loads(files[prefix + "manifest.json"])
+        assert manifest["step"] == int(checkpoint.removeprefix("step-"))
+        assert {"optimizer.pt", "state.json", "model/config.json"} <= set(manifest["files"])
+        for name, (size, sha256) in manifest["files"].items():
+            data = files[prefix + name]
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (size, sha256), name
+    assert all(record["env_calls"] >= 1 for record in metrics), "every step searched"
+    assert any(name.startswith("tiny-cpu/tb/") for name in files), "TensorBoard events"
+    # The run used the compose network's service name, as the entrypoint derives it.
+    assert "http://retrieval:8000" in files["tiny-cpu/config.yaml"].decode()
+
+    # 6. Teardown removes containers, the network and both volumes.
+    stack.run("down", "--volumes", "--remove-orphans", "--timeout", "20")
+    left = docker("ps", "-a", "--filter", f"label=com.docker.compose.project={stack.project}", "-q")
+    assert not left.strip(), left
+    volumes = docker("volume", "ls", "-q").split()
+    assert not [v for v in volumes if v.startswith(stack.project)], volumes
+    networks = docker("network", "ls", "--format", "{{.Name}}").split()
+    assert not [n for n in networks if n.startswith(stack.project)], networks

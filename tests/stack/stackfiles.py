@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 REPLICAS = ROOT / "docker-compose.replicas.yml"
 ARTICLES = 150  # corpus size of the host runs
-START_TIMEOUT = 420.0  # s: corpus + index build + model load on a 2-core CPU (up to 3.5 min seen under load)
+# s: corpus + index build + model load on a 2-core CPU (up to 3.5 min seen under load)
+START_TIMEOUT = 420.0
 ENTRYPOINTS = {
     "retrieval": ROOT / "docker" / "retrieval-entrypoint.sh",
     "trainer": ROOT / "docker" / "trainer-entrypoint.sh",

@@ -10,7 +10,8 @@ What it does, end to end, on the embedded defaults:
    (`configs/tiny-cpu.yaml`): same SFT start, same seeds (so the same prompt order), same
    periodic held-out subset;
 5. each final model is evaluated by `evaluation.evaluate` on one fixed held-out set of
-   wiki-vital test questions, identical for every arm and seed (and the SFT start once);
+   test questions of the task (wiki-vital, or wiki-bridge with `--bridge`), identical for
+   every arm and seed (and the SFT start once);
 6. results: per arm Mean@k, Best@k, greedy EM (mean and spread over seeds), differences to
    the reference arms paired on the same questions with standard errors, env calls, wall
    time and its split, mean step time; `results.json`, `results.md` and the charts of
@@ -234,10 +235,11 @@ DEMO = {
 
 # The multi-turn, cost-dominated comparison (docs/results.md): bridge questions that need two
 # searches, max_turns 2, the environment made to cost what a hosted search API does. The
-# emulated cost (1 s a request + 20 ms a query) makes a step's environment wait about twice
-# its generation time on 2 cores, so a fresh group costs well over 10x its teacher-forced
-# re-scoring: the regime of the paper's agentic-search claim. 5 seeds x 7 arms; each command
-# is one seed (`seeds=[n]`) so that it fits 120 minutes on 2 cores (see docs/results.md).
+# emulated cost (2 s a request + 40 ms a query) makes a step's environment wait (2 search
+# turns of 40 queries: 7.2 s) about twice its rollout CPU time on this bed (3.2 s measured at
+# b=8, G=5), so a fresh group costs over 10x its teacher-forced re-scoring (about 0.1 CPU s):
+# the regime of the paper's agentic-search claim. 5 seeds x 7 arms; each command is one seed
+# (`seeds=[n]`) so that it fits 120 minutes on 2 cores (see docs/results.md).
 BRIDGE = {
     "task": "wiki-bridge",
     "seeds": [1, 2, 3, 4, 5],
@@ -249,8 +251,8 @@ BRIDGE = {
     "final_questions": None,
     "jobs": 2,
     "server_overrides": [
-        "emulated_cost.request_latency_ms=1000",
-        "emulated_cost.query_latency_ms=20",
+        "emulated_cost.request_latency_ms=2000",
+        "emulated_cost.query_latency_ms=40",
     ],
     "train_overrides": [
         "rollout.max_turns=2",
@@ -763,7 +765,7 @@ def results_markdown(summary: dict, cfg: ExperimentConfig) -> str:
     """The three tables of docs/results.md: held-out quality, paired differences, cost."""
     k = summary["k"]
     lines = [
-        f"Held-out: {summary['num_questions']} wiki-vital test questions, the same for every "
+        f"Held-out: {summary['num_questions']} {cfg.task} test questions, the same for every "
         f"run; k={k} samples at the rollout temperature plus greedy. Mean ± sample std over "
         f"seeds {cfg.seeds}.\n",
     ]

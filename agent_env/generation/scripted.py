@@ -9,6 +9,12 @@ documents it retrieved, which is the best a policy that searches this way can do
 trainer's `hdr sft` uses it to make supervised trajectories. Its log-probs are 0.0 (the
 action has probability 1 under this policy).
 
+Finish reasons: an action finishes "stop" (its closing tag), or "length" when cut by
+`max_tokens`; a context in which it finds neither a question nor documents gets the
+tokenizer's EOS ("eos"). `after_close` is text written after the closing tag, e.g. "\n\n",
+which a byte-level BPE merges with the tag's `>` into one token (the stop "overhang" real
+models produce).
+
 It reads the question and the documents back from the decoded context, so it works through
 the same Generator interface, with the same prompt config, as a real model.
 """
@@ -80,11 +86,13 @@ class ScriptedGenerator:
         prompt: PromptConfig,
         oracle: dict[str, list[str]] | None = None,
         searches: int = 1,
+        after_close: str = "",
     ) -> None:
         self.tokenizer = tokenizer
         self.prompt = prompt
         self.oracle = oracle
         self.searches = searches
+        self.after_close = after_close
         self._question = _question_pattern(prompt.template)
 
     def sync_weights(self, model) -> None:
@@ -99,6 +107,8 @@ class ScriptedGenerator:
         question = question_match.group(1).strip() if question_match else ""
         titles = document_titles(text)
         blocks = text.count(INFO_OPEN)
+        if not titles and not question:  # nothing to act on: end the sequence
+            return Completion([self.tokenizer.eos_token_id], [0.0], "eos")
         if not titles:
             body, open_tag, close_tag = f" {question} ", SEARCH_OPEN, SEARCH_CLOSE
         elif blocks < self.searches:
@@ -108,10 +118,13 @@ class ScriptedGenerator:
             body, open_tag, close_tag = f" {action} ", ANSWER_OPEN, ANSWER_CLOSE
         # The context may already hold the opening tag (compact prompt); don't repeat it.
         prefix = "" if text.endswith(open_tag) else open_tag
-        ids = self.tokenizer.encode(prefix + body + close_tag, add_special_tokens=False)
-        finished = len(ids) <= params.max_tokens
-        ids = ids[: params.max_tokens]
-        return Completion(ids, [0.0] * len(ids), finished=finished)
+        ids = self.tokenizer.encode(
+            prefix + body + close_tag + self.after_close, add_special_tokens=False
+        )
+        if len(ids) > params.max_tokens:
+            ids = ids[: params.max_tokens]
+            return Completion(ids, [0.0] * len(ids), "length")
+        return Completion(ids, [0.0] * len(ids), "stop", close_tag)
 
     def _choose(self, question: str, titles: list[str], text: str) -> str:
         if self.oracle is not None:

@@ -139,14 +139,15 @@ class FixedPolicy:
         self.ids = tokenizer.encode(text, add_special_tokens=False)
         if eos:
             self.ids.append(tokenizer.eos_token_id)
-        # finished = stopped on a stop tag or EOS; otherwise it ran into the token limit
-        self.finished = eos or text.endswith(("</search>", "</answer>"))
+        # stopped on a stop tag or EOS; otherwise it ran into the token limit
+        tag = next((t for t in ("</search>", "</answer>") if text.endswith(t)), None)
+        self.finish = ("eos", None) if eos else ("stop", tag) if tag else ("length", None)
         self.calls = 0
 
     def generate(self, contexts, params: SamplingParams) -> list[Completion]:
         self.calls += 1
         ids = self.ids[: params.max_tokens]
-        return [Completion(list(ids), [-0.5] * len(ids), self.finished) for _ in contexts]
+        return [Completion(list(ids), [-0.5] * len(ids), *self.finish) for _ in contexts]
 
     def sync_weights(self, model) -> None:
         pass

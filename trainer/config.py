@@ -23,12 +23,30 @@ class ModelConfig(StrictModel):
 
     path: str = Field(description="Model directory (save_pretrained / Hub layout) with tokenizer.")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Training weights' dtype; float32 on the CPU."
+        "float32",
+        description="Parameters' dtype: the master weights AdamW steps. Only float32 is"
+        " accepted; bfloat16 compute is `compute_dtype`.",
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Forward/backward matmuls under torch.autocast; parameters, gradients"
+        " and optimizer state stay in `dtype` (float32 master weights).",
     )
     device: str = Field("cpu", description="torch device of the trained model (cpu, cuda:0).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (large models on a GPU)."
     )
+
+    @field_validator("dtype")
+    @classmethod
+    def _master_weights_in_fp32(cls, v: str) -> str:
+        if v != "float32":
+            raise ValueError(
+                f"{v} parameters under plain AdamW lose every update smaller than their"
+                " spacing (at lr 1e-6 nearly all); keep model.dtype=float32 and set"
+                " model.compute_dtype=bfloat16 for bf16 compute on fp32 master weights"
+            )
+        return v
 
 
 class DataConfig(StrictModel):
@@ -65,6 +83,13 @@ class GRPOConfig(StrictModel):
         " with extra fresh prompts (counted as fresh cost), up to `refill_rounds` times.",
     )
     refill_rounds: int = Field(3, ge=0, description="Most refill rollouts per step.")
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling of fresh tokens: weight each by"
+        " min(p_trainer/p_sampler, tis_cap) against the sampler/trainer mismatch (vLLM);"
+        " None: off.",
+    )
 
     @property
     def fresh_rows(self) -> int:
@@ -176,6 +201,25 @@ class TrainConfig(StrictModel):
     def _steps_cover_warmup(self) -> TrainConfig:
         if self.grpo.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError("grpo.warmup_steps must be smaller than steps")
+        return self
+
+    @model_validator(mode="after")
+    def _sampling_the_trainer_can_score(self) -> TrainConfig:
+        # teacher-forced log-probs divide by the temperature and nothing else: greedy or
+        # nucleus samples would be scored under a distribution they were not drawn from
+        if self.rollout.temperature <= 0:
+            raise ValueError("training samples: rollout.temperature must be > 0 (0 is greedy)")
+        if self.rollout.top_p < 1:
+            raise ValueError(
+                "training scores the full distribution: rollout.top_p must be 1 (the"
+                " teacher-forced log-probs apply temperature only)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _generation_seeded_by_the_run(self) -> TrainConfig:
+        if self.generation.seed is None:
+            self.generation.seed = self.seed
         return self
 
     @property

@@ -9,7 +9,13 @@ What is implemented (DESIGN.md, normative):
   `ratio = exp(logprob - old_logprob)`: one token mean over every row of the batch, fresh and
   replayed alike (a replayed row's `old_logprob` is its stored generation-time log-prob);
 - optional KL to a frozen reference with the k3 estimator
-  `exp(ref - logprob) - (ref - logprob) - 1`, coefficient `beta` (default 0).
+  `exp(ref - logprob) - (ref - logprob) - 1`, coefficient `beta` (default 0);
+- optional truncated importance sampling of the sampler/trainer mismatch (off by default):
+  a fresh token's surrogate is weighted by `w = min(p_trainer / p_sampler, C)`, where
+  `p_sampler` is the probability the generation engine reported when it sampled the token
+  and `p_trainer` the trainer's teacher-forced one. The large RL frameworks apply this to
+  inference-engine samples (vLLM in bf16 does not reproduce the trainer's numbers); the
+  weight is a constant (no gradient). `logprob_gap` measures the mismatch it corrects.
 
 Departure from the paper: none in the formulas. A group of one response (G=1) has no defined
 sample std; its advantage is 0 rather than NaN.
@@ -54,19 +60,41 @@ def policy_loss(
     mask: Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
+    token_weights: Tensor | None = None,
 ) -> Tensor:
     """Clipped surrogate loss, token mean over all rows.
 
     `logprobs`, `old_logprobs`, `mask`: `[N, T]`; `advantages`: `[N]`. With
     `ratio = exp(logprobs - old_logprobs)`:
-    `loss = -sum(m * min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)) / sum(m)`.
+    `loss = -sum(m * w * min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)) / sum(m)`,
+    `w` = `token_weights` `[N, T]` (e.g. `truncated_is_weights`), 1 when None.
     Returns a scalar; 0 when the mask is empty.
     """
     ratio = torch.exp(logprobs - old_logprobs)  # (N, T)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (N, 1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    return -masked_mean(torch.minimum(unclipped, clipped), mask)
+    surrogate = torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        surrogate = surrogate * token_weights.to(surrogate.dtype).detach()
+    return -masked_mean(surrogate, mask)
+
+
+def truncated_is_weights(
+    trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float
+) -> Tensor:
+    """Truncated importance weights of sampled tokens, `[N, T]` -> `[N, T]`:
+    `w = min(exp(trainer_logprobs - sampler_logprobs), cap)` where `mask` is 1, else 1.
+    No gradient flows through them."""
+    ratio = torch.exp((trainer_logprobs - sampler_logprobs).detach())
+    return torch.where(mask.bool(), torch.clamp(ratio, max=cap), torch.ones_like(ratio))
+
+
+def logprob_gap(logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Sampler vs teacher-forced log-prob gap over `mask` (`[N, T]` each): the mean and the max
+    of `|logprobs - sampler_logprobs|` (both 0 for an empty mask)."""
+    gap = (logprobs - sampler_logprobs).abs() * mask.to(logprobs.dtype)
+    return masked_mean(gap, mask), gap.max() if gap.numel() else gap.sum()
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:

@@ -9,18 +9,26 @@ One step, top to bottom (DESIGN.md):
 4. replay selection: the arm's registered selector picks up to `R` stored groups, re-scoring
    candidates teacher-forced (no generation, no retrieval);
 5. one update on fresh + replayed rows (token-mean clipped loss, AdamW, gradient clipping,
-   warmup), `grpo.updates_per_step` passes (1 by default);
+   warmup), `grpo.updates_per_step` passes (1 by default); fresh tokens optionally weighted
+   by truncated importance sampling of the sampler/trainer gap (`grpo.tis_cap`);
 6. ingress: the step's fresh groups enter the FIFO buffer after the update;
 7. telemetry (metrics.jsonl, TensorBoard), a periodic held-out evaluation (eval.jsonl), a
    checkpoint every `checkpoint.save_every` steps.
 
+Precision: parameters, gradients and AdamW state are float32 (master weights); with
+`model.compute_dtype: bfloat16` every forward (rollout with the shared hf module, behaviour
+log-probs, replay scoring, the update) runs under `torch.autocast` in bf16. The gap between
+the sampler's log-probs and the teacher-forced ones is logged each step (`logprob_gap_mean`,
+`logprob_gap_max` over policy tokens): ~1e-6 with hf in fp32, real with vLLM or bf16.
+
 Departures from the paper's setup: the behaviour log-probs come from teacher forcing, not
 from the sampler (they agree up to float error with the hf backend; with vLLM they avoid the
-sampler/trainer mismatch); the held-out evaluation during training is a small fixed subset
-(Mean@k, Best@k, greedy EM), the full evaluation is `hdr eval`. `on_policy_larger` is not an
-arm but a config (`grpo.batch_prompts` 1.5x, `arm: on_policy`); `on_policy_filtered` is
-`grpo.dynamic_sampling` (DAPO-style: zero-variance groups dropped and refilled by extra fresh
-prompts, which count as fresh cost) with `arm: on_policy`.
+sampler/trainer mismatch, which `grpo.tis_cap` can also correct); the held-out evaluation
+during training is a small fixed subset (Mean@k, Best@k, greedy EM), the full evaluation is
+`hdr eval`. `on_policy_larger` is not an arm but a config (`grpo.batch_prompts` 1.5x,
+`arm: on_policy`); `on_policy_filtered` is `grpo.dynamic_sampling` (DAPO-style: zero-variance
+groups dropped and refilled by extra fresh prompts, which count as fresh cost) with
+`arm: on_policy`.
 
 Every step logs its cost ledger (`trainer.telemetry.StepCost`, `cost_*` keys): tokens by
 phase, environment calls and passages, informative groups and tokens, CPU seconds by phase.
@@ -28,6 +36,7 @@ phase, environment calls and passages, informative groups and tokens, CPU second
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -47,7 +56,14 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import TrainConfig
-from trainer.grpo import group_advantages, kl_k3, masked_mean, policy_loss
+from trainer.grpo import (
+    group_advantages,
+    kl_k3,
+    logprob_gap,
+    masked_mean,
+    policy_loss,
+    truncated_is_weights,
+)
 from trainer.replay import (
     SELECTORS,
     ReplayBuffer,
@@ -99,9 +115,17 @@ class Run:
     def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
         """The replay `ScoreFn`: current-policy log-probs of stored groups, no grad."""
         self.cost.scan_tf_tokens += distinct_tokens(groups)
-        return score_groups(
-            self.model, groups, self.config.grpo.score_chunk, self.config.rollout.temperature
-        )
+        with self.autocast():
+            return score_groups(
+                self.model, groups, self.config.grpo.score_chunk, self.config.rollout.temperature
+            )
+
+    def autocast(self):
+        """bf16 compute on the float32 master weights when `model.compute_dtype` asks."""
+        if self.config.model.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=getattr(torch, self.config.model.compute_dtype))
 
 
 # --- setup -----------------------------------------------------------------------------
@@ -154,11 +178,13 @@ def heldout_subset(examples: list, seed: int, size: int) -> list:
     return [examples[int(i)] for i in perm[:size]]
 
 
-def load_policy(model_dir: str | Path, config: TrainConfig):
+def load_policy(model_dir: str | Path, config: TrainConfig, frozen: bool = False):
+    """Model and tokenizer from a directory. Trained weights load in `model.dtype` (fp32
+    master weights); a `frozen` one (the KL reference) in `model.compute_dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(model_dir)
-    dtype = getattr(torch, config.model.dtype)
+    dtype = getattr(torch, config.model.compute_dtype if frozen else config.model.dtype)
     try:  # a local directory, or a Hub id (Qwen/Qwen2.5-3B-Instruct) when online or cached
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
@@ -210,7 +236,7 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
     buffer = ReplayBuffer(config.replay.capacity)
     ref_model = None
     if config.grpo.beta > 0:
-        ref_model, _ = load_policy(config.model.path, config)
+        ref_model, _ = load_policy(config.model.path, config, frozen=True)
         ref_model.requires_grad_(False)
     generator = build_generator(
         config.generation,
@@ -270,7 +296,7 @@ def behaviour_groups(run: Run, groups: list[list], step: int) -> tuple[list[Stor
         return [], 0.0
     ids, attn, mask = trajectory_rows(groups)
     run.cost.behaviour_tf_tokens += forwarded_tokens(ids, attn, mask)
-    with torch.no_grad():
+    with torch.no_grad(), run.autocast():
         lp, ent = token_logprobs(
             run.model,
             ids,
@@ -306,16 +332,53 @@ class UpdateStats:
     replay_headroom: list[float]
 
 
+def sampler_logprobs(groups: list[list], fresh: list[StoredGroup]) -> list[torch.Tensor]:
+    """Each fresh group's sampler-reported log-probs, aligned with its `input_ids` `[G, T_g]`
+    (0 off the policy tokens)."""
+    out = []
+    for group, stored in zip(groups, fresh, strict=True):
+        rows = [[0.0] * len(t.prompt_ids) + list(t.sampler_logprobs) for t in group]
+        out.append(left_pad(rows, dtype=torch.float32)[:, -stored.input_ids.shape[1] :])
+    return out
+
+
+def sampler_gap(
+    fresh: list[StoredGroup], sampled: list[torch.Tensor], tis_cap: float | None
+) -> tuple[dict[str, float | None], list[torch.Tensor] | None]:
+    """The step's sampler/trainer log-prob gap (metrics; None without fresh groups) and, with
+    `tis_cap`, each fresh group's truncated importance weights `[G, T_g]`."""
+    if not fresh:
+        return {"logprob_gap_mean": None, "logprob_gap_max": None}, [] if tis_cap else None
+    trainer_lp = concat_left_padded([g.gen_logprobs for g in fresh])
+    sampler_lp = concat_left_padded(sampled)
+    mask = concat_left_padded([g.loss_mask for g in fresh])
+    mean, worst = logprob_gap(trainer_lp, sampler_lp, mask)
+    metrics = {"logprob_gap_mean": float(mean), "logprob_gap_max": float(worst)}
+    if tis_cap is None:
+        return metrics, None
+    weights = [
+        truncated_is_weights(g.gen_logprobs, s, g.loss_mask, tis_cap)
+        for g, s in zip(fresh, sampled, strict=True)
+    ]
+    w = concat_left_padded(weights)
+    metrics["is_weight_mean"] = float(masked_mean(w, mask))
+    metrics["is_capped_frac"] = float(masked_mean((w >= tis_cap).float(), mask))
+    return metrics, weights
+
+
 def update_policy(
     run: Run,
     fresh: list[StoredGroup],
     replayed: list[StoredGroup],
     weights: list[float] | None = None,
+    fresh_weights: list[torch.Tensor] | None = None,
 ) -> UpdateStats:
     """`updates_per_step` optimizer passes over fresh + replayed rows, in chunks of
     `micro_batch` rows whose gradients add up to the token mean over the whole batch.
     `weights` (one per replayed group, importance weights of a sampling selector) scale that
-    group's advantages, which scales its loss terms exactly since a weight is positive."""
+    group's advantages, which scales its loss terms exactly since a weight is positive.
+    `fresh_weights` (truncated IS, one `[G, T_g]` per fresh group) scale the fresh tokens'
+    surrogate; replayed tokens keep token weight 1."""
     cfg, groups = run.config.grpo, fresh + replayed
     if not groups:  # dynamic sampling kept nothing and nothing was replayed
         run.scheduler.step()
@@ -330,6 +393,11 @@ def update_policy(
         + [g.advantages * w for g, w in zip(replayed, weights, strict=True)]
     )  # (N,)
     run.cost.update_tf_tokens += int(attn.sum()) * cfg.updates_per_step
+    token_weights = None
+    if fresh_weights is not None:
+        ones = [torch.ones_like(g.gen_logprobs) for g in replayed]
+        token_weights = concat_left_padded([*fresh_weights, *ones])  # (N, T)
+        token_weights = torch.where(mask.bool(), token_weights, torch.ones_like(token_weights))
     total = mask.sum().clamp(min=1.0)
     order = torch.argsort(attn.sum(dim=1), stable=True)
     first_pass = torch.zeros_like(old)
@@ -339,7 +407,10 @@ def update_policy(
         run.optimizer.zero_grad(set_to_none=True)
         for lo in range(0, len(order), cfg.micro_batch):
             rows = order[lo : lo + cfg.micro_batch]
-            loss, kl, lp = chunk_loss(run, ids[rows], attn[rows], mask[rows], old[rows], adv[rows])
+            w = None if token_weights is None else token_weights[rows]
+            loss, kl, lp = chunk_loss(
+                run, ids[rows], attn[rows], mask[rows], old[rows], adv[rows], w
+            )
             (loss * mask[rows].sum() / total).backward()
             loss_sum += (
                 float(loss.detach()) * float(mask[rows].sum() / total) / cfg.updates_per_step
@@ -363,17 +434,21 @@ def update_policy(
     return UpdateStats(loss_sum, float(grad_norm), kl_sum, drift, room)
 
 
-def chunk_loss(run: Run, ids, attn, mask, old, adv) -> tuple[torch.Tensor, float, torch.Tensor]:
+def chunk_loss(
+    run: Run, ids, attn, mask, old, adv, weights=None
+) -> tuple[torch.Tensor, float, torch.Tensor]:
     """Clipped policy loss (+ beta * k3 KL) of one chunk, its token mean; with grad."""
     cfg, device = run.config.grpo, next(run.model.parameters()).device
     ids, attn, mask, old, adv = (x.to(device) for x in (ids, attn, mask, old, adv))
+    weights = None if weights is None else weights.to(device)
     temperature = run.config.rollout.temperature
-    lp, _ = forward_logprobs(run.model, ids, attn, mask, temperature)
-    lp = align(lp)  # (n, T)
-    loss = policy_loss(lp, old, adv, mask, cfg.eps_low, cfg.eps_high)
+    with run.autocast():
+        lp, _ = forward_logprobs(run.model, ids, attn, mask, temperature)
+    lp = align(lp).float()  # (n, T)
+    loss = policy_loss(lp, old, adv, mask, cfg.eps_low, cfg.eps_high, weights)
     kl = 0.0
     if run.ref_model is not None:
-        with torch.no_grad():
+        with torch.no_grad(), run.autocast():
             ref, _ = forward_logprobs(run.ref_model, ids, attn, mask, temperature)
         kl_t = kl_k3(lp, align(ref), mask)
         loss = loss + cfg.beta * kl_t
@@ -448,6 +523,9 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     with run.cost.cpu("scoring"):
         fresh, entropy = behaviour_groups(run, batch.groups, step)
+        gap, is_weights = sampler_gap(
+            fresh, sampler_logprobs(batch.groups, fresh), cfg.grpo.tis_cap
+        )
     t1 = time.perf_counter()
     # 4. replay selection
     with run.cost.cpu("selection"):
@@ -457,8 +535,10 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     # 5. one update on fresh + replayed (a swap selector leaves some fresh groups out)
     swapped = set(selection.swap_out)
     trained = [g for k, g in enumerate(fresh) if k not in swapped]
+    if is_weights is not None:
+        is_weights = [w for k, w in enumerate(is_weights) if k not in swapped]
     with run.cost.cpu("update"):
-        update = update_policy(run, trained, selection.groups, selection.weights)
+        update = update_policy(run, trained, selection.groups, selection.weights, is_weights)
         run.generator.sync_weights(run.model)
     t3 = time.perf_counter()
     # 6. ingress after the update
@@ -478,6 +558,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "reward_mean": float(np.mean([t.reward for t in trajs])),
         "em_mean": float(np.mean([exact_match(t.answer, t.example.golden_answers) for t in trajs])),
         "entropy": entropy,
+        **gap,
         "loss": update.loss,
         "grad_norm": update.grad_norm,
         "kl": update.kl,

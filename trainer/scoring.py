@@ -11,7 +11,8 @@ Three economies:
   rows sorted by length first so chunks pad little;
 - the output layer (hidden -> vocabulary) runs only at positions whose next token is wanted
   (a policy token under `target_mask`), which on the tiny model halves the cost because 75%
-  of a trajectory is retrieved text.
+  of a trajectory is retrieved text; and in slices of `HEAD_SLICE` positions, checkpointed
+  under grad, so a large vocabulary never materialises all positions' logits at once.
 
 Log-probs are of `softmax(logits / temperature)`, the distribution the sampler draws from.
 Models with extra logit transforms (soft-capping, logit scales) are not covered.
@@ -23,9 +24,14 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from trainer.grpo import token_entropy
+
+# Positions per output-layer slice: bounds the `[positions, vocabulary]` logits a forward
+# holds (Qwen2.5's 151,936 entries x 4,096 positions are 2.5 GB per row in fp32).
+HEAD_SLICE = 512
 
 
 def position_ids_for(attention_mask: Tensor) -> Tensor:
@@ -60,18 +66,44 @@ def forward_logprobs(
     real = mask.bool()
     # a target is wanted when marked, and real with a real token before it to predict it from
     wanted = target_mask[:, start + 1 :].bool() & real[:, 1:] & real[:, :-1]  # (n, T-start-1)
-    logits = model.get_output_embeddings()(hidden[:, :-1][wanted]).float()  # (K, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    token_lp = logp.gather(-1, ids[:, 1:][wanted].unsqueeze(-1)).squeeze(-1)  # (K,)
+    head = model.get_output_embeddings()
+    picked, targets = hidden[:, :-1][wanted], ids[:, 1:][wanted]  # (K, H), (K,)
+    recompute = torch.is_grad_enabled() and len(targets) > HEAD_SLICE
+    pieces = [
+        _head_logprobs(head, picked[lo : lo + HEAD_SLICE], targets[lo : lo + HEAD_SLICE],
+                       temperature, with_entropy, recompute)
+        for lo in range(0, max(len(targets), 1), HEAD_SLICE)
+    ]  # fmt: skip
+    token_lp = torch.cat([lp for lp, _ in pieces])  # (K,)
     out = torch.zeros(n, T - 1, dtype=token_lp.dtype, device=token_lp.device)
     out[:, start:][wanted] = token_lp
     entropy = None
     if with_entropy:
         entropy = torch.zeros(n, T - 1, device=token_lp.device)
-        entropy[:, start:][wanted] = token_entropy(logits.detach())
+        entropy[:, start:][wanted] = torch.cat([e for _, e in pieces])
     return out, entropy
+
+
+def _head_logprobs(
+    head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool, recompute: bool
+):
+    """Log-probs `[k]` of `targets` from `hidden` `[k, H]` through the output layer (and the
+    entropy `[k]`, no grad, or None). `recompute`: checkpointed, the logits are recomputed in
+    backward, so a backward pass holds one slice of them at a time."""
+
+    def logprobs(h: Tensor, t: Tensor) -> Tensor:
+        logits = head(h).float() / temperature  # (k, V)
+        return torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+    if recompute:
+        lp = torch.utils.checkpoint.checkpoint(logprobs, hidden, targets, use_reentrant=False)
+    else:
+        lp = logprobs(hidden, targets)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = token_entropy(head(hidden).float() / temperature)
+    return lp, entropy
 
 
 def token_logprobs(

@@ -81,3 +81,27 @@ def test_token_entropy_uniform_and_peaked():
     ent = token_entropy(logits)
     assert ent[0].item() == pytest.approx(math.log(4), abs=1e-6)
     assert ent[1].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_truncated_is_weights_and_weighted_loss():
+    from trainer.grpo import logprob_gap, truncated_is_weights
+
+    trainer = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.3]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = truncated_is_weights(trainer, sampler, mask, cap=3.0)
+    # p_trainer / p_sampler = 2, 0.5, 9 (capped at 3); off the mask 1
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 3.0, 1.0]]))
+    mean, worst = logprob_gap(trainer, sampler, mask)
+    gaps = [math.log(2), math.log(2), math.log(9)]
+    assert mean.item() == pytest.approx(sum(gaps) / 3)
+    assert worst.item() == pytest.approx(math.log(9))
+    # weighted surrogate: -sum(m * w * ratio * A) / sum(m) with ratio 1 (lp == old)
+    lp = torch.zeros(1, 4, requires_grad=True)
+    adv = torch.tensor([1.0])
+    loss = policy_loss(lp, torch.zeros(1, 4), adv, mask, token_weights=w)
+    assert loss.item() == pytest.approx(-(2.0 + 0.5 + 3.0) / 3)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -torch.tensor([[2.0, 0.5, 3.0, 0.0]]) / 3)
+    plain = policy_loss(torch.zeros(1, 4), torch.zeros(1, 4), adv, mask)
+    assert plain.item() == pytest.approx(-1.0)

@@ -17,6 +17,8 @@ METRIC_KEYS = [
     "reward_mean",
     "em_mean",
     "entropy",
+    "logprob_gap_mean",
+    "logprob_gap_max",
     "loss",
     "fresh_tokens",
     "replay_tokens",
@@ -77,6 +79,7 @@ def test_metrics_have_every_contract_key(short_run):
         assert row["fresh_tokens"] > 0 and row["env_calls"] >= 1
         assert row["search_calls"] >= row["env_calls"]  # one request carries many queries
         assert row["buffer_size"] <= 6
+        assert row["logprob_gap_max"] < 1e-4  # hf sampling in fp32 == teacher forcing
     totals = [r["env_calls_total"] for r in rows]
     assert totals == sorted(totals) and totals[-1] == sum(r["env_calls"] for r in rows)
     evals = read_jsonl(short_run / "eval.jsonl")

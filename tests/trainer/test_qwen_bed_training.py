@@ -92,6 +92,7 @@ def search_r1_parquet(small_qa, path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a random model writes every turn to its 500-token limit
 def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
     qwen_policy_dir, small_qa, retrieval_url, tmp_path
 ):

@@ -29,6 +29,8 @@ def test_search_r1_3b_config_validates_with_fp32_master_weights():
     assert cfg.rollout.prompt.chat_template and "{question}" in cfg.rollout.prompt.template
 
 
+@pytest.mark.slow  # about a minute on an idle 2-core machine: the 151,936-row output layer
+@pytest.mark.timeout(1800)
 def test_sft_then_train_on_the_qwen_bed(qwen_policy_dir, small_qa, retrieval_url, tmp_path):
     """`hdr sft` on scripted trajectories, then 3 GRPO steps with replay, on the real BPE."""
     from transformers import AutoModelForCausalLM

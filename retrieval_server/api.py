@@ -1,30 +1,49 @@
 """Request and response models of `POST /retrieve`, shared by the server and its clients.
 
-Wire format (Search-R1 compatible, see DESIGN.md):
+Wire format (Search-R1 compatible, see docs/retrieval.md):
 
     request   {"queries": [str], "topk": int | null, "return_scores": bool, "retriever": str | null}
     response  {"result": [[{"document": {"id", "contents", ...}, "score": float}, ...], ...]}
               or, without scores, {"result": [[{"id", "contents", ...}, ...], ...]}
 
-`retriever` is hdr's addition (null: the server's default). `RetrieveRequest` checks only the
-structure; a server derives `limited_request_model(...)` from its configured limits.
+`retriever` is hdr's addition (null: the server's default). `RetrieveRequest` is the wire shape
+a client sends; a server validates with `profile_request_model(...)`, derived from its profile
+and limits. hdr's server always returns `id`; `Document.id` is optional so that clients also read
+servers whose documents carry none (Search-R1's BM25 index).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    StringConstraints,
+    create_model,
+)
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_lone_surrogates(text: str) -> str:
+    """`text` with unpaired UTF-16 surrogates (legal as JSON escapes, not encodable in UTF-8)
+    replaced by U+FFFD, so tokenizers and the response encoder never meet them."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 class RetrieveRequest(BaseModel):
     """Queries to search; one result list per query, in order."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
-    queries: list[StrictStr] = Field(min_length=1, description="Search queries.")
+    queries: list[StrictStr] = Field(description="Search queries (may be empty).")
     topk: int | None = Field(
-        default=None, ge=1, description="Passages per query; null means the server default."
+        default=None, ge=0, description="Passages per query; null or 0 means the server default."
     )
     return_scores: bool = Field(default=False, description="Wrap each passage with its score.")
     retriever: str | None = Field(
@@ -37,7 +56,7 @@ class Document(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    id: str
+    id: str | None = None
     contents: str
 
 
@@ -70,7 +89,7 @@ class EmulatedCostReport(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: str
+    status: Literal["ok", "unhealthy"]
     documents: int
     encoder: str
     index_type: str
@@ -80,20 +99,46 @@ class HealthResponse(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """Every 4xx: `detail` is one readable line; `errors` lists validation failures, if any."""
+    """Every 4xx and 503: `detail` is one readable line; `errors` lists validation failures
+    (location, message, type; never the offending input)."""
 
     detail: str
     errors: list[dict[str, Any]] = []
 
 
-def limited_request_model(
-    max_queries: int, max_query_chars: int, max_topk: int
+Query = Annotated[StrictStr, AfterValidator(without_lone_surrogates)]
+
+
+class StrictRetrieveRequest(RetrieveRequest):
+    """The strict profile's base: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def profile_request_model(
+    profile: Literal["search-r1", "strict"], max_queries: int, max_query_chars: int, max_topk: int
 ) -> type[RetrieveRequest]:
-    """`RetrieveRequest` with upper limits: a violation is a 422 naming the field and the limit."""
-    limited_query = Annotated[StrictStr, Field(max_length=max_query_chars)]
+    """The request model a server validates with; a violation is a 422 naming field and limit.
+
+    search-r1: up to `max_queries` queries (zero included) of any length (the server truncates),
+    topk 0 or null = default, unknown fields ignored. strict: 1..max_queries queries of at most
+    `max_query_chars`, topk >= 1, unknown fields refused.
+    """
+    if profile == "strict":
+        strict_query = Annotated[
+            StrictStr,
+            StringConstraints(max_length=max_query_chars),
+            AfterValidator(without_lone_surrogates),
+        ]
+        return create_model(
+            "StrictLimitedRequest",
+            __base__=StrictRetrieveRequest,
+            queries=(list[strict_query], Field(min_length=1, max_length=max_queries)),
+            topk=(int | None, Field(default=None, ge=1, le=max_topk)),
+        )
     return create_model(
-        "LimitedRetrieveRequest",
+        "SearchR1LimitedRequest",
         __base__=RetrieveRequest,
-        queries=(list[limited_query], Field(min_length=1, max_length=max_queries)),
-        topk=(int | None, Field(default=None, ge=1, le=max_topk)),
+        queries=(list[Query], Field(max_length=max_queries)),
+        topk=(int | None, Field(default=None, ge=0, le=max_topk)),
     )

@@ -3,25 +3,33 @@
 `create_app(config)` builds an app whose heavy resources (FAISS index, BM25, encoder, corpus
 offsets) are loaded in its lifespan, never at import. Searches go through a `MicroBatcher`, which
 runs them in a worker thread; documents are read from disk in a thread too, so the event loop only
-parses, validates and batches. Every bad input is a 4xx whose `detail` is one readable line.
-Prometheus metrics use a registry owned by the app, so several apps can live in one process.
+parses, validates and batches.
+
+It degrades instead of dying: `RequestGuard` (outside FastAPI) enforces the concurrency limit,
+the bearer token and the body cap before a body is read or parsed; the batcher's queue is bounded
+in queries; every request has a deadline; a client that disconnects stops its search. Bad input
+is a 4xx whose `detail` is one readable line and never echoes the input; refusals under load are
+503 with Retry-After. Prometheus metrics use a registry owned by the app, so several apps can
+live in one process.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the request model created in
 # `create_app` as a real annotation, not as a string to resolve in module globals.
 
 import asyncio
+import contextlib
 import hmac
+import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -29,6 +37,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,15 +49,19 @@ from retrieval_server.api import (
     PlainResponse,
     ScoredDocument,
     ScoredResponse,
-    limited_request_model,
+    profile_request_model,
 )
-from retrieval_server.batching import MicroBatcher
+from retrieval_server.batching import MicroBatcher, Overloaded, SearchFailed
 from retrieval_server.config import ServerConfig
 from retrieval_server.emulated_cost import CostEmulator
 from retrieval_server.index import DocumentStore, LoadedIndex, load_index
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
 
 KNOWN_PATHS = {"/retrieve", "/health", "/metrics"}
+UNLIMITED_PATHS = {"/health", "/metrics"}  # answered even at the concurrency limit
+OPEN_PATHS = {"/health"}  # no token needed (orchestrator health checks)
+MAX_LOC_CHARS = 64  # a validation error names the field, cut to this; input is never echoed
+CLIENT_GONE = 499  # recorded in metrics for a client that left; nobody receives it
 
 
 class ServerMetrics:
@@ -88,6 +101,28 @@ class ServerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=self.registry,
         )
+        self.rejected = Counter(
+            "hdr_retrieval_rejected",
+            "Requests answered 503 before any search, by reason "
+            "(queue_full, concurrency, unhealthy).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.expired = Counter(
+            "hdr_retrieval_expired",
+            "Requests answered 503 because their deadline passed (unsearched queries dropped).",
+            registry=self.registry,
+        )
+        self.disconnected = Counter(
+            "hdr_retrieval_disconnected",
+            "Requests whose client went away before the answer (unsearched queries dropped).",
+            registry=self.registry,
+        )
+        self.truncated = Counter(
+            "hdr_retrieval_truncated_queries",
+            "Queries cut to max_query_chars (search-r1 profile).",
+            registry=self.registry,
+        )
 
     def observe_batch(self, retriever: str, queries: int) -> None:
         self.queries.labels(retriever).inc(queries)
@@ -103,6 +138,42 @@ class ServingState:
     batcher: MicroBatcher
 
 
+class BatcherCollector:
+    """Reads the batcher's queue and supervision state when /metrics is scraped."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Any]:
+        state: ServingState | None = getattr(self.app.state, "serving", None)
+        if state is None:
+            return
+        batcher = state.batcher
+        yield GaugeMetricFamily(
+            "hdr_retrieval_queue_queries",
+            "Queries queued or being searched.",
+            value=batcher.queued_queries,
+        )
+        yield GaugeMetricFamily(
+            "hdr_retrieval_queue_requests",
+            "Requests with queries still waiting for a batch.",
+            value=batcher.waiting_requests,
+        )
+        yield GaugeMetricFamily(
+            "hdr_retrieval_healthy", "1 while the batch worker serves.", value=batcher.healthy
+        )
+        yield CounterMetricFamily(
+            "hdr_retrieval_worker_restarts",
+            "Batch-worker crashes survived by a restart.",
+            value=batcher.counts.worker_restarts,
+        )
+        yield CounterMetricFamily(
+            "hdr_retrieval_failed_searches",
+            "Requests whose search raised (each retried alone first); answered 503.",
+            value=batcher.counts.failed_requests,
+        )
+
+
 def fetch_documents(store: DocumentStore, hits: list[list[Hit]]) -> list[list[ScoredDocument]]:
     """Read the hit rows from the corpus: result[query][rank]."""
     result = []
@@ -116,6 +187,31 @@ def fetch_documents(store: DocumentStore, hits: list[list[Hit]]) -> list[list[Sc
     return result
 
 
+# --- errors ------------------------------------------------------------------------------
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped, so text that is not valid UTF-8 (a lone surrogate in a
+    field name) can never fail the response."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_response(status: int, detail: str, headers: dict[str, str] | None = None) -> Response:
+    return SafeJSONResponse(ErrorResponse(detail=detail).model_dump(), status, headers=headers)
+
+
+def _location(loc: Any) -> list[str | int]:
+    """An error location without "body", each part cut to MAX_LOC_CHARS."""
+    parts = loc if isinstance(loc, (list, tuple)) else [loc]
+    return [
+        part if isinstance(part, int) else str(part)[:MAX_LOC_CHARS]
+        for part in parts
+        if part != "body"
+    ]
+
+
 def validation_message(exc: RequestValidationError) -> str:
     """One line from the first validation error: 'queries.3: String should have at most ...'."""
     first = exc.errors()[0]
@@ -123,44 +219,125 @@ def validation_message(exc: RequestValidationError) -> str:
         position = first.get("loc", ("body", "?"))[-1]
         reason = first.get("ctx", {}).get("error", "not valid JSON")
         return f"malformed JSON body at character {position}: {reason}"
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    where = ".".join(str(part) for part in _location(first.get("loc", ())))
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     return f"{where or 'request'}: {first.get('msg', 'invalid')}{more}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Errors as `ErrorResponse`: malformed JSON is a 400, other invalid input a 422."""
+    """Errors as `ErrorResponse`: malformed JSON is a 400, other invalid input a 422. The
+    offending input is never echoed (it may be huge, or not encodable)."""
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> Response:
         status = 400 if any(e.get("type") == "json_invalid" for e in exc.errors()) else 422
-        body = ErrorResponse(
-            detail=validation_message(exc),
-            errors=jsonable_encoder(exc.errors(), custom_encoder={Exception: str}),
-        )
-        return JSONResponse(body.model_dump(), status_code=status)
+        errors = [
+            {"loc": _location(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type")}
+            for e in exc.errors()[:20]
+        ]
+        body = ErrorResponse(detail=validation_message(exc), errors=jsonable_encoder(errors))
+        return SafeJSONResponse(body.model_dump(), status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = ErrorResponse(detail=str(exc.detail))
-        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail), exc.headers)
 
 
-def bearer_auth(config: ServerConfig):
-    """A dependency that demands `Authorization: Bearer <token>` when a token is configured."""
-    expected = config.api_token.get_secret_value().encode() if config.api_token else None
-    scheme = HTTPBearer(auto_error=False)
+# --- middleware --------------------------------------------------------------------------
 
-    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:
-        if expected is None:
+
+class RequestGuard:
+    """Pure ASGI middleware that protects the app before FastAPI reads anything:
+
+    1. at most `max_concurrent_requests` requests inside at once (503 + Retry-After beyond;
+       /health and /metrics are exempt, so monitoring works under load);
+    2. the bearer token, when configured, from the headers alone (401), on every path but
+       /health;
+    3. the body cap: a Content-Length above `max_body_bytes`, or a streamed body that grows past
+       it, is a 413 without reading further. The body is then handed to the app from memory.
+    """
+
+    def __init__(self, app: ASGIApp, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.config = config
+        self.metrics = metrics
+        self.token = config.api_token.get_secret_value().encode() if config.api_token else None
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        given = credentials.credentials.encode() if credentials is not None else b""
-        if not hmac.compare_digest(given, expected):
-            raise HTTPException(
-                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-            )
+        path = scope["path"]
+        limited = path not in UNLIMITED_PATHS
+        if limited and self.in_flight >= self.config.max_concurrent_requests:
+            self.metrics.rejected.labels("concurrency").inc()
+            await self.refuse(scope, receive, send, 503, "server busy: too many requests; retry")
+            return
+        if self.token is not None and path not in OPEN_PATHS and not self.authorized(scope):
+            await self.refuse(scope, receive, send, 401, "missing or wrong bearer token")
+            return
+        self.in_flight += limited
+        try:
+            body = await self.read_body(scope, receive)
+            if body is None:
+                cap = self.config.max_body_bytes
+                await self.refuse(scope, receive, send, 413, f"body larger than {cap} bytes")
+                return
+            await self.app(scope, replay(body, receive), send)
+        finally:
+            self.in_flight -= limited
 
-    return check
+    def authorized(self, scope: Scope) -> bool:
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:].strip()
+        return hmac.compare_digest(given, self.token or b"")
+
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it is known to exceed the cap."""
+        cap = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > cap:
+                return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b""  # disconnected; the app meets the disconnect next
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def refuse(
+        self, scope: Scope, receive: Receive, send: Send, status: int, detail: str
+    ) -> None:
+        headers = {}
+        if status == 503:
+            headers["Retry-After"] = str(self.config.retry_after_s)
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        await error_response(status, detail, headers)(scope, receive, send)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that yields the buffered body once, then the server's own messages (so the
+    app still learns of a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 class RequestMetricsMiddleware:
@@ -194,6 +371,9 @@ class RequestMetricsMiddleware:
                 self.metrics.errors.labels(endpoint, str(status)).inc()
 
 
+# --- the app -----------------------------------------------------------------------------
+
+
 def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingState:
     """Load the index and every retriever it supports; the default must be among them."""
     index = load_index(config.index_dir, config.corpus, config.hnsw_ef_search)
@@ -206,18 +386,61 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         )
     retrievers = make_retrievers(index, names)
     batcher = MicroBatcher(
-        retrievers, config.batch_wait_ms, config.max_batch_queries, metrics.observe_batch
+        retrievers,
+        max_batch_queries=config.max_batch_queries,
+        max_queued_queries=config.max_queued_queries,
+        batch_wait_ms=config.batch_wait_ms,
+        max_restarts=config.worker_max_restarts,
+        on_batch=metrics.observe_batch,
     )
     return ServingState(index=index, retrievers=retrievers, batcher=batcher)
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once the client has disconnected (call it after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def search_or_give_up(
+    state: ServingState, config: ServerConfig, metrics: ServerMetrics, request: Request, args
+) -> list[list[Hit]] | Response:
+    """The batcher's hits, or the response for a request that could not be searched: 503 when
+    refused, failed or past its deadline; a response nobody reads when the client left."""
+    retry = {"Retry-After": str(config.retry_after_s)}
+    search = asyncio.ensure_future(
+        asyncio.wait_for(state.batcher.search(*args), config.request_deadline_s)
+    )
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait({search, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not search.done():  # the client left: stop its search
+        search.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await search
+        metrics.disconnected.inc()
+        return error_response(CLIENT_GONE, "client closed the request")
+    try:
+        return search.result()
+    except Overloaded as err:
+        metrics.rejected.labels(err.reason.replace(" ", "_")).inc()
+        return error_response(503, f"server {err.reason}; retry later", retry)
+    except SearchFailed as err:
+        return error_response(503, f"{err}; retry", retry)
+    except asyncio.TimeoutError:
+        metrics.expired.inc()
+        limit = config.request_deadline_s
+        return error_response(503, f"not answered within the {limit:g} s deadline", retry)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
     """The retrieval service for one index; resources load when the app starts."""
     metrics = ServerMetrics()
     emulator = CostEmulator(config.emulated_cost)
-    auth = bearer_auth(config)
-    RetrieveBody = limited_request_model(
-        config.max_queries, config.max_query_chars, config.max_topk
+    RetrieveBody = profile_request_model(
+        config.profile, config.query_limit, config.max_query_chars, config.max_topk
     )
 
     @asynccontextmanager
@@ -233,38 +456,51 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="hdr retrieval server", version="1", lifespan=lifespan)
     install_error_handlers(app)
-    error_responses = {
-        400: {"model": ErrorResponse},
-        401: {"model": ErrorResponse},
-        422: {"model": ErrorResponse},
-    }
+    metrics.registry.register(BatcherCollector(app))
+    error_responses = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 503)}
 
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestGuard, config=config, metrics=metrics)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts all
 
-    @app.post("/retrieve", dependencies=[Depends(auth)], responses=error_responses)
-    async def retrieve(request: RetrieveBody) -> ScoredResponse | PlainResponse:
+    @app.post("/retrieve", responses=error_responses)
+    async def retrieve(body: RetrieveBody, request: Request) -> ScoredResponse | PlainResponse:
         """Top-k passages per query: Search-R1's request and response format."""
         state: ServingState = app.state.serving
-        name = request.retriever or config.default_retriever
+        name = body.retriever or config.default_retriever
         if name not in state.retrievers:
             raise HTTPException(
-                400, f"unknown retriever {name!r}; available: {', '.join(sorted(state.retrievers))}"
+                400, f"unknown retriever; available: {', '.join(sorted(state.retrievers))}"
             )
-        topk = request.topk or config.default_topk
-        await emulator.charge(len(request.queries))
-        hits = await state.batcher.search(request.queries, topk, name)
+        await emulator.charge(len(body.queries))
+        if not body.queries:
+            return ScoredResponse(result=[])
+        queries = body.queries
+        if config.profile == "search-r1":
+            cut = config.max_query_chars
+            long = sum(len(query) > cut for query in queries)
+            if long:
+                metrics.truncated.inc(long)
+                queries = [query[:cut] for query in queries]
+        topk = body.topk or config.default_topk
+        hits = await search_or_give_up(state, config, metrics, request, (queries, topk, name))
+        if isinstance(hits, Response):
+            return hits
         scored = await asyncio.to_thread(fetch_documents, state.index.documents, hits)
-        if request.return_scores:
+        if body.return_scores:
             return ScoredResponse(result=scored)
         return PlainResponse(result=[[item.document for item in query] for query in scored])
 
-    @app.get("/health")
-    async def health() -> HealthResponse:
-        """Liveness plus what is served; open even when a token is configured."""
+    @app.get("/health", responses={503: {"model": HealthResponse}})
+    async def health(response: Response) -> HealthResponse:
+        """Liveness plus what is served; 503 once the batch worker gave up. Open even when a
+        token is configured."""
         state: ServingState = app.state.serving
         manifest = state.index.manifest
+        healthy = state.batcher.healthy
+        if not healthy:
+            response.status_code = 503
         return HealthResponse(
-            status="ok",
+            status="ok" if healthy else "unhealthy",
             documents=manifest.documents,
             encoder=manifest.encoder,
             index_type=manifest.index_type,
@@ -273,9 +509,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             emulated_cost=emulator.report(),
         )
 
-    @app.get("/metrics", dependencies=[Depends(auth)], response_class=Response)
+    @app.get("/metrics", response_class=Response)
     async def prometheus_metrics() -> Response:
-        """Prometheus text exposition of this app's counters and histograms."""
+        """Prometheus text exposition of this app's counters, histograms and queue state."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,55 +1,131 @@
-"""Micro-batching: concurrent requests are encoded and searched together.
+"""Micro-batching with a bounded queue, fair slicing and a supervised worker.
 
-Each request becomes a `PendingSearch` on an asyncio queue. One worker task takes the first
-pending search together with everything else already queued (up to `max_batch_queries`
-queries), then runs one search per retriever over all their queries in a worker thread, so the
-event loop keeps accepting requests meanwhile. An idle server therefore searches a lone request
-at once, with no fixed wait; while a batch is searched the next one accumulates, so batches grow
-with load and throughput grows with concurrency. `batch_wait_ms > 0` adds an optional wait for
-company after the first request (off by default). One request is never split: a request larger
-than `max_batch_queries` is searched alone.
+Each request becomes a `PendingSearch` in a queue bounded in *queries* (`max_queued_queries`):
+a request that would overflow it raises `Overloaded` at once (the app answers 503 +
+Retry-After), except that an empty queue always admits one request, however large.
+
+One worker task builds each batch from what is queued, up to `max_batch_queries` queries, and
+runs one search per retriever over them in a worker thread, so the event loop keeps accepting
+requests meanwhile. An idle server searches a lone request at once, with no fixed wait; while a
+batch is searched the next one accumulates, so batches grow with load. (`batch_wait_ms > 0` adds
+an optional wait for company after the first request, off by default.) A request larger than a
+batch is searched in slices that take turns with the other requests (a request with queries left
+goes to the back of the queue), so 16,384 queries from one client do not block the others.
+
+A request whose caller stopped waiting (deadline passed, client disconnected: the awaiting
+coroutine is cancelled) is abandoned: its unsearched queries leave the queue and are never
+searched. If a batch's search raises, each request of the batch is retried alone, so one bad
+request fails alone (`SearchFailed`). The worker is supervised: if its loop dies (anything
+escaping the per-batch handling, a BaseException included), the batch in flight fails, the loop
+restarts, and after more than `max_restarts` crashes within a minute the batcher gives up:
+`healthy` turns False and every request is refused, so `/health` says 503 and an orchestrator
+restarts the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from retrieval_server.retrievers import Hit, Retriever
 
+log = logging.getLogger(__name__)
+CRASH_WINDOW_S = 60.0
 
-@dataclass
+
+class Overloaded(Exception):
+    """The request was not queued: `reason` is "queue full" or "unhealthy"."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class SearchFailed(Exception):
+    """The retriever failed on this request's queries (searched alone) or the worker crashed."""
+
+
+@dataclass(eq=False)
 class PendingSearch:
-    """One request's queries, waiting for its batch; `result` is set to its hits per query."""
+    """One request's queries; `next` is the first not yet taken into a batch."""
 
     queries: list[str]
     topk: int
     retriever: str
     result: asyncio.Future[list[list[Hit]]] = field(repr=False)
+    hits: list[list[Hit] | None] = field(default_factory=list, repr=False)
+    next: int = 0
+    answered: int = 0
+
+    def __post_init__(self) -> None:
+        self.hits = [None] * len(self.queries)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.queries) - self.next
+
+    @property
+    def abandoned(self) -> bool:
+        return self.result.done()
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Queries [lo, hi) of one pending request, taken into a batch."""
+
+    pending: PendingSearch
+    lo: int
+    hi: int
+
+    @property
+    def queries(self) -> list[str]:
+        return self.pending.queries[self.lo : self.hi]
+
+
+@dataclass
+class BatcherCounts:
+    """Since start: worker restarts and searches that failed (after retrying members alone)."""
+
+    worker_restarts: int = 0
+    failed_requests: int = 0
 
 
 class MicroBatcher:
-    """Collects `PendingSearch`es and answers them batch by batch (start it in the app lifespan)."""
+    """Queues searches and answers them batch by batch (start it in the app lifespan)."""
 
     def __init__(
         self,
         retrievers: dict[str, Retriever],
-        batch_wait_ms: float,
+        *,
         max_batch_queries: int,
+        max_queued_queries: int,
+        batch_wait_ms: float = 0.0,
+        max_restarts: int = 5,
         on_batch: Callable[[str, int], None] = lambda retriever, queries: None,
     ) -> None:
         self.retrievers = retrievers
-        self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_batch_queries = max_batch_queries
+        self.max_queued_queries = max_queued_queries
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.max_restarts = max_restarts
         self.on_batch = on_batch  # called with (retriever name, number of queries) per search
-        self._queue: asyncio.Queue[PendingSearch] = asyncio.Queue()
-        self._carried: PendingSearch | None = None  # did not fit the last batch; goes first
+        self.counts = BatcherCounts()
+        self.queued_queries = 0  # waiting or being searched, all requests together
+        self.gave_up = False
+        self._waiting: deque[PendingSearch] = deque()
+        self._wakeup = asyncio.Event()
+        self._in_flight: set[Slice] = set()
+        self._crashes: deque[float] = deque()
         self._worker: asyncio.Task[None] | None = None
 
+    # --- lifecycle -------------------------------------------------------------------------
+
     def start(self) -> None:
-        self._worker = asyncio.get_running_loop().create_task(self._run(), name="micro-batcher")
+        self._worker = asyncio.get_running_loop().create_task(self._supervise(), name="batcher")
 
     async def stop(self) -> None:
         if self._worker is not None:
@@ -57,64 +133,164 @@ class MicroBatcher:
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
 
+    @property
+    def healthy(self) -> bool:
+        """The worker runs and has not given up."""
+        return self._worker is not None and not self._worker.done() and not self.gave_up
+
+    @property
+    def waiting_requests(self) -> int:
+        return len(self._waiting)
+
+    # --- the caller's side -----------------------------------------------------------------
+
     async def search(self, queries: list[str], topk: int, retriever: str) -> list[list[Hit]]:
-        """Hits per query for one request, searched together with whatever else is pending."""
+        """Hits per query for one request. Raises `Overloaded` (not queued) or `SearchFailed`;
+        cancelling the caller (deadline, disconnect) abandons the request's unsearched queries."""
+        if not self.healthy:
+            raise Overloaded("unhealthy")
+        if self.queued_queries and self.queued_queries + len(queries) > self.max_queued_queries:
+            raise Overloaded("queue full")
         pending = PendingSearch(
             queries, topk, retriever, asyncio.get_running_loop().create_future()
         )
-        await self._queue.put(pending)
-        return await pending.result
+        self.queued_queries += len(queries)
+        self._waiting.append(pending)
+        self._wakeup.set()
+        try:
+            return await asyncio.shield(pending.result)
+        except asyncio.CancelledError:
+            self._abandon(pending)
+            raise
 
-    async def _collect(self) -> list[PendingSearch]:
-        """The next batch: the first pending search, all already queued, then (only with
-        `batch_wait_ms > 0`) those arriving within the wait."""
-        first, self._carried = self._carried, None
-        batch = [first if first is not None else await self._queue.get()]
-        size = len(batch[0].queries)
-        deadline = time.monotonic() + self.batch_wait_s
-        while size < self.max_batch_queries:
-            if self._queue.empty():
+    def _abandon(self, pending: PendingSearch) -> None:
+        """Nothing more of `pending` is searched; its untaken queries leave the queue."""
+        if not pending.result.done():
+            pending.result.cancel()
+        self.queued_queries -= pending.remaining
+        pending.next = len(pending.queries)
+        if pending in self._waiting:
+            self._waiting.remove(pending)
+
+    def _fail(self, pending: PendingSearch, error: BaseException) -> None:
+        if not pending.result.done():
+            self.counts.failed_requests += 1
+            pending.result.set_exception(SearchFailed(f"search failed: {type(error).__name__}"))
+        self._abandon(pending)
+
+    # --- the worker ------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Run the batch loop; restart it when it dies, give up after too many crashes."""
+        while True:
+            try:
+                await self._serve_forever()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # a dead worker must not leave requests hanging
+                log.exception("retrieval batch worker crashed")
+                for piece in list(self._in_flight):
+                    self._finish(piece, None, err)
+                self.counts.worker_restarts += 1
+                now = time.monotonic()
+                self._crashes.append(now)
+                while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
+                    self._crashes.popleft()
+                if len(self._crashes) > self.max_restarts:
+                    self.gave_up = True
+                    for pending in list(self._waiting):
+                        self._fail(pending, err)
+                    log.error("batch worker crashed %d times in a minute", len(self._crashes))
+                    return
+
+    async def _serve_forever(self) -> None:
+        while True:
+            batch = await self._collect()
+            self._in_flight = set(batch)
+            by_retriever: dict[str, list[Slice]] = {}
+            for piece in batch:
+                by_retriever.setdefault(piece.pending.retriever, []).append(piece)
+            for name, pieces in by_retriever.items():
+                await self._search_pieces(name, pieces)
+
+    async def _collect(self) -> list[Slice]:
+        """The next batch: slices of queued requests in turn, up to `max_batch_queries`."""
+        while not self._waiting:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        if self.batch_wait_s > 0:
+            deadline = time.monotonic() + self.batch_wait_s
+            while self._queued_untaken() < self.max_batch_queries:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
+                self._wakeup.clear()
                 try:
-                    pending = await asyncio.wait_for(self._queue.get(), remaining)
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            else:
-                pending = self._queue.get_nowait()
-            if size + len(pending.queries) > self.max_batch_queries:
-                self._carried = pending
-                break
-            batch.append(pending)
-            size += len(pending.queries)
+        batch: list[Slice] = []
+        size, unfinished = 0, []
+        while self._waiting and size < self.max_batch_queries:
+            pending = self._waiting.popleft()
+            take = min(pending.remaining, self.max_batch_queries - size)
+            batch.append(Slice(pending, pending.next, pending.next + take))
+            pending.next += take
+            size += take
+            if pending.remaining:
+                unfinished.append(pending)
+        self._waiting.extend(unfinished)  # behind the requests this batch did not reach
         return batch
 
-    async def _run(self) -> None:
-        while True:
-            batch = await self._collect()
-            by_retriever: dict[str, list[PendingSearch]] = {}
-            for pending in batch:
-                if not pending.result.done():  # the client may have gone away
-                    by_retriever.setdefault(pending.retriever, []).append(pending)
-            for name, group in by_retriever.items():
-                await self._search_group(name, group)
+    def _queued_untaken(self) -> int:
+        return sum(pending.remaining for pending in self._waiting)
 
-    async def _search_group(self, name: str, group: list[PendingSearch]) -> None:
-        """One retriever call for all queries of `group`, then each request gets its slice."""
-        queries = [query for pending in group for query in pending.queries]
-        topk = max(pending.topk for pending in group)
-        self.on_batch(name, len(queries))
+    async def _search_pieces(self, name: str, pieces: list[Slice]) -> None:
+        """One retriever call for all `pieces`; if it fails, each piece is retried alone."""
         try:
-            hits = await asyncio.to_thread(self.retrievers[name].search, queries, topk)
-        except Exception as err:  # answered as that request's 500 instead of killing the worker
-            for pending in group:
-                if not pending.result.done():
-                    pending.result.set_exception(err)
+            hits = await self._run_search(name, pieces)
+        except Exception as err:
+            if len(pieces) == 1:
+                self._finish(pieces[0], None, err)
+                return
+            for piece in pieces:
+                try:
+                    own = await self._run_search(name, [piece])
+                except Exception as alone_err:
+                    self._finish(piece, None, alone_err)
+                else:
+                    self._finish(piece, own, None)
             return
         start = 0
-        for pending in group:
-            own = hits[start : start + len(pending.queries)]
-            start += len(pending.queries)
-            if not pending.result.done():
-                pending.result.set_result([query_hits[: pending.topk] for query_hits in own])
+        for piece in pieces:
+            count = piece.hi - piece.lo
+            self._finish(piece, hits[start : start + count], None)
+            start += count
+
+    async def _run_search(self, name: str, pieces: list[Slice]) -> list[list[Hit]]:
+        queries = [query for piece in pieces for query in piece.queries]
+        topk = max(piece.pending.topk for piece in pieces)
+        self.on_batch(name, len(queries))
+        hits = await asyncio.to_thread(self.retrievers[name].search, queries, topk)
+        if len(hits) != len(queries):
+            raise RuntimeError(f"retriever {name} gave {len(hits)} results for {len(queries)}")
+        return hits
+
+    def _finish(
+        self, piece: Slice, hits: list[list[Hit]] | None, error: BaseException | None
+    ) -> None:
+        """Account for a searched slice; answer its request when all its queries are in."""
+        self._in_flight.discard(piece)
+        self.queued_queries -= piece.hi - piece.lo
+        pending = piece.pending
+        if pending.abandoned:
+            return
+        if hits is None:
+            log.warning("search failed for one request: %s", type(error).__name__)
+            self._fail(pending, error or RuntimeError("search failed"))
+            return
+        for offset, query_hits in enumerate(hits):
+            pending.hits[piece.lo + offset] = query_hits[: pending.topk]
+        pending.answered += piece.hi - piece.lo
+        if pending.answered == len(pending.queries):
+            pending.result.set_result(pending.hits)  # type: ignore[arg-type]

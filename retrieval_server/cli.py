@@ -105,7 +105,12 @@ def serve_command(
     from retrieval_server.app import create_app
 
     uvicorn.run(
-        create_app(server_config), host=host, port=port, log_level="info", access_log=access_log
+        create_app(server_config),
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=access_log,
+        timeout_keep_alive=server_config.keep_alive_s,
     )
 
 

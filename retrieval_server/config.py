@@ -1,12 +1,14 @@
 """Typed configuration of the retrieval server (one `ServerConfig`, validated at load).
 
-Request limits live here and nowhere else: the API derives its request model from them, so
-the limits a client hits are exactly the ones configured.
+Request limits, the compatibility profile and the overload policy (queue bound, deadline,
+concurrency) live here and nowhere else: the API derives its request model from them, so the
+limits a client hits are exactly the ones configured.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 
@@ -25,10 +27,37 @@ class ServerConfig(StrictModel):
     default_retriever: str = Field(
         default="dense", description="Retriever used when a request names none."
     )
+    profile: Literal["search-r1", "strict"] = Field(
+        default="search-r1",
+        description="Request profile. search-r1 (default): accept everything Search-R1's trainer "
+        "sends (empty `queries`, over-long queries truncated, topk 0 = default, unknown fields "
+        "ignored). strict: refuse those with a 422.",
+    )
     default_topk: int = Field(default=3, ge=1, description="Passages per query when topk is null.")
     max_topk: int = Field(default=100, ge=1, description="Largest topk a request may ask for.")
-    max_queries: int = Field(default=1024, ge=1, description="Most queries in one request.")
-    max_query_chars: int = Field(default=2048, ge=1, description="Longest query, in characters.")
+    max_queries: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most queries in one request; None: the profile's (16,384 search-r1, "
+        "1,024 strict).",
+    )
+    max_query_chars: int = Field(
+        default=2048,
+        ge=1,
+        description="Longest query, in characters: longer ones are cut to it and counted "
+        "(search-r1) or refused (strict). 2,048 is beyond the 256 tokens MiniLM reads.",
+    )
+    max_body_bytes: int = Field(
+        default=64 * 2**20,
+        ge=1024,
+        description="Largest request body; a longer one is a 413, refused before it is parsed.",
+    )
+    max_concurrent_requests: int = Field(
+        default=512,
+        ge=1,
+        description="HTTP requests handled at once; more are answered 503 + Retry-After "
+        "before their body is read.",
+    )
     batch_wait_ms: float = Field(
         default=0.0,
         ge=0.0,
@@ -36,7 +65,37 @@ class ServerConfig(StrictModel):
         "once and batch only what queued up while the previous batch was searched.",
     )
     max_batch_queries: int = Field(
-        default=256, ge=1, description="Most queries encoded and searched together."
+        default=256,
+        ge=1,
+        description="Most queries encoded and searched together; a larger request is searched "
+        "in slices of this size, taking turns with other requests.",
+    )
+    max_queued_queries: int = Field(
+        default=32768,
+        ge=1,
+        description="Queries waiting or being searched, all requests together; a request that "
+        "would exceed it gets 503 + Retry-After (one request is always admitted to an empty "
+        "queue).",
+    )
+    request_deadline_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A request not answered within this many seconds gets 503 and its "
+        "unsearched queries are dropped.",
+    )
+    retry_after_s: int = Field(
+        default=1, ge=1, description="Retry-After (seconds) sent with every 503."
+    )
+    worker_max_restarts: int = Field(
+        default=5,
+        ge=0,
+        description="Batch-worker crashes tolerated within a minute; one more turns /health "
+        "and /retrieve to 503 so an orchestrator restarts the server.",
+    )
+    keep_alive_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Idle keep-alive of an HTTP connection (clients should keep theirs shorter).",
     )
     hnsw_ef_search: int = Field(
         default=128, ge=1, description="HNSW search breadth (only for index_type hnsw)."
@@ -56,5 +115,15 @@ class ServerConfig(StrictModel):
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
 
+    @property
+    def query_limit(self) -> int:
+        """Most queries in one request: `max_queries`, or the profile's default."""
+        if self.max_queries is not None:
+            return self.max_queries
+        return PROFILE_MAX_QUERIES[self.profile]
+
 
 API_TOKEN_ENV = "HDR_API_TOKEN"
+# A Search-R1 GRPO step (train batch 512 x 5 responses) sends 2,560 queries in one request;
+# 16,384 leaves room for larger batches. strict keeps the earlier, tighter limit.
+PROFILE_MAX_QUERIES = {"search-r1": 16384, "strict": 1024}

@@ -54,7 +54,13 @@ def running_server(index_dir: Path, **server_config_overrides: Any) -> Iterator[
     sock = bind_loopback()
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(create_app(config), log_level="warning", lifespan="on", access_log=False)
+        uvicorn.Config(
+            create_app(config),
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            timeout_keep_alive=config.keep_alive_s,
+        )
     )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True

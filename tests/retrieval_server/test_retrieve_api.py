@@ -119,10 +119,14 @@ def test_dense_answers_an_empty_query(retrieval_url: str) -> None:
 
 @pytest.fixture(scope="module")
 def limited_url(small_index: Path) -> Iterator[str]:
-    """A server with small, non-default limits, to show the limits come from ServerConfig."""
+    """A strict-profile server with small, non-default limits, to show the limits come from
+    ServerConfig. (The default search-r1 profile accepts more: tests/retrieval_server/
+    test_search_r1_contract.py.)"""
     from servers import running_server
 
-    with running_server(small_index, max_queries=4, max_topk=5, max_query_chars=40) as server:
+    with running_server(
+        small_index, profile="strict", max_queries=4, max_topk=5, max_query_chars=40
+    ) as server:
         yield server.url
 
 

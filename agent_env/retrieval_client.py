@@ -1,22 +1,42 @@
-"""HTTP client of the retrieval server: async, pooled, with timeouts, retries and failover.
+"""HTTP client of the retrieval server: async, pooled, with deadlines, retries, failover, a
+circuit breaker and an outage grace period.
 
-One call = one turn's queries. They are split into at most `len(urls)` contiguous chunks (or
-chunks of `max_batch_queries`), one batched `POST /retrieve` per chunk, sent concurrently to
-the URLs in rotation. A chunk that fails with a connection error, a timeout or a 5xx is
-retried with exponential backoff and full jitter, each retry on the next URL; when its
-attempts run out the call raises `RetrievalFailed` (the rollout marks the trajectories
-failed; it never substitutes empty information). A 4xx is our request's fault and is
-reported at once as a `UserError` with the server's one-line detail.
+One call = one turn's queries. Each query is first cut to `max_query_chars` (counted), as the
+server's encoder would cut it anyway. The queries are split into at most `len(urls)` contiguous
+chunks (or chunks of `max_batch_queries`), one batched `POST /retrieve` per chunk, sent
+concurrently to the URLs in rotation, with `return_scores: true` (the one mode every
+Search-R1-contract server answers correctly). What can happen to a chunk:
+
+- connection error, attempt deadline (`timeout_s`, connect to last byte), 5xx or 429: retried
+  with exponential backoff and full jitter, each retry on the next URL. A URL that refused a
+  connection is skipped for `breaker_s` while another URL is up (a short circuit breaker).
+- its retries run out and no URL answers `/health`: an outage. The client pauses, polls
+  `/health` with backoff for up to `outage_grace_s`, and then retries the chunk afresh, so a
+  restart of the retrieval service loses nothing. Past the grace it raises
+  `RetrievalUnavailable` (a `UserError`: one line, the run stops).
+- its retries run out while some URL is healthy: those queries failed (None).
+- a 4xx caused by its queries (413, or a 400/422 that names `queries`): the chunk is bisected
+  until the offending queries are alone; only they fail (None), counted as refused.
+- 401/403/404, or a 400/422 about anything else (topk, retriever): our configuration is wrong;
+  `UserError` with the server's one-line detail.
+- a 200 whose body does not parse (or has the wrong number of results): those queries failed.
+
+One chunk's failure never discards another chunk's results: `search_each` returns per query a
+document list or None (the rollout marks only those trajectories failed); `search` raises
+`RetrievalFailed` if any query failed. Documents without `id` are accepted.
 
 The rollout loop is synchronous (generation blocks), so the client owns a private event loop
 on a daemon thread and `search()` blocks on it. That keeps one `httpx.AsyncClient` and its
-connection pool alive across turns and training steps, where `asyncio.run` per call would
-rebuild it. Departure from Search-R1's client: it had no timeout, retry or failover.
+connection pool alive across turns and training steps. Pooled connections idle for
+`keepalive_s` are dropped, below the server's keep-alive, so the client never reuses a
+connection the server is closing. Departure from Search-R1's client: it had no timeout, retry,
+failover or truncation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import threading
@@ -25,15 +45,25 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from hdr.config import StrictModel
 from hdr.errors import UserError
-from retrieval_server.api import Document, PlainResponse, RetrieveRequest
+from retrieval_server.api import Document, PlainResponse, RetrieveRequest, ScoredResponse
+
+log = logging.getLogger(__name__)
+FATAL_STATUSES = (401, 403, 404)
+RETRY_STATUSES = (429, 500, 502, 503, 504)
+DOWN_STATUSES = (502, 503, 504)  # a /health answer that means "not serving"
+HEALTH_TIMEOUT_S = 5.0
 
 
 class RetrievalFailed(RuntimeError):
-    """The server could not be reached (or kept failing) after every retry."""
+    """Some queries could not be searched (after retries), though a server is up."""
+
+
+class RetrievalUnavailable(UserError):
+    """No retrieval server answered for longer than the outage grace period."""
 
 
 class RetrievalConfig(StrictModel):
@@ -46,13 +76,41 @@ class RetrievalConfig(StrictModel):
     retriever: Literal["dense", "bm25"] | None = Field(
         None, description="Retriever to ask for; None: the server's default."
     )
-    timeout_s: float = Field(30.0, gt=0, description="Read/write timeout of one request.")
-    connect_timeout_s: float = Field(5.0, gt=0, description="Connect timeout of one request.")
+    timeout_s: float = Field(
+        90.0,
+        gt=0,
+        description="Deadline of one HTTP attempt, connect to last byte (above the server's "
+        "60 s request deadline, so an overloaded server answers 503 first).",
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="Connect timeout of one attempt.")
     max_retries: int = Field(4, ge=0, description="Retries per chunk after the first attempt.")
     backoff_s: float = Field(0.25, ge=0, description="First backoff; doubles per retry.")
     backoff_max_s: float = Field(8.0, ge=0, description="Cap of one backoff before jitter.")
     max_batch_queries: int | None = Field(
         512, ge=1, description="Most queries per HTTP request; None: split only across URLs."
+    )
+    max_query_chars: int | None = Field(
+        2048,
+        ge=1,
+        description="Queries are cut to this many characters before sending (counted), as the "
+        "server's search-r1 profile cuts them; None: send them whole.",
+    )
+    breaker_s: float = Field(
+        5.0,
+        ge=0,
+        description="A URL that refused a connection is skipped this long while another is up.",
+    )
+    outage_grace_s: float = Field(
+        300.0,
+        ge=0,
+        description="When no URL answers, poll /health this long (with backoff) before giving "
+        "up; the rollout pauses meanwhile and continues with nothing lost.",
+    )
+    keepalive_s: float = Field(
+        2.0,
+        gt=0,
+        description="Idle pooled connections close after this; keep it below the server's "
+        "keep-alive (5 s for hdr serve).",
     )
     token_env: str = Field(
         "HDR_API_TOKEN", description="Env variable whose value, if set, is sent as Bearer token."
@@ -68,12 +126,26 @@ class ClientStats:
     requests: int = 0  # batched HTTP requests that succeeded: the env calls
     attempts: int = 0  # HTTP attempts, failed ones included
     retries: int = 0
-    failures: int = 0  # chunks that ran out of retries
+    failures: int = 0  # chunks whose retries ran out while a server was up
     queries: int = 0
     passages: int = 0  # documents returned over all queries
+    failed_queries: int = 0  # queries answered None (refused, retries out, bad response)
+    truncated_queries: int = 0  # cut to max_query_chars before sending
+    refused_queries: int = 0  # a content-caused 4xx, isolated by bisection
+    bad_responses: int = 0  # 200s whose body did not parse
+    outages: int = 0  # times no URL answered and the client paused
+    outage_s: float = 0.0  # time spent paused
     latency_s: float = 0.0  # wall time spent inside search()
     request_latencies: list[float] = field(default_factory=list)
     max_in_flight: int = 0  # most concurrent requests seen
+
+
+class _Refused(Exception):
+    """A 4xx caused by the queries of the request."""
+
+
+class _Unreachable(Exception):
+    """Retries ran out on connection errors, deadlines, 5xx or 429."""
 
 
 def _chunks(n: int, parts: int, size: int | None) -> list[tuple[int, int]]:
@@ -86,7 +158,8 @@ def _chunks(n: int, parts: int, size: int | None) -> list[tuple[int, int]]:
 
 
 class RetrievalClient:
-    """`search(queries) -> list[list[Document]]`, blocking; `asearch` is the coroutine."""
+    """`search_each(queries) -> [documents | None]` and `search(queries)`, blocking; the
+    `asearch_each` coroutine does the work."""
 
     def __init__(self, config: RetrievalConfig, seed: int | None = None) -> None:
         self.config = config
@@ -94,6 +167,8 @@ class RetrievalClient:
         self._rng = random.Random(seed)
         self._next_url = 0
         self._in_flight = 0
+        self._broken_until: dict[str, float] = {}  # URL -> monotonic time its breaker closes
+        self._recovery: asyncio.Task[None] | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -106,7 +181,9 @@ class RetrievalClient:
             headers={"Authorization": f"Bearer {token}"} if token else None,
             timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
             limits=httpx.Limits(
-                max_connections=c.max_connections, max_keepalive_connections=c.max_connections
+                max_connections=c.max_connections,
+                max_keepalive_connections=c.max_connections,
+                keepalive_expiry=c.keepalive_s,
             ),
         )
 
@@ -114,20 +191,32 @@ class RetrievalClient:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def search(self, queries: list[str]) -> list[list[Document]]:
-        """Documents for each query, in order; raises RetrievalFailed when retries run out."""
-        return self._run(self.asearch(queries))
+        """Documents for each query, in order; raises RetrievalFailed if any query failed."""
+        results = self.search_each(queries)
+        failed = sum(result is None for result in results)
+        if failed:
+            raise RetrievalFailed(f"{failed} of {len(queries)} queries could not be searched")
+        return results  # type: ignore[return-value]
 
-    async def asearch(self, queries: list[str]) -> list[list[Document]]:
+    def search_each(self, queries: list[str]) -> list[list[Document] | None]:
+        """Documents for each query, in order, or None for a query that failed."""
+        return self._run(self.asearch_each(queries))
+
+    async def asearch_each(self, queries: list[str]) -> list[list[Document] | None]:
         if not queries:
             return []
         start = time.perf_counter()
+        limit = self.config.max_query_chars
+        if limit is not None:
+            self.stats.truncated_queries += sum(len(query) > limit for query in queries)
+            queries = [query[:limit] for query in queries]
         ranges = _chunks(len(queries), len(self.config.urls), self.config.max_batch_queries)
         first_url = self._next_url
         self._next_url = (self._next_url + len(ranges)) % len(self.config.urls)
         try:
             parts = await asyncio.gather(
                 *(
-                    self._post_with_retries(queries[lo:hi], first_url + i)
+                    self._search_chunk(queries[lo:hi], first_url + i)
                     for i, (lo, hi) in enumerate(ranges)
                 )
             )
@@ -136,44 +225,136 @@ class RetrievalClient:
             self.stats.queries += len(queries)
             self.stats.latency_s += time.perf_counter() - start
         results = [docs for part in parts for docs in part]
-        self.stats.passages += sum(len(docs) for docs in results)
+        self.stats.passages += sum(len(docs) for docs in results if docs is not None)
+        self.stats.failed_queries += sum(docs is None for docs in results)
         return results
 
-    async def _post_with_retries(self, queries: list[str], url_index: int):
+    async def _search_chunk(self, queries: list[str], url_index: int):
+        """One chunk's results; waits out an outage, bisects a content refusal."""
+        while True:
+            try:
+                return await self._post_with_retries(queries, url_index)
+            except _Refused as err:
+                if len(queries) == 1:
+                    self.stats.refused_queries += 1
+                    log.warning("retrieval refused a query: %s", err)
+                    return [None]
+                mid = len(queries) // 2
+                left, right = await asyncio.gather(
+                    self._search_chunk(queries[:mid], url_index),
+                    self._search_chunk(queries[mid:], url_index + 1),
+                )
+                return left + right
+            except _Unreachable as err:
+                if await self._any_healthy():
+                    self.stats.failures += 1
+                    log.warning("retrieval failed for %d queries: %s", len(queries), err)
+                    return [None] * len(queries)
+                await self._wait_for_recovery(str(err))
+
+    async def _post_with_retries(self, queries: list[str], url_index: int) -> list[list[Document]]:
         c = self.config
-        request = RetrieveRequest(queries=queries, topk=c.topk, retriever=c.retriever)
-        body = request.model_dump(exclude_none=True)
-        last_error = ""
+        body = RetrieveRequest(
+            queries=queries, topk=c.topk, return_scores=True, retriever=c.retriever
+        ).model_dump(exclude_none=True)
+        last_error, wait_floor = "", 0.0
         for attempt in range(c.max_retries + 1):
-            url = c.urls[(url_index + attempt) % len(c.urls)].rstrip("/") + "/retrieve"
+            base = self._pick_url(url_index + attempt)
+            url = base + "/retrieve"
             if attempt:
                 self.stats.retries += 1
                 cap = min(c.backoff_max_s, c.backoff_s * 2 ** (attempt - 1))
-                await asyncio.sleep(self._rng.uniform(0, cap))
+                await asyncio.sleep(
+                    max(wait_floor * self._rng.uniform(1.0, 1.5), self._rng.uniform(0, cap))
+                )
             self.stats.attempts += 1
             self._in_flight += 1
             self.stats.max_in_flight = max(self.stats.max_in_flight, self._in_flight)
             sent = time.perf_counter()
             try:
-                response = await self._http.post(url, json=body)
-            except httpx.TransportError as err:  # connection errors and timeouts
-                last_error = f"{url}: {type(err).__name__}: {err}"
+                response = await asyncio.wait_for(self._http.post(url, json=body), c.timeout_s)
+            except (httpx.TransportError, asyncio.TimeoutError) as err:
+                if isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    self._broken_until[base] = time.monotonic() + c.breaker_s
+                last_error = f"{url}: {type(err).__name__}"
                 continue
             finally:
                 self._in_flight -= 1
-            if response.status_code >= 500:
-                last_error = f"{url}: HTTP {response.status_code}"
+            self._broken_until.pop(base, None)
+            status = response.status_code
+            if status in RETRY_STATUSES:
+                last_error = f"{url}: HTTP {status}: {_detail(response)}"
+                wait_floor = _retry_after(response, c.backoff_max_s)
                 continue
-            if response.status_code >= 400:
-                raise UserError(f"retrieval server refused the request: {_detail(response)}")
+            if status in FATAL_STATUSES or (400 <= status < 500 and not _about_queries(response)):
+                raise UserError(f"retrieval server refused the request: {_status_line(response)}")
+            if 400 <= status < 500:
+                raise _Refused(_status_line(response))
+            result = _parse_result(response, len(queries))
+            if result is None:
+                self.stats.bad_responses += 1
+                log.warning("retrieval answered a body that does not parse (%s)", url)
+                return [None] * len(queries)  # type: ignore[list-item]
             self.stats.requests += 1
             self.stats.request_latencies.append(time.perf_counter() - sent)
-            result = PlainResponse.model_validate_json(response.content).result
-            if len(result) != len(queries):
-                raise RetrievalFailed(f"{url}: {len(result)} results for {len(queries)} queries")
             return result
-        self.stats.failures += 1
-        raise RetrievalFailed(f"retrieval failed after {c.max_retries + 1} attempts: {last_error}")
+        raise _Unreachable(f"after {c.max_retries + 1} attempts: {last_error}")
+
+    def _pick_url(self, index: int) -> str:
+        """The URL at `index` in rotation, skipping any whose breaker is open while another's
+        is closed; if all are open, the one that closes first."""
+        urls = [url.rstrip("/") for url in self.config.urls]
+        now = time.monotonic()
+        rotation = [urls[(index + k) % len(urls)] for k in range(len(urls))]
+        for url in rotation:
+            if self._broken_until.get(url, 0.0) <= now:
+                return url
+        return min(rotation, key=lambda url: self._broken_until[url])
+
+    async def _health(self, base: str) -> bool:
+        """Whether `base` answers: hdr's /health says 200 (503 once unhealthy); a server
+        without /health (Search-R1's) answers 404 or 501, which also means it is up."""
+        try:
+            response = await self._http.get(base + "/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return response.status_code not in DOWN_STATUSES
+
+    async def _any_healthy(self) -> bool:
+        urls = [url.rstrip("/") for url in self.config.urls]
+        return any(await asyncio.gather(*(self._health(url) for url in urls)))
+
+    async def _wait_for_recovery(self, reason: str) -> None:
+        """Pause until some URL is healthy again; one shared wait for all chunks."""
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.ensure_future(self._poll_health(reason))
+        await asyncio.shield(self._recovery)
+
+    async def _poll_health(self, reason: str) -> None:
+        c = self.config
+        started = time.monotonic()
+        self.stats.outages += 1
+        log.warning(
+            "retrieval unreachable (%s); pausing up to %.0f s for it to come back", reason,
+            c.outage_grace_s,
+        )  # fmt: skip
+        delay = max(c.backoff_s, 0.1)
+        try:
+            while True:
+                if await self._any_healthy():
+                    self._broken_until.clear()
+                    log.warning("retrieval is back after %.1f s", time.monotonic() - started)
+                    return
+                left = c.outage_grace_s - (time.monotonic() - started)
+                if left <= 0:
+                    raise RetrievalUnavailable(
+                        f"no retrieval server answered for {c.outage_grace_s:g} s "
+                        f"(retrieval.outage_grace_s) at {', '.join(c.urls)}; last error: {reason}"
+                    )
+                await asyncio.sleep(min(delay * self._rng.uniform(0.5, 1.0), left))
+                delay = min(delay * 2, max(c.backoff_max_s, 0.1))
+        finally:
+            self.stats.outage_s += time.monotonic() - started
 
     def close(self) -> None:
         """Close the connection pool and stop the loop thread."""
@@ -191,8 +372,57 @@ class RetrievalClient:
         self.close()
 
 
-def _detail(response: httpx.Response) -> str:
+def _parse_result(response: httpx.Response, expected: int) -> list[list[Document]] | None:
+    """Documents per query from a scored or plain answer; None if it does not parse or has
+    the wrong number of results."""
     try:
-        return f"HTTP {response.status_code}: {response.json()['detail']}"
-    except Exception:
-        return f"HTTP {response.status_code}: {response.text[:200]}"
+        scored = ScoredResponse.model_validate_json(response.content).result
+        result = [[item.document for item in hits] for hits in scored]
+    except ValidationError:
+        try:
+            result = PlainResponse.model_validate_json(response.content).result
+        except ValidationError:
+            return None
+    return result if len(result) == expected else None
+
+
+def _error_body(response: httpx.Response) -> dict:
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _about_queries(response: httpx.Response) -> bool:
+    """Whether a 4xx was caused by the queries (so other queries may succeed alone): a 413, or
+    a validation error located in `queries` (hdr's `errors` or FastAPI's list `detail`)."""
+    if response.status_code == 413:
+        return True
+    body = _error_body(response)
+    errors = body.get("errors") or body.get("detail")
+    if not isinstance(errors, list):
+        return False
+    return any(
+        isinstance(error, dict) and "queries" in [str(part) for part in error.get("loc", [])]
+        for error in errors
+    )
+
+
+def _detail(response: httpx.Response) -> str:
+    detail = _error_body(response).get("detail")
+    if isinstance(detail, str):
+        return detail[:200]
+    return response.text[:200].replace("\n", " ")
+
+
+def _status_line(response: httpx.Response) -> str:
+    return f"HTTP {response.status_code}: {_detail(response)}"
+
+
+def _retry_after(response: httpx.Response, cap: float) -> float:
+    """The server's Retry-After in seconds (capped), or 0."""
+    try:
+        return min(float(response.headers.get("retry-after", 0)), cap)
+    except ValueError:
+        return 0.0

@@ -2,7 +2,8 @@
 
 `normalize_answer` is SQuAD's normalisation (lowercase, strip punctuation, drop the articles
 a/an/the, collapse whitespace), which Search-R1 uses unchanged. `exact_match` and `f1_score`
-take the best match over the golden answers and return floats in [0, 1].
+take the best match over the golden answers and return floats in [0, 1]; a single string is
+one golden answer (Search-R1 wraps it in a list), not a sequence of characters.
 
 Departure from Search-R1: `extract_answer` reads the *response* only (everything after the
 prompt), so the example answer in the instruction ("<answer> Beijing </answer>") can never
@@ -42,12 +43,18 @@ def extract_answer(response_text: str) -> str | None:
     return matches[-1].strip()
 
 
-def exact_match(prediction: str | None, golden_answers: list[str]) -> float:
+def golden_list(golden_answers: str | list[str]) -> list[str]:
+    """The golden answers as a list: a single string is one answer (as Search-R1 wraps it),
+    never a sequence of one-character answers."""
+    return [golden_answers] if isinstance(golden_answers, str) else list(golden_answers)
+
+
+def exact_match(prediction: str | None, golden_answers: str | list[str]) -> float:
     """1.0 when the normalised prediction equals any normalised golden answer, else 0.0."""
     if prediction is None:
         return 0.0
     pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(g) for g in golden_answers))
+    return float(any(pred == normalize_answer(g) for g in golden_list(golden_answers)))
 
 
 def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
@@ -60,7 +67,7 @@ def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def f1_score(prediction: str | None, golden_answers: list[str]) -> float:
+def f1_score(prediction: str | None, golden_answers: str | list[str]) -> float:
     """Token-level F1 of the normalised strings, the best over the golden answers.
 
     As in SQuAD/FlashRAG, yes/no/noanswer only score when they match exactly.
@@ -69,7 +76,7 @@ def f1_score(prediction: str | None, golden_answers: list[str]) -> float:
         return 0.0
     pred = normalize_answer(prediction)
     best = 0.0
-    for gold in golden_answers:
+    for gold in golden_list(golden_answers):
         ngold = normalize_answer(gold)
         special = ("yes", "no", "noanswer")
         if (pred in special or ngold in special) and pred != ngold:

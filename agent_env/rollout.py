@@ -20,7 +20,9 @@ Departures from Search-R1:
 - The answer is the policy's own parsed `<answer>` action, never text the environment
   appended (the correction message mentions the tags).
 - A retrieval failure marks the trajectory `failed` and ends it, instead of continuing with
-  empty information; `on_failure` decides what the caller gets.
+  empty information; `on_failure` decides what the caller gets. Only the trajectories whose own
+  query failed are marked; the rest of the turn's searches go on. A retrieval outage pauses the
+  turn inside the client (see agent_env/retrieval_client.py) and loses nothing.
 """
 
 from __future__ import annotations
@@ -309,23 +311,22 @@ def rollout_groups(
 def _search(searches, client: RetrievalClient, tokenizer, config: RolloutConfig) -> float:
     """One batched call for the turn's searches; appends observations. Returns its time."""
     start = time.perf_counter()
-    try:
-        results = client.search([action.content for _, action in searches])
-    except RetrievalFailed:
-        if config.on_failure == "raise":
-            raise
-        results = None
+    results = client.search_each([action.content for _, action in searches])
+    failed = sum(docs is None for docs in results)
+    if failed and config.on_failure == "raise":
+        raise RetrievalFailed(f"{failed} of {len(results)} searches failed")
     elapsed = time.perf_counter() - start
-    for s, _ in searches:
+    for (s, _), docs in zip(searches, results, strict=True):
         s.traj.retrieval_time += elapsed
-        if results is None:
+        if docs is None:  # only the trajectories whose own query failed
             s.traj.failed = s.done = True
-    if results is None:
+    searched = [pair for pair in zip(searches, results, strict=True) if pair[1] is not None]
+    if not searched:
         return elapsed
-    leads = [SEARCH_CLOSE if action.env_close else "" for _, action in searches]
-    contents = [[d.contents for d in docs] for docs in results]
+    leads = [SEARCH_CLOSE if action.env_close else "" for (_, action), _ in searched]
+    contents = [[d.contents for d in docs] for _, docs in searched]
     blocks = observations(tokenizer, contents, leads, config)
-    for (s, _), (ids, text) in zip(searches, blocks, strict=True):
+    for ((s, _), _), (ids, text) in zip(searched, blocks, strict=True):
         s.traj.add_env(ids, text)
         s.traj.searches += 1
         s.prefix = config.prompt.observation_suffix

@@ -10,6 +10,13 @@ short descriptions (the task's question style). Writes bench/results/retrieval.j
 
 Target (issue 2): dense, 1 query per request, concurrency 32 reaches at least 4x the queries/s of
 concurrency 1, and no request fails.
+
+The overload cell (`--cells overload`, or `all`) starts a second server with a small queue bound
+(`--queue-bound`, in queries) and runs 256 closed-loop clients for 30 s, one dense query per
+request; a client answered 503 waits a random share of Retry-After before its next request, as
+hdr's client does. It reports goodput (queries/s answered 200), the 503 share, latency of the
+200s, other errors and the server's peak RSS (VmHWM), and writes
+bench/results/retrieval_overload.json.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -32,6 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 CONCURRENCY = (1, 8, 32)
+OVERLOAD_CLIENTS = 256
+OVERLOAD_SECONDS = 30.0
 QUERIES_PER_REQUEST = (1, 32)
 RETRIEVERS = ("dense", "bm25")
 TARGET_SPEEDUP = 4.0
@@ -125,6 +135,106 @@ async def run_cell(
     }
 
 
+def peak_rss_mib(pid: int) -> float:
+    """VmHWM (peak resident set) of a process, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def run_overload_cell(url: str, queries: list[str], clients: int, seconds: float) -> dict:
+    """`clients` closed-loop clients, one dense query per request; 503s back off."""
+    ok_latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    next_query = 0
+    rng = random.Random(0)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+
+        async def one_client(deadline: float) -> None:
+            nonlocal next_query
+            while time.perf_counter() < deadline:
+                body = {"queries": [queries[next_query % len(queries)]], "topk": 3}
+                next_query += 1
+                started = time.perf_counter()
+                try:
+                    response = await client.post("/retrieve", json=body)
+                    status = str(response.status_code)
+                except httpx.HTTPError as err:
+                    status, response = type(err).__name__, None
+                statuses[status] = statuses.get(status, 0) + 1
+                if status == "200":
+                    ok_latencies.append(time.perf_counter() - started)
+                elif status == "503":
+                    retry_after = float(response.headers.get("retry-after", 1))
+                    await asyncio.sleep(rng.uniform(0, retry_after))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one_client(started + seconds) for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+
+    total = sum(statuses.values())
+    ordered = sorted(ok_latencies) or [float("nan")]
+    return {
+        "clients": clients,
+        "seconds": round(elapsed, 2),
+        "requests": total,
+        "statuses": statuses,
+        "goodput_queries_per_s": round(len(ok_latencies) / elapsed, 1),
+        "share_503": round(statuses.get("503", 0) / max(total, 1), 3),
+        "other_errors": total - statuses.get("200", 0) - statuses.get("503", 0),
+        "p50_ok_ms": round(1000 * statistics.median(ordered), 1),
+        "p99_ok_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1),
+    }
+
+
+def overload(index: Path, queue_bound: int, settings: list[str], console: Console) -> dict:
+    """The overload cell on its own server (queue bound `queue_bound` queries)."""
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="hdr-bench-overload-", suffix=".log")[1])
+    server_settings = [*settings, f"max_queued_queries={queue_bound}"]
+    console.print(f"overload: hdr serve with {server_settings} (log: {log})")
+    server = start_server(index, port, log, server_settings)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        queries = benchmark_queries()
+        baseline = peak_rss_mib(server.pid)
+        cell = asyncio.run(run_overload_cell(url, queries, OVERLOAD_CLIENTS, OVERLOAD_SECONDS))
+        cell["peak_rss_mib"] = round(peak_rss_mib(server.pid), 1)
+        cell["rss_before_mib"] = round(baseline, 1)
+        metrics = httpx.get(f"{url}/metrics").text
+        health = httpx.get(f"{url}/health").status_code
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    cell["queue_bound_queries"] = queue_bound
+    cell["server_settings"] = server_settings
+    cell["health_after"] = health
+    cell["server_5xx_other_than_503"] = sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("hdr_retrieval_requests_total")
+        and 'status="5' in line
+        and 'status="503"' not in line
+    )
+    return cell
+
+
+def print_overload(cell: dict, console: Console) -> None:
+    table = Table(title=f"overload: {cell['clients']} clients, {cell['seconds']:.0f} s, dense")
+    for column in ("queue bound", "goodput q/s", "503 share", "p50 ms (200s)", "p99 ms (200s)",
+                   "other errors", "peak RSS MiB"):  # fmt: skip
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(cell["queue_bound_queries"]), f"{cell['goodput_queries_per_s']:.1f}",
+        f"{cell['share_503']:.1%}", f"{cell['p50_ok_ms']:.0f}", f"{cell['p99_ok_ms']:.0f}",
+        str(cell["other_errors"]), f"{cell['peak_rss_mib']:.0f}",
+    )  # fmt: skip
+    console.print(table)
+
+
 def print_table(results: list[dict], console: Console) -> None:
     table = Table(title="hdr retrieval server benchmark (topk 3)")
     for column in ("retriever", "queries/req", "clients", "queries/s", "p50 ms", "p99 ms",
@@ -152,8 +262,32 @@ def main(
     settings: list[str] = typer.Option(
         [], "--set", help="Server setting key=value, e.g. --set batch_wait_ms=0 (repeatable)."
     ),
+    cells: str = typer.Option("all", help="normal (the concurrency table), overload, or all."),
+    queue_bound: int = typer.Option(64, help="Overload cell: the server's max_queued_queries."),
 ) -> None:
     console = Console()
+    if cells not in ("normal", "overload", "all"):
+        raise typer.BadParameter("--cells must be normal, overload or all")
+    passed = True
+    if cells in ("normal", "all"):
+        passed = concurrency_table(index, seconds, out, settings, console)
+    if cells in ("overload", "all"):
+        cell = overload(index, queue_bound, settings, console)
+        cell["machine"] = {"cpus": os.cpu_count(), "load_average_after": list(os.getloadavg())}
+        overload_out = out.with_name("retrieval_overload.json")
+        overload_out.parent.mkdir(parents=True, exist_ok=True)
+        overload_out.write_text(json.dumps(cell, indent=2) + "\n")
+        print_overload(cell, console)
+        console.print(f"written to {overload_out}")
+        passed = passed and cell["other_errors"] == 0 and cell["server_5xx_other_than_503"] == 0
+    if not passed:
+        raise typer.Exit(1)
+
+
+def concurrency_table(
+    index: Path, seconds: float, out: Path, settings: list[str], console: Console
+) -> bool:
+    """The retriever x request shape x concurrency table; returns whether the target is met."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="hdr-bench-server-", suffix=".log")[1])
     console.print(f"starting hdr serve on {index} (log: {log})")
@@ -203,8 +337,7 @@ def main(
         f"{verdict}: dense 1 query/request, 32 clients = {speedup:.1f}x the queries/s of 1 client "
         f"(target >= {TARGET_SPEEDUP:.0f}x), {errors} errors; written to {out}"
     )
-    if not passed:
-        raise typer.Exit(1)
+    return passed
 
 
 if __name__ == "__main__":

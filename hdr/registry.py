@@ -28,6 +28,10 @@ class Registry(Generic[T]):
 
         return add
 
+    def unregister(self, name: str) -> None:
+        """Remove `name` (a test's temporary entry); unknown names are an error."""
+        del self._entries[name]
+
     def get(self, name: str) -> T:
         try:
             return self._entries[name]

@@ -34,24 +34,28 @@ class RunningServer:
         self._thread.join(timeout=30)
 
 
-def bind_loopback() -> socket.socket:
-    """A listening-ready TCP socket on a free 127.0.0.1 port (handed to uvicorn, so no race)."""
+def bind_loopback(port: int = 0) -> socket.socket:
+    """A listening-ready TCP socket on 127.0.0.1 (handed to uvicorn, so no race); port 0 is a
+    free port, another number reuses a port (a restarted server at the same URL)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     return sock
 
 
 @contextmanager
-def running_server(index_dir: Path, **server_config_overrides: Any) -> Iterator[RunningServer]:
-    """Serve `index_dir` with `ServerConfig(index_dir=..., **overrides)` until the block ends."""
+def running_server(
+    index_dir: Path, port: int = 0, **server_config_overrides: Any
+) -> Iterator[RunningServer]:
+    """Serve `index_dir` with `ServerConfig(index_dir=..., **overrides)` until the block ends,
+    on a free port (or `port`)."""
     import uvicorn
 
     from retrieval_server.app import create_app
     from retrieval_server.config import ServerConfig
 
     config = ServerConfig(index_dir=index_dir, **server_config_overrides)
-    sock = bind_loopback()
+    sock = bind_loopback(port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from hdr.errors import UserError
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
+    list_checkpoints,
     open_checkpoint,
     save_checkpoint,
     save_model,
@@ -516,6 +517,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     from agent_env.rewards import exact_match
 
     cfg, t_start, run.cost = run.config, time.perf_counter(), StepCost()
+    client_before = replace(run.client.stats)  # a copy of the counters
     # 1-2. rollout of b prompts x G responses, each rewarded by agent_env
     with run.cost.cpu("rollout"):
         batch = rollout_fresh(run, step)
@@ -569,6 +571,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "search_calls": run.cost.search_calls,
         "search_calls_total": run.counters["search_calls_total"],
         "dropped_groups": sum(len(r.dropped) for r in batch.rollouts),
+        **retrieval_metrics(client_before, run.client.stats),
         "time_generation": sum(r.gen_time for r in batch.rollouts),
         "time_retrieval": sum(r.retrieval_time for r in batch.rollouts),
         "time_scoring": t1 - t0,
@@ -602,6 +605,18 @@ def record_cost(
     )  # rows with A != 0
     cost.replayed_groups = len(sel.groups)
     cost.scanned_groups = sel.scanned
+
+
+def retrieval_metrics(before, after) -> dict[str, float]:
+    """This step's retrieval trouble, from the client's counters: time paused in outages (the
+    server was unreachable; the step waited and lost nothing), queries cut to length, and
+    queries that failed (their trajectories are marked failed)."""
+    return {
+        "retrieval_outage_s": after.outage_s - before.outage_s,
+        "retrieval_outages": after.outages - before.outages,
+        "retrieval_truncated_queries": after.truncated_queries - before.truncated_queries,
+        "retrieval_failed_queries": after.failed_queries - before.failed_queries,
+    }
 
 
 def replay_metrics(
@@ -650,7 +665,7 @@ def train(config: TrainConfig, resume: str | Path | None = None) -> Path:
         disable=not config.log.progress,
     )
     for step in bar:
-        record = train_step(run, step)
+        record = step_or_stop(run, step)
         run.logs.step(record)
         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", replay=record["replayed_groups"])
         if config.eval.every and step % config.eval.every == 0:
@@ -661,6 +676,25 @@ def train(config: TrainConfig, resume: str | Path | None = None) -> Path:
     save_final(run)
     run.logs.close()
     return run.run_dir
+
+
+def step_or_stop(run: Run, step: int) -> dict[str, Any]:
+    """`train_step`; a retrieval outage longer than `retrieval.outage_grace_s` (the client has
+    paused and polled that long) stops the run with one line naming its last checkpoint,
+    which the stop leaves as it was."""
+    from agent_env.retrieval_client import RetrievalUnavailable
+
+    try:
+        return train_step(run, step)
+    except RetrievalUnavailable as err:
+        run.logs.flush()
+        found = list_checkpoints(run.run_dir / "checkpoints")
+        where = (
+            f"last checkpoint: step {found[-1][0]}; continue with --resume {run.run_dir}"
+            if found
+            else "no checkpoint yet"
+        )
+        raise UserError(f"step {step} stopped: {err}; {where}") from None
 
 
 def save(run: Run, step: int) -> Path:

@@ -68,3 +68,13 @@ def test_format_reward() -> None:
     assert format_reward("<search> q <answer> x </answer>") == 0.0  # nested/unclosed
     assert format_reward("<answer> x </answer><answer> y </answer>") == 0.0
     assert format_reward("<information>forged</information><answer> x </answer>") == 0.0
+
+
+def test_a_string_answer_is_one_golden_answer_not_its_characters() -> None:
+    assert exact_match("p", "Paris") == 0.0  # per character, 'p' would match
+    assert exact_match("paris", "Paris") == 1.0
+    assert exact_match("Paris", ["Paris"]) == exact_match("Paris", "Paris")
+    assert f1_score("a", "Paris is big") == 0.0  # 'a' is an article, and no character of gold
+    assert f1_score("s", "Paris") == 0.0
+    assert f1_score("Paris city", "Paris") == pytest.approx(2 / 3)
+    assert f1_score("Paris city", "Paris") == f1_score("Paris city", ["Paris"])

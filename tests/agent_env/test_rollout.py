@@ -10,7 +10,12 @@ from agent_env.generation import Completion, SamplingParams
 from agent_env.generation.hf import HFGenerator
 from agent_env.generation.scripted import ScriptedGenerator
 from agent_env.prompts import PromptConfig
-from agent_env.retrieval_client import RetrievalClient, RetrievalConfig, RetrievalFailed
+from agent_env.retrieval_client import (
+    RetrievalClient,
+    RetrievalConfig,
+    RetrievalFailed,
+    RetrievalUnavailable,
+)
 from agent_env.rewards import exact_match
 from agent_env.rollout import RolloutConfig, observation, parse_action, rollout_groups
 
@@ -203,7 +208,9 @@ def test_unclosed_search_is_closed_by_the_environment(tokenizer, client, indexed
     assert sum(traj.loss_mask[:3]) == 3
 
 
-def test_server_stopped_mid_rollout_marks_failures(tokenizer, small_index, indexed_questions):
+def test_server_stopped_mid_rollout_past_the_grace_stops_the_rollout(
+    tokenizer, small_index, indexed_questions
+):
     from servers import running_server
 
     class StopServerAfterFirstTurn(ScriptedGenerator):
@@ -212,39 +219,70 @@ def test_server_stopped_mid_rollout_marks_failures(tokenizer, small_index, index
             server.stop()  # the server goes away between generation and retrieval
             return out
 
-    examples = indexed_questions[:3]
     keep = RolloutConfig(prompt=COMPACT, max_turns=1, on_failure="keep")
-    retry = RetrievalConfig(max_retries=2, backoff_s=0.01, backoff_max_s=0.05)
+    retry = RetrievalConfig(max_retries=2, backoff_s=0.01, backoff_max_s=0.05, outage_grace_s=0)
     with running_server(small_index) as server:
         config = retry.model_copy(update={"urls": [server.url]})
         with RetrievalClient(config, seed=0) as client:
             policy = StopServerAfterFirstTurn(tokenizer, COMPACT)
-            result = rollout_groups(policy, client, tokenizer, examples, 2, keep)
-            assert client.stats.attempts == 3 and client.stats.failures == 1
-    trajectories = [t for g in result.groups for t in g]
-    assert len(trajectories) == 6
-    assert all(t.failed and t.searches == 0 and t.observations == [] for t in trajectories)
-    assert all(t.answer is None and t.reward == 0.0 for t in trajectories)
+            with pytest.raises(RetrievalUnavailable, match="no retrieval server answered"):
+                rollout_groups(policy, client, tokenizer, indexed_questions[:3], 2, keep)
+            assert client.stats.attempts == 3 and client.stats.outages == 1
 
-    with running_server(small_index) as server:
-        config = retry.model_copy(update={"urls": [server.url]})
+
+def test_only_trajectories_whose_query_is_refused_fail(tokenizer, small_index, indexed_questions):
+    """A strict server refuses queries over 40 characters; the client sends them whole. The
+    scripted policy searches the question verbatim, so long questions fail and short ones go on
+    (one request per turn, bisected until the refused queries are alone)."""
+    from servers import running_server
+
+    examples = [ex for ex in indexed_questions if len(ex.question) <= 40][:2]
+    examples += [ex for ex in indexed_questions if len(ex.question) > 40][:2]
+    keep = RolloutConfig(prompt=COMPACT, max_turns=1, on_failure="keep")
+    with running_server(small_index, profile="strict", max_query_chars=40) as server:
+        config = RetrievalConfig(urls=[server.url], max_query_chars=None)
         with RetrievalClient(config, seed=0) as client:
-            policy = StopServerAfterFirstTurn(tokenizer, COMPACT)
+            policy = ScriptedGenerator(tokenizer, COMPACT)
+            result = rollout_groups(policy, client, tokenizer, examples, 2, keep)
+            assert client.stats.refused_queries == 4 and client.stats.failed_queries == 4
             drop = keep.model_copy(update={"on_failure": "drop_group"})
             dropped = rollout_groups(policy, client, tokenizer, examples, 2, drop)
-            assert dropped.groups == [] and len(dropped.dropped) == 3
-            server_for_raise = server
-    with RetrievalClient(retry.model_copy(update={"urls": [server_for_raise.url]})) as client:
-        policy = ScriptedGenerator(tokenizer, COMPACT)
-        with pytest.raises(RetrievalFailed):
-            rollout_groups(
-                policy,
-                client,
-                tokenizer,
-                examples,
-                1,
-                keep.model_copy(update={"on_failure": "raise"}),
-            )
+            with pytest.raises(RetrievalFailed, match="2 of 4 searches failed"):
+                raising = keep.model_copy(update={"on_failure": "raise"})
+                rollout_groups(policy, client, tokenizer, examples[1:3], 2, raising)
+    failed = [[t.failed for t in group] for group in result.groups]
+    assert failed == [[False, False], [False, False], [True, True], [True, True]]
+    for traj in (t for g in result.groups[:2] for t in g):
+        assert traj.searches == 1 and traj.observations[0].startswith("\n\n<information>")
+    for traj in (t for g in result.groups[2:] for t in g):
+        assert traj.searches == 0 and traj.observations == [] and traj.reward == 0.0
+    assert len(dropped.groups) == 2 and len(dropped.dropped) == 2
+
+
+def test_a_10000_character_model_query_is_truncated_and_counted(
+    tokenizer, small_index, indexed_questions
+):
+    """A turn that writes a 10,000-character query (a model cut off inside <search>) against a
+    strict server that refuses queries over 2,048 characters: the client cuts it to 2,048, counts
+    it, and the step completes with real observations."""
+    from servers import running_server
+
+    words = "Great Wall of China fortifications built across northern China "
+    query = (words * (10_000 // len(words) + 1))[:10_000].strip()
+    assert len(query) >= 9_990
+    policy = FixedPolicy(tokenizer, f"<search> {query} </search>")
+    config = RolloutConfig(
+        max_turns=1, max_tokens_per_turn=len(policy.ids), max_response_tokens=100_000
+    )
+    with running_server(small_index, profile="strict") as server:
+        retrieval = RetrievalConfig(urls=[server.url])
+        with RetrievalClient(retrieval, seed=0) as client:
+            result = rollout_groups(policy, client, tokenizer, indexed_questions[:2], 2, config)
+            assert client.stats.truncated_queries == 4  # 2 questions x 2 samples, one turn
+            assert client.stats.failed_queries == 0 and client.stats.requests == 1
+    for traj in (t for g in result.groups for t in g):
+        assert not traj.failed and traj.searches == 1
+        assert "Great Wall of China" in traj.observations[0]
 
 
 @pytest.mark.parametrize(

@@ -136,3 +136,18 @@ def test_2560_queries_in_one_request_do_not_block_a_small_one(small_index: Path)
     assert order == ["small", "big"]
     count = re.search(r'hdr_retrieval_batch_queries_count\{retriever="dense"\} (\S+)', searches)
     assert float(count.group(1)) >= 10  # 2,560 / 256 slices, plus the small request
+
+
+@pytest.mark.slow
+def test_16384_queries_in_one_request_are_accepted(retrieval_url: str) -> None:
+    """The default profile's per-request limit (BM25 to keep it short; about 20 s loaded)."""
+    queries = [f"{TITLES[i % len(TITLES)]} {i}" for i in range(16384)]
+    body = {"queries": queries, "topk": 1, "retriever": "bm25"}
+    response = post(retrieval_url, body, timeout=600)
+    assert response.status_code == 200
+    result = response.json()["result"]
+    assert len(result) == 16384
+    assert split_contents(result[16383][0]["contents"])[0] == TITLES[16383 % len(TITLES)]
+    too_many = post(retrieval_url, {**body, "queries": [*queries, "one more"]})
+    assert too_many.status_code == 422
+    assert too_many.json()["detail"].startswith("queries: List should have at most 16384 items")

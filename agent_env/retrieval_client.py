@@ -110,7 +110,7 @@ class RetrievalConfig(StrictModel):
         2.0,
         gt=0,
         description="Idle pooled connections close after this; keep it below the server's "
-        "keep-alive (5 s for hdr serve).",
+        "keep-alive (20 s for hdr serve).",
     )
     token_env: str = Field(
         "HDR_API_TOKEN", description="Env variable whose value, if set, is sent as Bearer token."

@@ -149,7 +149,9 @@ async def run_overload_cell(url: str, queries: list[str], clients: int, seconds:
     statuses: dict[str, int] = {}
     next_query = 0
     rng = random.Random(0)
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    limits = httpx.Limits(
+        max_connections=clients, max_keepalive_connections=clients, keepalive_expiry=2.0
+    )
 
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
 

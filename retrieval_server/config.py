@@ -93,9 +93,11 @@ class ServerConfig(StrictModel):
         "and /retrieve to 503 so an orchestrator restarts the server.",
     )
     keep_alive_s: float = Field(
-        default=5.0,
+        default=20.0,
         gt=0,
-        description="Idle keep-alive of an HTTP connection (clients should keep theirs shorter).",
+        description="Idle keep-alive of an HTTP connection. Above common clients' own (httpx "
+        "5 s, aiohttp 15 s, hdr's 2 s), so a client never reuses a connection the server is "
+        "closing.",
     )
     hnsw_ef_search: int = Field(
         default=128, ge=1, description="HNSW search breadth (only for index_type hnsw)."

@@ -141,7 +141,10 @@ async def flood(url: str, clients: int, per_client: int) -> tuple[Counter, list[
     """`clients` concurrent clients, each sending `per_client` one-query requests in a row."""
     statuses: Counter = Counter()
     problems: list[str] = []
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    # idle connections close after 2 s, below the server's keep-alive, as hdr's client does
+    limits = httpx.Limits(
+        max_connections=clients, max_keepalive_connections=clients, keepalive_expiry=2.0
+    )
     timeout = httpx.Timeout(60.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
 

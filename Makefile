@@ -53,13 +53,13 @@ serve: index
 	HF_HUB_OFFLINE=1 $(BIN)/hdr serve --index $(DATA)/index --port $(PORT)
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data $(DATA) --runs $(RUNS)
+	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data-dir $(DATA) --runs $(RUNS)
 
 experiment: setup
-	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --data $(DATA) --out $(RUNS)/experiment
+	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --data-dir $(DATA) --out $(RUNS)/experiment
 
 ablations: setup
-	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --ablations --data $(DATA) --out $(RUNS)/ablations
+	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --ablations --data-dir $(DATA) --out $(RUNS)/ablations
 
 clean:
 	rm -rf $(VENV) $(DATA) $(RUNS)

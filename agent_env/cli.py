@@ -9,15 +9,30 @@ from pathlib import Path
 
 import typer
 
+from hdr.options import all_overrides, overrides_argument, set_option
+
+INIT_MODEL_EXAMPLE = """Example:
+
+  hdr init-model --out data/tiny-policy hidden_size=256 num_layers=6
+"""
+ROLLOUT_EXAMPLES = """Examples (a retrieval server must be running, see `hdr serve`):
+
+  hdr rollout --model data/tiny-sft --n 64 --group-size 8
+
+  hdr rollout --model data/tiny-policy --prompt compact max_turns=1 doc_words=8
+
+A model saved by hdr carries the prompt and rollout settings it was trained with
+(hdr_rollout.yaml); they are used unless --config, --prompt or KEY=VALUE say otherwise.
+"""
+
 
 def init_model_command(
     out: Path = typer.Option(..., "--out", help="Directory to write the model and tokenizer to."),
     arch: str = typer.Option(
         "llama", "--arch", help="llama (hdr's BPE, fast bed) or qwen2 (Qwen2.5's tokenizer)."
     ),
-    overrides: list[str] = typer.Option(
-        [], "--set", help="TinyPolicyConfig override key=value, e.g. --set hidden_size=256."
-    ),
+    overrides: list[str] = overrides_argument("TinyPolicyConfig", "hidden_size=256"),
+    set_: list[str] = set_option(),
 ) -> None:
     """Build a tiny policy and its tokenizer: a Llama on a BPE trained on the embedded corpus,
     or (--arch qwen2) a Qwen2 model on Qwen2.5's tokenizer."""
@@ -26,15 +41,19 @@ def init_model_command(
     from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
     from hdr.config import load_config
 
-    config = load_config(TinyPolicyConfig, None, [f"arch={arch}", *overrides])
+    config = load_config(TinyPolicyConfig, None, [f"arch={arch}", *all_overrides(overrides, set_)])
     start = time.perf_counter()
     texts = vital_corpus_texts() if config.arch == "llama" else []
     init_tiny_policy(out, texts, config)
     typer.echo(f"wrote tiny {config.arch} policy to {out} in {time.perf_counter() - start:.1f}s")
 
 
-def _rollout_config(config_path: Path | None, prompt: str | None, overrides: list[str]):
-    """RolloutConfig from YAML + a prompt preset (if the YAML sets none) + dotted overrides."""
+def _rollout_config(
+    model: Path, config_path: Path | None, prompt: str | None, overrides: list[str]
+):
+    """RolloutConfig from, in order of precedence: dotted overrides, the YAML file, a prompt
+    preset, the settings saved with the model (hdr_rollout.yaml), the defaults."""
+    from agent_env.policy_settings import SETTINGS_FILE, load_settings
     from agent_env.prompts import PromptConfig
     from agent_env.rollout import RolloutConfig
     from hdr.config import build_config, read_config_file
@@ -45,7 +64,12 @@ def _rollout_config(config_path: Path | None, prompt: str | None, overrides: lis
         if prompt not in ("instruct", "compact"):
             raise UserError(f"--prompt must be instruct or compact, not {prompt!r}")
         data.setdefault("prompt", PromptConfig.preset(prompt).model_dump())
-    return build_config(RolloutConfig, data, overrides)
+    saved = load_settings(model)
+    if saved is not None and isinstance(saved.get("rollout"), dict):
+        for key, value in saved["rollout"].items():
+            data.setdefault(key, value)
+        typer.echo(f"using the rollout settings saved with the model ({SETTINGS_FILE})", err=True)
+    return build_config(RolloutConfig, data, overrides), (saved or {}).get("retrieval") or {}
 
 
 def rollout_command(
@@ -57,13 +81,20 @@ def rollout_command(
     server: list[str] = typer.Option(
         ["http://127.0.0.1:8000"], "--server", help="Retrieval server URL (repeatable)."
     ),
-    retriever: str | None = typer.Option(None, "--retriever", help="dense or bm25."),
-    topk: int = typer.Option(3, "--topk", min=1, help="Documents per search."),
+    retriever: str | None = typer.Option(
+        None, "--retriever", help="dense or bm25 (default: the model's, else the server's)."
+    ),
+    topk: int | None = typer.Option(
+        None, "--topk", min=1, help="Documents per search (default: the model's, else 3)."
+    ),
     backend: str = typer.Option("hf", "--backend", help="scripted, hf or vllm."),
     oracle: bool = typer.Option(False, "--oracle", help="scripted: answer the gold title if seen."),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt preset: instruct|compact."),
-    config: Path | None = typer.Option(None, "--config", help="YAML with RolloutConfig fields."),
-    overrides: list[str] = typer.Option([], "--set", help="RolloutConfig override key=value."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="YAML with RolloutConfig fields."
+    ),
+    overrides: list[str] = overrides_argument("RolloutConfig", "max_turns=1 doc_words=8"),
+    set_: list[str] = set_option(),
     batch: int = typer.Option(64, "--batch", min=1, help="Questions per rollout batch."),
     device: str = typer.Option("cpu", "--device", help="torch device for hf."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
@@ -77,6 +108,9 @@ def rollout_command(
     """Roll out a policy against a retrieval server; write trajectories, print a summary."""
     from agent_env.runner import RolloutJob, run_rollout_job
 
+    rollout_config, saved_retrieval = _rollout_config(
+        model, config, prompt, all_overrides(overrides, set_)
+    )
     job = RolloutJob(
         model=model,
         task=task,
@@ -84,8 +118,8 @@ def rollout_command(
         n=n,
         group_size=group_size,
         servers=server,
-        retriever=retriever,
-        topk=topk,
+        retriever=retriever or saved_retrieval.get("retriever"),
+        topk=topk or saved_retrieval.get("topk") or 3,
         backend=backend,
         oracle=oracle,
         batch=batch,
@@ -94,10 +128,10 @@ def rollout_command(
         threads=threads,
         out=out,
     )
-    run_rollout_job(job, _rollout_config(config, prompt, overrides))
+    run_rollout_job(job, rollout_config)
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
-    app.command("init-model")(init_model_command)
-    app.command("rollout")(rollout_command)
+    app.command("init-model", epilog=INIT_MODEL_EXAMPLE)(init_model_command)
+    app.command("rollout", epilog=ROLLOUT_EXAMPLES)(rollout_command)

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hdr.errors import UserError
+from hdr.errors import UserError, warn
 
 
 @dataclass
@@ -34,12 +34,33 @@ class RolloutJob:
     out: Path | None = None
 
 
-def load_tokenizer(model_dir: Path):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer saved in `model_dir`; a missing or unreadable one is one UserError line
+    (transformers would otherwise guess a tokenizer class and fail deep inside it)."""
     from transformers import AutoTokenizer
 
-    if not Path(model_dir).is_dir():
+    model_dir = Path(model_dir)
+    hub_id = not model_dir.exists() and str(model_dir).count("/") == 1 and str(model_dir)[0] != "."
+    if not model_dir.is_dir() and not hub_id:  # a Hub id (Org/name) is tried as such
         raise UserError(f"model directory not found: {model_dir}")
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    if not hub_id and not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(
+            f"no tokenizer in {model_dir} (expected tokenizer.json or tokenizer_config.json,"
+            " as save_pretrained writes them)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, ImportError, TypeError, KeyError) as err:
+        if hub_id:
+            raise UserError(
+                f"model not found: {model_dir} (no such directory, nor a Hub model available"
+                " offline)"
+            ) from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"cannot load the tokenizer in {model_dir}: {first}") from None
 
 
 def make_generator(job: RolloutJob, tokenizer, config, examples):
@@ -60,11 +81,11 @@ def make_generator(job: RolloutJob, tokenizer, config, examples):
 def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> dict:
     """Run the job; returns the summary (also printed). Trajectories go to `job.out`."""
     import torch
-    from rich.progress import Progress
 
     from agent_env.data import load_task
     from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
     from agent_env.rollout import rollout_groups, summarize, trajectory_record
+    from hdr.progress import progress
 
     console = console or Console()
     torch.manual_seed(job.seed)
@@ -85,9 +106,8 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
     try:
         with (
             RetrievalClient(client_config, seed=job.seed) as client,
-            Progress(console=console, transient=True) as progress,
+            progress(desc="rollout", total=len(examples), unit="q", leave=False) as bar,
         ):
-            bar = progress.add_task("rollout", total=len(examples))
             for lo in range(0, len(examples), job.batch):
                 chunk = examples[lo : lo + job.batch]
                 result = rollout_groups(generator, client, tokenizer, chunk, job.group_size, config)
@@ -99,7 +119,7 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
                     if sink is not None:
                         for traj in group:
                             sink.write(json.dumps(trajectory_record(traj, tokenizer)) + "\n")
-                progress.advance(bar, len(chunk))
+                bar.update(len(chunk))
             in_flight = client.stats.max_in_flight
     finally:
         if sink is not None:
@@ -114,6 +134,11 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
         "max_concurrent_requests": in_flight,
     }
     print_summary(summary, job, console)
+    if trajectories and summary["env_calls"] == 0:
+        warn(
+            "the rollout made no retrieval calls: the policy never searched. Is this the prompt"
+            " it was trained with? (--prompt, --config or rollout KEY=VALUE overrides)"
+        )
     return summary
 
 

@@ -10,13 +10,38 @@ from pathlib import Path
 
 import typer
 
+from hdr.options import all_overrides, overrides_argument, set_option
+
+EVAL_EXAMPLES = """Examples (a retrieval server must be running, see `hdr serve`):
+
+  hdr eval --model data/tiny-sft --data wiki-vital max_questions=200
+
+  hdr eval --model runs/tiny-cpu/final --data nq_test.jsonl --data hotpotqa_test.parquet --k 5
+
+The prompt and rollout settings come from the model (hdr_rollout.yaml, saved with every
+model hdr writes) unless --train-config, --config or KEY=VALUE say otherwise.
+"""
+PLOT_EXAMPLE = """Example:
+
+  hdr plot runs/tiny-cpu runs/recency --out runs/charts
+"""
+EXPERIMENT_EXAMPLES = """Examples:
+
+  hdr experiment --quick
+
+  hdr experiment --ablations seeds=[1,2,3] steps=80
+"""
+DEMO_EXAMPLE = """Example:
+
+  hdr demo --data-dir data --runs runs steps=20
+"""
+
 
 def eval_command(
     model: Path = typer.Option(..., "--model", help="Model directory (from_pretrained layout)."),
     data: list[str] = typer.Option(
         ..., "--data", help="wiki-vital, a FlashRAG .jsonl or a Search-R1 .parquet (repeatable)."
     ),
-    more_data: list[str] = typer.Argument(None, help="More data files, as for --data."),
     k: int = typer.Option(None, "--k", min=1, help="Samples per question (default: config, 8)."),
     server: list[str] = typer.Option(
         None, "--server", help="Retrieval server URL (repeatable; default: the config's)."
@@ -32,17 +57,16 @@ def eval_command(
         " config.yaml or configs/*.yaml); default: the run's config.yaml when --model is a"
         " run's final/ or checkpoint directory.",
     ),
-    overrides: list[str] = typer.Option(
-        [], "--set", help="EvalConfig override key=value, e.g. --set max_questions=200."
-    ),
+    overrides: list[str] = overrides_argument("EvalConfig", "max_questions=200"),
+    set_: list[str] = set_option(),
 ) -> None:
     """Mean@k, Best@k and greedy EM per dataset, with plain and size-weighted averages,
     through the full rollout loop. Writes eval.json and eval.md; rerun to resume."""
     from evaluation.evaluate import eval_config_for, evaluate
 
-    cfg = eval_config_for(model, config, train_config, overrides)
+    cfg = eval_config_for(model, config, train_config, all_overrides(overrides, set_))
     out_dir = out or Path("eval") / (model.parent.name if model.name == "final" else model.name)
-    report = evaluate(model, [*data, *(more_data or [])], k, server or None, cfg, out_dir)
+    report = evaluate(model, data, k, server or None, cfg, out_dir)
     typer.echo(report.markdown())
     typer.echo(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.md'}")
 
@@ -60,7 +84,9 @@ def plot_command(
 
 
 def experiment_command(
-    data: Path = typer.Option(Path("data"), "--data", help="Corpus, index, cached SFT start."),
+    data_dir: Path = typer.Option(
+        Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
+    ),
     out: Path = typer.Option(None, "--out", help="Results dir (default runs/experiment)."),
     ablations: bool = typer.Option(
         False, "--ablations", help="headroom_only, drift_only, headroom_drift_l1 vs headroom_drift."
@@ -74,9 +100,8 @@ def experiment_command(
     base_config: Path = typer.Option(
         Path("configs/tiny-cpu.yaml"), "--config", "-c", help="Base TrainConfig YAML."
     ),
-    overrides: list[str] = typer.Option(
-        [], "--set", help="ExperimentConfig override key=value, e.g. --set seeds=[1,2,3]."
-    ),
+    overrides: list[str] = overrides_argument("ExperimentConfig", "seeds=[1,2,3]"),
+    set_: list[str] = set_option(),
 ) -> None:
     """Train every arm with the same SFT start, seeds and held-out questions against a real
     `hdr serve`; write results.json, results.md and charts."""
@@ -89,8 +114,8 @@ def experiment_command(
         quick=quick,
         ablations=ablations,
         bridge=bridge,
-        overrides=overrides,
-        data_dir=data,
+        overrides=all_overrides(overrides, set_),
+        data_dir=data_dir,
         out_dir=out or default_out,
         base_config=base_config,
     )
@@ -101,17 +126,23 @@ def experiment_command(
 
 
 def demo_command(
-    data: Path = typer.Option(Path("data"), "--data", help="Corpus, index, cached SFT start."),
-    runs: Path = typer.Option(Path("runs"), "--runs", help="Where the demo's run goes."),
-    overrides: list[str] = typer.Option(
-        [], "--set", help="ExperimentConfig override key=value, e.g. --set steps=20."
+    data_dir: Path = typer.Option(
+        Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
     ),
+    runs: Path = typer.Option(Path("runs"), "--runs", help="Where the demo's run goes."),
+    overrides: list[str] = overrides_argument("ExperimentConfig", "steps=20"),
+    set_: list[str] = set_option(),
 ) -> None:
     """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
     headroom_drift run and its held-out evaluation beside the SFT start."""
     from evaluation.experiment import experiment_config, run_experiment
 
-    cfg = experiment_config(demo=True, overrides=overrides, data_dir=data, out_dir=runs / "demo")
+    cfg = experiment_config(
+        demo=True,
+        overrides=all_overrides(overrides, set_),
+        data_dir=data_dir,
+        out_dir=runs / "demo",
+    )
     out_dir = run_experiment(cfg)
     typer.echo((out_dir / "results.md").read_text())
     typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")
@@ -121,7 +152,7 @@ def demo_command(
 
 def register(app: typer.Typer) -> None:
     """Add `eval`, `plot`, `experiment` and `demo` to the root `hdr` app."""
-    app.command("eval")(eval_command)
-    app.command("plot")(plot_command)
-    app.command("experiment")(experiment_command)
-    app.command("demo")(demo_command)
+    app.command("eval", epilog=EVAL_EXAMPLES)(eval_command)
+    app.command("plot", epilog=PLOT_EXAMPLE)(plot_command)
+    app.command("experiment", epilog=EXPERIMENT_EXAMPLES)(experiment_command)
+    app.command("demo", epilog=DEMO_EXAMPLE)(demo_command)

@@ -55,7 +55,7 @@ from evaluation.metrics import (
     write_text_atomic,
 )
 from hdr.config import StrictModel
-from hdr.errors import UserError
+from hdr.errors import UserError, warn
 
 __all__ = [
     "DatasetResult",
@@ -213,21 +213,26 @@ def eval_config_for(
     train_config: str | Path | None = None,
     overrides: Sequence[str] = (),
 ) -> EvalConfig:
-    """EvalConfig from a YAML file, the rollout/generation/retrieval sections of the model's
-    training config (given, or found next to the model), then `key=value` overrides.
+    """EvalConfig from a YAML file, the rollout settings the model was trained with, then
+    `key=value` overrides.
 
-    The model must be evaluated with the prompt it was trained on; the training config is
-    where that prompt is written down. The eval YAML's own sections win over it.
+    The model must be evaluated with the prompt it was trained on. Where that is written
+    down, first found: `train_config` (a training config's rollout/generation/retrieval
+    sections), the model's own `hdr_rollout.yaml` (saved with every model hdr writes), a
+    run's `config.yaml` next to the model. The eval YAML's own settings win over it.
     """
+    from agent_env.policy_settings import apply_saved, load_settings
     from hdr.config import build_config, read_config_file
 
     data = read_config_file(config_path) if config_path is not None else {}
-    source = Path(train_config) if train_config is not None else find_train_config(Path(model_dir))
-    if source is not None:
-        trained = read_config_file(source)
-        for section in TRAIN_SECTIONS:
-            if section in trained:
-                data.setdefault(section, trained[section])
+    saved = load_settings(model_dir) if train_config is None else None
+    if saved is not None:
+        apply_saved(data, saved)
+    else:
+        source = train_config if train_config is not None else find_train_config(Path(model_dir))
+        if source is not None:
+            trained = read_config_file(source)
+            apply_saved(data, {s: trained[s] for s in TRAIN_SECTIONS if s in trained})
     return build_config(EvalConfig, data, overrides)
 
 
@@ -389,9 +394,9 @@ def _run_chunk(
 def _progress(total: int, enabled: bool, desc: str):
     if not enabled:
         return nullcontext(None)
-    from tqdm.auto import tqdm
+    from hdr.progress import progress
 
-    return tqdm(total=total, desc=desc, unit="q", dynamic_ncols=True, leave=False)
+    return progress(total=total, desc=desc, unit="q", leave=False)
 
 
 def _report(model_id: str, datasets: list[EvalDataset], rows, config: EvalConfig) -> EvalReport:
@@ -540,10 +545,9 @@ def evaluate(
     `datasets`: specs (`wiki-vital`, `.jsonl`, `.parquet`) or loaded `EvalDataset`s. `k` and
     `server_urls` override the config's. Writes `eval.json`, `eval.md` to `out_dir` if given.
     """
-    from transformers import AutoTokenizer
-
     from agent_env.generation import build_generator
     from agent_env.retrieval_client import RetrievalClient
+    from agent_env.runner import load_tokenizer
 
     config = (config or EvalConfig()).model_copy(deep=True)
     if k is not None:
@@ -553,19 +557,17 @@ def evaluate(
     model_dir = Path(model_dir)
     if config.generation.backend != "scripted" and not (model_dir / "config.json").is_file():
         raise UserError(f"no model at {model_dir} (expected a from_pretrained directory)")
-    if not any(model_dir.glob("tokenizer*")):
-        raise UserError(f"no tokenizer in {model_dir}")
     if datasets and all(isinstance(d, EvalDataset) for d in datasets):
         n = config.max_questions
         loaded = [EvalDataset(d.name, d.examples[:n], d.sources) for d in datasets]
     else:
         loaded = load_eval_datasets(datasets, config.max_questions)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     generator = build_generator(
         config.generation, model_dir=model_dir, tokenizer=tokenizer, prompt=config.rollout.prompt
     )
     with RetrievalClient(config.retrieval, seed=config.seed) as client:
-        return evaluate_policy(
+        report = evaluate_policy(
             getattr(generator, "model", None),
             tokenizer,
             loaded,
@@ -576,3 +578,10 @@ def evaluate(
             generator=generator,
             resume_key=weights_signature(model_dir),
         )
+    if report.env_calls == 0 and any(d.num_questions for d in report.datasets):
+        warn(
+            f"the evaluation of {model_dir} made no retrieval calls: the policy never searched."
+            " Is this the prompt it was trained with? Pass its training config with"
+            " --train-config, or rollout.* overrides."
+        )
+    return report

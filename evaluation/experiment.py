@@ -61,7 +61,8 @@ from evaluation.metrics import (
     write_text_atomic,
 )
 from hdr.config import StrictModel
-from hdr.errors import UserError
+from hdr.errors import RunInterrupted, UserError
+from hdr.progress import say
 from hdr.registry import Registry
 from trainer.telemetry import cost_totals
 
@@ -542,7 +543,14 @@ def final_eval(cfg: ExperimentConfig, model_dir: Path, train_config, datasets, o
         generation=train_config.generation,
         retrieval=train_config.retrieval,
     )
-    return evaluate(model_dir, datasets, config=eval_cfg, out_dir=out)
+    report = evaluate(model_dir, datasets, config=eval_cfg, out_dir=out)
+    a, k = report.average, report.k
+    say(
+        f"experiment: held-out {out.parent.name if out.name == 'heldout' else out.name}"
+        f" ({sum(d.num_questions for d in report.datasets)} questions): Mean@{k}"
+        f" {a['mean_at_k']:.3f}, Best@{k} {a['best_at_k']:.3f}, greedy EM {a['greedy_em']:.3f}"
+    )
+    return report
 
 
 @dataclass
@@ -557,18 +565,22 @@ class RunResult:
 
 def run_arm(cfg, arm: Arm, seed: int, url: str, sft_dir: Path, datasets) -> RunResult:
     from evaluation.plots import read_jsonl
+    from trainer.checkpoint import list_checkpoints
     from trainer.loop import train
 
     run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"
     config = arm_train_config(cfg, arm, url, sft_dir, run_dir, seed)
     done = (run_dir / "final" / "config.json").is_file()
     if not done:
-        if run_dir.exists():  # an interrupted run: start it again from the SFT start
-            import shutil
-
-            shutil.rmtree(run_dir)
         print(f"experiment: training {arm.name} seed {seed}", file=sys.stderr, flush=True)
-        train(config)
+        if list_checkpoints(run_dir / "checkpoints"):  # stopped with a checkpoint: continue
+            train(config, resume=run_dir)
+        else:
+            if run_dir.exists():  # stopped before any checkpoint: start it again
+                import shutil
+
+                shutil.rmtree(run_dir)
+            train(config)
     report = final_eval(cfg, run_dir / "final", config, datasets, run_dir / "heldout")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     return RunResult(arm.name, seed, run_dir, report, metrics, config.grpo.fresh_rows)
@@ -945,15 +957,19 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     import httpx
 
     server_log = out / "server.log"
-    with (
-        _sigterm_as_exit(),
-        serve(index, cfg.retriever, server_log, settings=cfg.server_overrides) as url,
-    ):
-        sft_dir = ensure_sft(cfg, url, log)
-        sft_config = base_train_config(cfg, url, sft_dir, out / "sft", 0)
-        sft_report = final_eval(cfg, sft_dir, sft_config, datasets, out / "sft_start")
-        results = run_all(cfg, url, sft_dir, datasets)
-        server_health = httpx.get(f"{url}/health", timeout=30).json()  # emulated cost totals
+    try:
+        with (
+            _sigterm_as_exit(),
+            serve(index, cfg.retriever, server_log, settings=cfg.server_overrides) as url,
+        ):
+            sft_dir = ensure_sft(cfg, url, log)
+            sft_config = base_train_config(cfg, url, sft_dir, out / "sft", 0)
+            sft_report = final_eval(cfg, sft_dir, sft_config, datasets, out / "sft_start")
+            results = run_all(cfg, url, sft_dir, datasets)
+            server_health = httpx.get(f"{url}/health", timeout=30).json()  # emulated cost totals
+    except RunInterrupted as err:  # a run kept its checkpoint: the same command continues it
+        message = str(err).split("; continue with")[0]
+        raise RunInterrupted(f"{message}; rerun the same command to continue", err.signum) from None
     summary = summarize(results, cfg.references, sft_report, cfg.bootstrap_resamples)
     summary["server"] = server_health
     summary["config"] = cfg.model_dump()

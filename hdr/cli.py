@@ -2,24 +2,57 @@
 
 Subcommand bodies import their heavy dependencies (torch, faiss, transformers) lazily so
 that `hdr --help` and argument errors answer at once.
+
+`main` is the one place where a user's mistake becomes one line on stderr and exit code 2,
+whatever the subcommand: a `UserError` raised anywhere (config, files, the server's startup,
+an evaluation), and the command-line parser's own complaints (unknown option or subcommand,
+bad value), with a "did you mean" where a near name exists. Ctrl-C without a saved state is
+"hdr: interrupted" and exit 130, never a traceback.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import typer
-from rich.console import Console
 
 from hdr.errors import UserError
 
 app = typer.Typer(
     name="hdr",
-    help="Train search agents with GRPO and Headroom-Drift Replay.",
+    help="Train search agents with GRPO and Headroom-Drift Replay.\n\n"
+    "Every subcommand takes dotted KEY=VALUE overrides of its config after the options, "
+    "e.g. `hdr train --config configs/tiny-cpu.yaml grpo.lr=3e-5`; `hdr SUBCOMMAND --help` "
+    "shows an example.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def hdr_version() -> str:
+    try:
+        return version("hdr")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"hdr {hdr_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    _version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """Train search agents with GRPO and Headroom-Drift Replay."""
 
 
 def _register_all() -> None:
@@ -37,12 +70,51 @@ def _register_all() -> None:
 _register_all()
 
 
-def main() -> None:
+def quiet_third_party() -> None:
+    """Silence the loading bars of huggingface_hub and transformers (set before they are
+    imported): hdr shows its own progress, and their bars fill every log."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def usage_message(err: Exception) -> str:
+    """The parser's complaint as one line, with a "did you mean" for an unknown subcommand."""
+    ctx = getattr(err, "ctx", None)
+    message = err.format_message() if hasattr(err, "format_message") else str(err)
+    message = " ".join(message.split())
+    command = ctx.command_path if ctx is not None and ctx.command_path else "hdr"
+    if command.split()[0] != "hdr":  # the program name as invoked, e.g. a path
+        command = " ".join(["hdr", *command.split()[1:]])
+    if message.startswith("No such command") and "Did you mean" not in message and ctx:
+        wanted = message.split("'")[1] if "'" in message else ""
+        names = ctx.command.list_commands(ctx) if hasattr(ctx.command, "list_commands") else []
+        close = difflib.get_close_matches(wanted, names, n=1)
+        message += f" Did you mean '{close[0]}'?" if close else f" Commands: {', '.join(names)}."
+    return f"{message} (see `{command} --help`)"
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr, then exit."""
+    sys.stderr.write(f"hdr: error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    quiet_third_party()
     try:
-        app(standalone_mode=True)
+        result = app(args=argv, prog_name="hdr", standalone_mode=False)
     except UserError as err:
-        Console(stderr=True, highlight=False).print(f"hdr: error: {err}", soft_wrap=True)
-        sys.exit(2)
+        fail(" ".join(str(err).split()) or type(err).__name__, err.exit_code)
+    except typer.TyperException as err:  # the parser: unknown option or command, bad value
+        if type(err).__name__ == "NoArgsIsHelpError":
+            sys.exit(0)  # `hdr` or `hdr index` alone: the help was the answer
+        fail(usage_message(err), 2)
+    except (KeyboardInterrupt, typer.Abort):
+        fail("interrupted", 130)
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 if __name__ == "__main__":

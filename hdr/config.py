@@ -8,6 +8,7 @@ one `UserError` line naming the offending key.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,10 +42,39 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
 
-def format_validation_error(err: ValidationError) -> str:
+def _section(model: type[BaseModel], path: Sequence[Any]) -> type[BaseModel] | None:
+    """The config model at dotted `path` below `model` (None where it is not a model)."""
+    for part in path:
+        field = model.model_fields.get(str(part))
+        candidates = [field.annotation] if field is not None else []
+        candidates += list(getattr(field.annotation, "__args__", ())) if field else []
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
+    return model
+
+
+def unknown_key_hint(model: type[BaseModel], loc: Sequence[Any]) -> str:
+    """ "did you mean grpo.lr?" for an unknown key, else the valid keys of its section."""
+    section = _section(model, loc[:-1])
+    if section is None:
+        return ""
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    names = list(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {prefix}{close[0]}?"
+    return f"; valid keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(names)}"
+
+
+def format_validation_error(err: ValidationError, model: type[BaseModel] | None = None) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "<root>"
     more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    if first["type"] == "extra_forbidden":
+        hint = unknown_key_hint(model, first["loc"]) if model is not None else ""
+        return f"unknown config key {where}{hint}{more}"
     return f"config key {where}: {first['msg']}{more}"
 
 
@@ -69,7 +99,7 @@ def build_config(model: type[M], data: dict[str, Any], overrides: Sequence[str] 
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise UserError(format_validation_error(err)) from None
+        raise UserError(format_validation_error(err, model)) from None
 
 
 def load_config(model: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:

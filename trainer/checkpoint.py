@@ -23,7 +23,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,7 @@ class TrainState:
     buffer: ReplayBuffer
     counters: dict[str, Any]
     config_yaml: str
+    model_files: dict[str, str] = field(default_factory=dict)  # name -> text, beside weights
 
 
 def save_checkpoint(root: Path, step: int, state: TrainState, keep_last: int) -> Path:
@@ -117,6 +118,8 @@ def save_checkpoint(root: Path, step: int, state: TrainState, keep_last: int) ->
     state.model.save_pretrained(tmp / "model", safe_serialization=True)
     if state.tokenizer is not None:
         state.tokenizer.save_pretrained(tmp / "model")
+    for name, text in state.model_files.items():
+        (tmp / "model" / name).write_text(text)
     torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
     _write_json(tmp / "scheduler.json", state.scheduler.state_dict())
     buf_tensors, buf_meta = state.buffer.state()
@@ -237,14 +240,17 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=path, step=_verify(path))
 
 
-def save_model(model, tokenizer, out: Path) -> Path:
-    """`save_pretrained` (model and tokenizer) into a temporary directory beside `out`, then
-    rename it into place: `out` is either the old model or the whole new one."""
+def save_model(model, tokenizer, out: Path, extra_files: dict[str, str] | None = None) -> Path:
+    """`save_pretrained` (model and tokenizer) and `extra_files` (name -> text, e.g. the
+    rollout settings) into a temporary directory beside `out`, then rename it into place:
+    `out` is either the old model or the whole new one."""
     out = Path(out)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

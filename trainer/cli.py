@@ -7,58 +7,86 @@ from pathlib import Path
 
 import typer
 
+from hdr.options import all_overrides, overrides_argument, set_option
+
+TRAIN_EXAMPLES = """Examples:
+
+  hdr train --config configs/tiny-cpu.yaml
+
+  hdr train --config configs/tiny-cpu.yaml arm=replay_recency out_dir=runs/recency
+
+  hdr train --resume runs/tiny-cpu    # continue a stopped run
+"""
+SFT_EXAMPLE = """Example (a retrieval server must be running, see `hdr serve`):
+
+  hdr sft --config configs/tiny-cpu.yaml sft.epochs=4 model.path=data/tiny-sft-4
+"""
+CALIBRATE_EXAMPLE = """Example:
+
+  hdr calibrate --config configs/tiny-cpu.yaml --steps 10 --taus 0.001,0.01,0.1
+"""
+
 
 def train_command(
-    overrides: list[str] = typer.Argument(None, help="Dotted overrides: grpo.lr=3e-5 ..."),
+    overrides: list[str] = overrides_argument("training config", "grpo.lr=3e-5 steps=40"),
     config: Path = typer.Option(None, "--config", "-c", help="Training config YAML."),
     resume: Path = typer.Option(
         None, "--resume", help="Continue from a run directory or one of its checkpoints."
     ),
+    set_: list[str] = set_option(),
 ) -> None:
-    """GRPO with Headroom-Drift Replay (or another arm): writes a run directory."""
+    """GRPO with Headroom-Drift Replay (or another arm): writes a run directory. Ctrl-C (or
+    SIGTERM) stops after the current step with a checkpoint that --resume continues."""
     from trainer.loop import load_train_config, train
 
-    cfg = load_train_config(config, list(overrides or []), resume)
+    cfg = load_train_config(config, all_overrides(overrides, set_), resume)
     run_dir = train(cfg, resume=resume)
     typer.echo(str(run_dir))
 
 
 def sft_command(
-    overrides: list[str] = typer.Argument(None, help="Dotted overrides: sft.epochs=8 ..."),
+    overrides: list[str] = overrides_argument("training config", "sft.epochs=4"),
     config: Path = typer.Option(..., "--config", "-c", help="Training config YAML (sft section)."),
+    set_: list[str] = set_option(),
 ) -> None:
     """Supervised warm start on scripted trajectories (search, then the gold title when
-    retrieved, else Doc 1's), through the real rollout loop; saves with save_pretrained."""
+    retrieved, else Doc 1's), through the real rollout loop; saves with save_pretrained,
+    together with the prompt and rollout settings `hdr rollout` and `hdr eval` then use."""
     from hdr.config import load_config
     from trainer.config import TrainConfig
     from trainer.sft import run_sft
 
-    out = run_sft(load_config(TrainConfig, config, list(overrides or [])))
+    out = run_sft(load_config(TrainConfig, config, all_overrides(overrides, set_)))
     typer.echo(str(out))
 
 
 def calibrate_command(
-    overrides: list[str] = typer.Argument(None, help="Dotted overrides of the train config."),
+    overrides: list[str] = overrides_argument("training config", "replay.budget=4"),
     config: Path = typer.Option(..., "--config", "-c", help="Training config YAML."),
     taus: str = typer.Option(
         None, "--taus", help="Comma-separated taus; default: three log-spaced around replay.tau."
     ),
-    steps: int = typer.Option(6, "--steps", help="Training steps per point."),
+    steps: int = typer.Option(6, "--steps", min=1, help="Training steps per point."),
     out: Path = typer.Option(Path("runs/calibrate"), "--out", help="Directory for the runs."),
+    set_: list[str] = set_option(),
 ) -> None:
     """Three-point log-spaced tau sweep: acceptance rate per point and a recommendation."""
     from hdr.config import load_config
+    from hdr.errors import UserError
     from trainer.calibrate import calibrate
     from trainer.config import TrainConfig
 
-    cfg = load_config(TrainConfig, config, list(overrides or []))
-    tau_list = [float(t) for t in taus.split(",")] if taus else None
+    cfg = load_config(TrainConfig, config, all_overrides(overrides, set_))
+    try:
+        tau_list = [float(t) for t in taus.split(",")] if taus else None
+    except ValueError:
+        raise UserError(f"--taus must be comma-separated numbers, not {taus!r}") from None
     report = calibrate(cfg, out, steps=steps, taus=tau_list)
     typer.echo(report.table())
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
-    app.command("sft")(sft_command)
-    app.command("train")(train_command)
-    app.command("calibrate")(calibrate_command)
+    app.command("sft", epilog=SFT_EXAMPLE)(sft_command)
+    app.command("train", epilog=TRAIN_EXAMPLES)(train_command)
+    app.command("calibrate", epilog=CALIBRATE_EXAMPLE)(calibrate_command)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from evaluation.metrics import best_at_k, mean_at_k
+from hdr.errors import UserError
 
 
 def heldout_eval(run, step: int) -> dict[str, Any]:
@@ -28,6 +29,11 @@ def heldout_eval(run, step: int) -> dict[str, Any]:
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
         sampled = rollout_groups(run.generator, run.client, run.tokenizer, examples, k, cfg.rollout)
+        if not sampled.groups:
+            raise UserError(
+                f"held-out evaluation at step {step}: every rollout failed to reach the retrieval"
+                f" server ({', '.join(cfg.retrieval.urls)}); is it running? (hdr serve --index DIR)"
+            )
         correct = [[em(t) for t in group] for group in sampled.groups]
         greedy_em = None
         if cfg.eval.greedy:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,7 +48,8 @@ import numpy as np
 import torch
 
 from hdr.config import dump_config, load_config
-from hdr.errors import UserError
+from hdr.errors import RunInterrupted, UserError
+from hdr.progress import progress, say
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
@@ -182,7 +184,9 @@ def heldout_subset(examples: list, seed: int, size: int) -> list:
 def load_policy(model_dir: str | Path, config: TrainConfig, frozen: bool = False):
     """Model and tokenizer from a directory. Trained weights load in `model.dtype` (fp32
     master weights); a `frozen` one (the KL reference) in `model.compute_dtype`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from agent_env.runner import load_tokenizer
 
     path = str(model_dir)
     dtype = getattr(torch, config.model.compute_dtype if frozen else config.model.dtype)
@@ -194,8 +198,7 @@ def load_policy(model_dir: str | Path, config: TrainConfig, frozen: bool = False
     model = model.to(config.model.device).eval()
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return model, load_tokenizer(path)
 
 
 def build_optimizer(model, config: TrainConfig):
@@ -208,16 +211,30 @@ def build_optimizer(model, config: TrainConfig):
 
 
 def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None) -> Path:
+    """The run directory: the checkpoint's on resume; else `out_dir`, which may already hold
+    the start of a run that never reached a checkpoint (stopped by a missing server, a
+    crash): then the same command simply starts it over."""
+    from trainer.checkpoint import list_checkpoints
+
     if ckpt is not None:
         run_dir = ckpt.run_dir
-        RunLogs.truncate_after(run_dir, ckpt.step)
+        # a step-0 checkpoint (stopped before the first step) evaluates step 0 again
+        RunLogs.truncate_after(run_dir, ckpt.step if ckpt.step > 0 else -1)
         return run_dir
     run_dir = Path(config.out_dir)
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+    found = list_checkpoints(run_dir / "checkpoints")
+    if found:
         raise UserError(
-            f"run directory {run_dir} already holds a run; continue it with --resume {run_dir}"
-            " or choose another out_dir"
+            f"run directory {run_dir} already holds a run (checkpoint at step {found[-1][0]});"
+            f" continue it with `hdr train --resume {run_dir}` or choose another out_dir"
         )
+    if (run_dir / "final").exists():
+        raise UserError(f"run directory {run_dir} holds a finished run; choose another out_dir")
+    if (run_dir / "metrics.jsonl").exists():
+        say(f"hdr train: {run_dir} holds a run that never reached a checkpoint; starting over")
+        for name in ("metrics.jsonl", "eval.jsonl", "groups.jsonl"):
+            (run_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "tb", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -508,7 +525,10 @@ def rollout_fresh(run: Run, step: int) -> FreshBatch:
             kept += [g for g in rollouts[-1].groups if has_reward_variance(g)]
         kept = kept[:b]
     if not any(r.groups for r in rollouts):
-        raise UserError(f"step {step}: every group's retrieval failed; is the server up?")
+        raise UserError(
+            f"step {step}: every rollout failed to reach the retrieval server"
+            f" ({', '.join(cfg.retrieval.urls)}); is it running? (hdr serve --index DIR)"
+        )
     return FreshBatch(kept, rollouts, run.client.stats.passages - passages_before)
 
 
@@ -649,29 +669,35 @@ def replay_metrics(
 
 
 def train(config: TrainConfig, resume: str | Path | None = None) -> Path:
-    """Run (or continue) training; returns the run directory."""
-    from tqdm import tqdm
+    """Run (or continue) training; returns the run directory.
 
-    from trainer.heldout import heldout_eval
-
-    run, start = setup_run(config, resume)
-    if start == 1 and config.eval.every and config.eval.at_start:
-        run.logs.eval(heldout_eval(run, 0))
-    bar = tqdm(
-        range(start, config.steps + 1),
-        initial=start - 1,
-        total=config.steps,
-        desc=f"train {config.arm}",
-        disable=not config.log.progress,
-    )
-    for step in bar:
-        record = step_or_stop(run, step)
-        run.logs.step(record)
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", replay=record["replayed_groups"])
-        if config.eval.every and step % config.eval.every == 0:
-            run.logs.eval(heldout_eval(run, step))
-        if config.checkpoint.save_every and step % config.checkpoint.save_every == 0:
-            save(run, step)
+    SIGINT or SIGTERM (Ctrl-C, `kill`, a scheduler's preemption) stops the run after the
+    current step, with a checkpoint of that step (step 0 when it comes before the first), and
+    raises RunInterrupted saying how to continue; a second signal stops at once."""
+    with StopSignals() as stop:
+        run, start = setup_run(config, resume)
+        if start == 1 and config.eval.every and config.eval.at_start:
+            log_heldout(run, 0)
+        stop.check(run, start - 1)
+        bar = progress(
+            range(start, config.steps + 1),
+            initial=start - 1,
+            total=config.steps,
+            desc=f"train {config.arm}",
+            unit="step",
+            enabled=config.log.progress,
+        )
+        for step in bar:
+            record = step_or_stop(run, step)
+            run.logs.step(record)
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", replay=record["replayed_groups"])
+            if config.eval.every and step % config.eval.every == 0:
+                log_heldout(run, step)
+            saved = None
+            if config.checkpoint.save_every and step % config.checkpoint.save_every == 0:
+                saved = save(run, step)
+            stop.check(run, step, saved)
+        bar.close()
     run.logs.groups_left(run.buffer.groups(), None)
     save_final(run)
     run.logs.close()
@@ -697,6 +723,72 @@ def step_or_stop(run: Run, step: int) -> dict[str, Any]:
         raise UserError(f"step {step} stopped: {err}; {where}") from None
 
 
+def log_heldout(run: Run, step: int) -> dict[str, Any]:
+    """The periodic held-out evaluation: logged to eval.jsonl and printed as one line."""
+    from trainer.heldout import heldout_eval
+
+    cfg = run.config.eval
+    if run.config.log.progress:
+        say(f"held-out evaluation at step {step}: {len(run.eval_examples)} questions, k={cfg.k}")
+    record = heldout_eval(run, step)
+    run.logs.eval(record)
+    k, greedy = record["k"], record["greedy_em"]
+    say(
+        f"step {step} held-out ({record['num_questions']} questions): Mean@{k}"
+        f" {record['mean_at_k']:.3f}, Best@{k} {record['best_at_k']:.3f}"
+        + (f", greedy EM {greedy:.3f}" if greedy is not None else "")
+    )
+    return record
+
+
+class StopSignals:
+    """SIGINT/SIGTERM as a request to stop at the next step boundary (see `train`). Outside
+    the main thread (no signal handlers there) it does nothing."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # the second one: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        self.signum = signum
+        say("hdr train: stopping after this step with a checkpoint (again to stop at once)")
+
+    def __enter__(self) -> StopSignals:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def check(self, run: Run, step: int, saved: Path | None = None) -> None:
+        """After `step`: when a stop was requested, checkpoint the step and raise."""
+        if self.signum is None:
+            return
+        import signal
+
+        path = saved or save(run, step)
+        run.logs.close()
+        name = signal.Signals(self.signum).name
+        raise RunInterrupted(
+            f"stopped by {name} after step {step} of {run.config.steps}; checkpoint {path};"
+            f" continue with: hdr train --resume {run.run_dir}",
+            self.signum,
+        )
+
+
 def save(run: Run, step: int) -> Path:
     state = TrainState(
         model=run.model,
@@ -706,6 +798,7 @@ def save(run: Run, step: int) -> Path:
         buffer=run.buffer,
         counters=run.counters,
         config_yaml=dump_config(run.config),
+        model_files=model_files(run.config),
     )
     run.logs.flush()
     return save_checkpoint(
@@ -713,9 +806,17 @@ def save(run: Run, step: int) -> Path:
     )
 
 
+def model_files(config: TrainConfig) -> dict[str, str]:
+    """Saved beside every model of the run: the prompt and rollout settings it is trained with."""
+    from agent_env.policy_settings import SETTINGS_FILE, settings_yaml
+
+    return {SETTINGS_FILE: settings_yaml(config.rollout, config.retrieval)}
+
+
 def save_final(run: Run) -> Path:
-    """`final/`: model and tokenizer, loadable with from_pretrained (written atomically)."""
-    return save_model(run.model, run.tokenizer, run.run_dir / "final")
+    """`final/`: model and tokenizer, loadable with from_pretrained, and the rollout settings
+    (written atomically)."""
+    return save_model(run.model, run.tokenizer, run.run_dir / "final", model_files(run.config))
 
 
 def load_train_config(path: str | None, overrides: list[str], resume: str | None) -> TrainConfig:

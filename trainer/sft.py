@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from hdr.errors import UserError
+from hdr.progress import progress, say
 from trainer.checkpoint import save_model
 
 
@@ -100,13 +101,12 @@ def ensure_init_model(path: Path) -> None:
         return
     from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
 
-    print(f"hdr sft: {path} does not exist; building the tiny policy there", flush=True)
+    say(f"hdr sft: {path} does not exist; building the tiny policy there")
     init_tiny_policy(path, vital_corpus_texts(), TinyPolicyConfig())
 
 
 def run_sft(config) -> Path:
     """Run `hdr sft` for a TrainConfig; returns the output directory (`model.path`)."""
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_env.data import load_task
@@ -129,7 +129,7 @@ def run_sft(config) -> Path:
     )
     start = time.perf_counter()
     rows = scripted_rows(config, tokenizer, client, examples)
-    print(f"hdr sft: {len(rows)} scripted trajectories in {time.perf_counter() - start:.0f}s")
+    say(f"hdr sft: {len(rows)} scripted trajectories in {time.perf_counter() - start:.0f}s")
     per_epoch = math.ceil(len(rows) / sft.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=sft.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -144,7 +144,13 @@ def run_sft(config) -> Path:
             rng.shuffle(order)
             model.train()
             losses = []
-            for lo in tqdm(range(0, len(order), sft.batch_size), desc=f"sft epoch {epoch}"):
+            batches = progress(
+                range(0, len(order), sft.batch_size),
+                desc=f"sft epoch {epoch}/{sft.epochs}",
+                unit="batch",
+                enabled=config.log.progress,
+            )
+            for lo in batches:
                 batch = [rows[i] for i in order[lo : lo + sft.batch_size]]
                 losses.append(nll_step(model, batch, optimizer, sft.grad_clip))
                 scheduler.step()
@@ -158,5 +164,11 @@ def run_sft(config) -> Path:
             }
             log.write(json.dumps(record) + "\n")
             log.flush()
-            print(f"hdr sft: {json.dumps(record)}", flush=True)
-    return save_model(model, tokenizer, out)
+            say(
+                f"hdr sft: epoch {epoch}/{sft.epochs}: loss {record['loss']:.4f}, greedy EM"
+                f" {record['greedy_em']:.3f} on {len(heldout)} held-out questions,"
+                f" {record['wall_time']:.0f}s"
+            )
+    from trainer.loop import model_files
+
+    return save_model(model, tokenizer, out, model_files(config))

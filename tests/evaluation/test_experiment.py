@@ -246,13 +246,12 @@ def test_quick_experiment_end_to_end(tmp_path):
         "hdr.cli",
         "experiment",
         "--quick",
-        "--data",
+        "--data-dir",
         str(tmp_path / "data"),
         "--out",
         str(out),
         "--config",
         str(BASE),
-        "--set",
         "progress=false",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)

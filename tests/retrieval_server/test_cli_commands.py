@@ -107,5 +107,5 @@ def test_serve_starts_on_loopback_and_answers(small_index: Path) -> None:
     finally:
         process.terminate()  # uvicorn shuts down gracefully, then re-raises SIGTERM
         output, _ = process.communicate(timeout=30)
-    assert f"Uvicorn running on http://127.0.0.1:{port}" in output  # loopback by default
+    assert f"hdr serve: http://127.0.0.1:{port} ready" in output  # loopback by default
     assert "Application shutdown complete" in output

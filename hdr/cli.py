@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
-from hdr.errors import UserError
+from hdr.errors import RunInterrupted, UserError
 
 app = typer.Typer(
     name="hdr",
@@ -95,9 +95,9 @@ def usage_message(err: Exception) -> str:
     return f"{message} (see `{command} --help`)"
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2, label: str = "error") -> None:
     """One line on stderr, then exit."""
-    sys.stderr.write(f"hdr: error: {message}\n")
+    sys.stderr.write(f"hdr: {label}: {message}\n")
     sys.stderr.flush()
     sys.exit(code)
 
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = app(args=argv, prog_name="hdr", standalone_mode=False)
     except UserError as err:
-        fail(" ".join(str(err).split()) or type(err).__name__, err.exit_code)
+        label = "stopped" if isinstance(err, RunInterrupted) else "error"
+        fail(" ".join(str(err).split()) or type(err).__name__, err.exit_code, label)
     except typer.TyperException as err:  # the parser: unknown option or command, bad value
         if type(err).__name__ == "NoArgsIsHelpError":
             sys.exit(0)  # `hdr` or `hdr index` alone: the help was the answer

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -152,12 +153,6 @@ def build_index(
     Passages are read in chunks of `batch_size`: encoded and added to FAISS, and tokenised for
     BM25, so only BM25's token ids (which bm25s needs at once) grow with the corpus.
     """
-    import faiss
-    import numpy as np
-    from tqdm import tqdm
-
-    from retrieval_server.encoder import Encoder
-
     corpus, out_dir = Path(corpus), Path(out_dir)
     if not corpus.is_file():
         raise UserError(f"corpus file not found: {corpus}")
@@ -165,8 +160,44 @@ def build_index(
     documents = count_lines(corpus)
     if documents == 0:
         raise UserError(f"corpus {corpus} is empty")
+    # every line is checked before any encoding: a bad line deep in a large corpus would
+    # otherwise surface only after hours of work, with a half-made index left behind
+    for _ in iter_corpus(corpus):
+        pass
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # a half-rebuilt index must not look complete
+    try:
+        return _build_into(
+            corpus, out_dir, documents, started, encoder, index_type, bm25, hnsw_m, batch_size,
+            show_progress,
+        )  # fmt: skip
+    except BaseException:
+        if created:  # never leave a half-made directory behind (Ctrl-C, a failure)
+            import shutil
+
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _build_into(
+    corpus: Path,
+    out_dir: Path,
+    documents: int,
+    started: float,
+    encoder: str,
+    index_type: IndexType,
+    bm25: bool,
+    hnsw_m: int,
+    batch_size: int,
+    show_progress: bool,
+) -> IndexManifest:
+    """`build_index` after the corpus was checked: encode, write the files, manifest last."""
+    import faiss
+    import numpy as np
+
+    from hdr.progress import progress as progress_bar
+    from retrieval_server.encoder import Encoder
 
     model = Encoder(encoder)
     dense = new_dense_index(model.dimension, index_type, hnsw_m)
@@ -191,8 +222,8 @@ def build_index(
         chunk.clear()
 
     row = 0
-    with tqdm(
-        total=documents, desc="encode passages", unit="doc", disable=not show_progress
+    with progress_bar(
+        total=documents, desc="encode passages", unit="doc", enabled=show_progress
     ) as progress:
         for row, (offset, contents) in enumerate(iter_corpus(corpus)):
             offsets[row] = offset
@@ -206,7 +237,8 @@ def build_index(
     faiss.write_index(dense, str(out_dir / DENSE_FILE))
     np.save(out_dir / OFFSETS_FILE, offsets, allow_pickle=False)
     if tokenizer is not None:
-        write_bm25(out_dir / BM25_DIR, token_ids, tokenizer, show_progress)
+        # bm25s draws its own bars: only on a terminal, where they redraw in place
+        write_bm25(out_dir / BM25_DIR, token_ids, tokenizer, show_progress and sys.stderr.isatty())
 
     files = [out_dir / DENSE_FILE, out_dir / OFFSETS_FILE]
     if bm25:

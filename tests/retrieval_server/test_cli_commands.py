@@ -109,3 +109,38 @@ def test_serve_starts_on_loopback_and_answers(small_index: Path) -> None:
         output, _ = process.communicate(timeout=30)
     assert f"hdr serve: http://127.0.0.1:{port} ready" in output  # loopback by default
     assert "Application shutdown complete" in output
+
+
+def test_serve_checks_its_port_before_loading_the_index(small_index: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = hdr("serve", "--index", str(small_index), "--port", str(port))
+    assert_one_line_user_error(result, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_serve_reports_an_index_inconsistent_with_its_manifest_in_one_line(
+    small_index: Path, tmp_path: Path
+) -> None:
+    """Valid JSON, right file sizes, but not what the FAISS file holds: found while the
+    server starts (inside uvicorn's lifespan), still one line and exit 2."""
+    index = tmp_path / "index"
+    shutil.copytree(small_index, index)
+    manifest = json.loads((index / "manifest.json").read_text())
+    manifest["documents"] -= 1
+    (index / "manifest.json").write_text(json.dumps(manifest))
+    corpus = (small_index / manifest["corpus_path"]).resolve()
+    result = hdr("serve", "--index", str(index), "--corpus", str(corpus), "--port", "0")
+    assert_one_line_user_error(result, "does not match")
+
+
+def test_build_checks_the_whole_corpus_before_encoding(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    good = [json.dumps({"id": str(i), "contents": f'"T{i}"\ntext {i}'}) for i in range(1000)]
+    corpus.write_text("\n".join([*good, '{"id": "1000", "contents": 7}']) + "\n")
+    out = tmp_path / "index"
+    assert_one_line_user_error(
+        hdr("index", "build", "--corpus", str(corpus), "--out", str(out)), f"{corpus}:1001"
+    )
+    assert not out.exists()  # nothing half-made

@@ -1,0 +1,102 @@
+"""A run stopped by a signal, or by a missing server, always leaves a state the user can
+continue from, and says how (the real `hdr train`, in subprocesses)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import TINY_CPU, tiny_overrides
+
+from agent_env.policy_settings import SETTINGS_FILE
+from trainer.checkpoint import list_checkpoints, open_checkpoint
+
+HDR = [sys.executable, "-m", "hdr.cli"]
+
+
+def env(**extra: str) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+def steps_logged(run_dir) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resume_continues(
+    sig, sft_policy, small_qa, retrieval_url, tmp_path
+):
+    out = tmp_path / "run"
+    overrides = tiny_overrides(
+        retrieval_url, sft_policy, small_qa, out,
+        "steps=500", "checkpoint.save_every=100", "log.progress=true",
+    )  # fmt: skip
+    command = [*HDR, "train", "--config", str(TINY_CPU), *overrides]
+    # stderr is a pipe: progress must come as plain lines, one at least every 0 s here
+    proc = subprocess.Popen(
+        command, env=env(HDR_PROGRESS_INTERVAL="0"), stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 600
+    while len(steps_logged(out)) < 2:  # stopped at step 2 or later, long before a checkpoint
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + sig, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"hdr: stopped: stopped by {sig.name} after step "), last
+    assert f"continue with: hdr train --resume {out}" in last
+    assert "Traceback" not in stderr
+
+    # progress in a file: whole lines, no carriage returns, no third-party loading bars
+    assert "\r" not in stderr and "Loading weights" not in stderr
+    assert "train headroom_drift: 0/500" in stderr
+    assert "step 0 held-out (4 questions): Mean@2" in stderr  # scores printed as computed
+    assert "step 2 held-out" in stderr
+
+    ckpt = open_checkpoint(out)
+    assert ckpt.step >= 2 and steps_logged(out) == list(range(1, ckpt.step + 1))
+    assert (ckpt.model_dir / SETTINGS_FILE).is_file()  # the prompt travels with the model
+
+    again = subprocess.run(command, env=env(), capture_output=True, text=True)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"hdr: error: run directory {out} already holds a run (checkpoint at step {ckpt.step});"
+        f" continue it with `hdr train --resume {out}` or choose another out_dir"
+    ]
+
+    resume = [*HDR, "train", "--resume", str(out), f"steps={ckpt.step + 1}", "log.progress=false"]
+    done = subprocess.run(resume, env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert steps_logged(out) == list(range(1, ckpt.step + 2))
+    assert (out / "final" / "config.json").is_file() and (out / "final" / SETTINGS_FILE).is_file()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_no_server_is_one_line_and_the_same_command_runs_again(sft_policy, small_qa, tmp_path):
+    """Case 3 of the first hour: no server listening. The step-0 evaluation says so in one
+    line; the run directory it started is no dead end (the same command starts it over)."""
+    out, url = tmp_path / "run", f"http://127.0.0.1:{free_port()}"
+    overrides = tiny_overrides(url, sft_policy, small_qa, out, "retrieval.max_retries=0")
+    command = [*HDR, "train", "--config", str(TINY_CPU), *overrides]
+    for _attempt in range(2):
+        result = subprocess.run(command, env=env(), capture_output=True, text=True)
+        assert result.returncode == 2, result.stderr
+        lines = [x for x in result.stderr.strip().splitlines() if not x.startswith("hdr train:")]
+        assert len(lines) == 1 and lines[0].startswith("hdr: error: "), result.stderr
+        assert "held-out evaluation at step 0" in lines[0] and url in lines[0]
+        assert "Traceback" not in result.stderr
+    assert not list_checkpoints(out / "checkpoints")

@@ -10,7 +10,7 @@ corpus text (titles, descriptions, summaries, and the same text in the observati
 plus the prompt and environment text, so the policy sees familiar pieces. The eight tags
 (`<search>`, `</search>`, `<answer>`, ...) are single special tokens, which makes stopping a
 one-id check, with `<pad>`, `<s>` (BOS, added in front of every encoded text) and `</s>`
-(EOS). The model is `LlamaForCausalLM` with tied embeddings, sized per cpu-bed.md (hidden
+(EOS). The model is `LlamaForCausalLM` with tied embeddings, sized per docs/cpu-bed.md (hidden
 128, 4 layers, 4 heads, MLP 512: 1.6M parameters). Both are written with `save_pretrained`
 and load with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained` like any real model.
 """

@@ -6,13 +6,13 @@ Search-R1's does (reason in <think>, search with <search> query </search>, resul
 in <information>, answer in <answer>), in hdr's own words; it goes through the tokenizer's
 chat template when the tokenizer has one.
 
-The `compact` variant is for the tiny CPU policy (../shared/notes/cpu-bed.md): the prompt is
+The `compact` variant is for the tiny CPU policy (docs/cpu-bed.md): the prompt is
 `Question: {question}\\n<search>`, so the policy writes ` query </search>`; the environment's
 information block ends in `<answer>`, so the policy writes ` title </answer>`. Those opening
 tags are part of the context, not of what the policy wrote; `response_prefix` and
 `observation_suffix` name them so the action parser can prepend them to the turn's text.
 
-The observation format is fixed by DESIGN.md (Search-R1's): `Doc {k}(Title: {first line of
+The observation format is fixed by docs/design.md (Search-R1's): `Doc {k}(Title: {first line of
 contents}) {rest}`, one per line, inside `\\n\\n<information>...</information>\\n\\n`.
 """
 

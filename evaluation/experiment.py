@@ -156,7 +156,7 @@ class ExperimentConfig(StrictModel):
     batch_prompts: int = Field(8, ge=2, description="b: fresh prompts per step.")
     group_size: int = Field(5, ge=2, description="G: responses per prompt.")
     replay_ratio: float = Field(0.5, gt=0, description="r = round(ratio * b) replayed groups.")
-    lr: float = Field(5e-5, gt=0, description="GRPO learning rate (cpu-bed: 3e-5 to 1e-4).")
+    lr: float = Field(5e-5, gt=0, description="GRPO learning rate (docs/cpu-bed.md: 3e-5 to 1e-4).")
     tau: float | None = Field(None, gt=0, description="L2 drift gate; None: the base config's.")
     tau_l1: float | None = Field(
         None,

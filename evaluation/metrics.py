@@ -11,7 +11,7 @@ from rollouts and the experiment compares arms with them.
 - Arms are compared *paired*: on the same questions, difference of per-question scores, with
   the standard error of that mean over questions. With several seeds per arm the per-question
   scores are first averaged over seeds, and the per-seed differences are reported too, so the
-  spread between seeds can be set against the difference (cpu-bed.md: gains here are small).
+  spread between seeds can be set against the difference (docs/cpu-bed.md: gains here are small).
 
 Also here, because every result writer needs them: recognising Search-R1's seven test sets
 and the embedded wiki-vital split by name, a Markdown table writer, and atomic file writes

@@ -1,7 +1,7 @@
 """Test corpora: the wiki-18 sample and how the small corpus is made.
 
-`fixtures/wiki18_sample.jsonl` is a copy of the project's shared fixture (`shared/fixtures/`),
-kept in the repository so a clone tests on its own.
+`fixtures/wiki18_sample.jsonl` holds ten real passages of Search-R1's wiki-18 corpus, in its
+format, kept in the repository so a clone tests on its own.
 
 Import as `from corpora import ...` (pytest puts `tests/` on sys.path).
 """

@@ -1,7 +1,7 @@
 """GRPO's formulas as pure tensor functions: group advantages, the clipped token-level
 policy loss, the k3 KL estimator and token entropy.
 
-What is implemented (DESIGN.md, normative):
+What is implemented (docs/design.md, normative):
 
 - advantage `A[i] = (r[i] - mean(r)) / (std(r) + 1e-6)` per group, std with Bessel's
   correction, as veRL and TRL compute it;

@@ -1,6 +1,6 @@
 """The GRPO training loop with Headroom-Drift Replay: `train(config, resume=None) -> run_dir`.
 
-One step, top to bottom (DESIGN.md):
+One step, top to bottom (docs/design.md):
 1. rollout: `b` prompts, `G` responses each, through agent_env's multi-turn loop against the
    retrieval server(s);
 2. reward: exact match, computed by agent_env per response;

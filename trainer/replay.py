@@ -1,6 +1,6 @@
 """Headroom-Drift Replay: the two scores, the FIFO group buffer and the replay selectors.
 
-What is implemented (DESIGN.md, normative). A stored group holds one prompt's `G` responses
+What is implemented (docs/design.md, normative). A stored group holds one prompt's `G` responses
 as left-padded token ids with the loss mask `m`, the generation-time log-probs, rewards and
 advantages, all aligned with `input_ids` (`loss_mask[i, t]` and `gen_logprobs[i, t]` refer
 to token `input_ids[i, t]`; column 0 is never a policy token).

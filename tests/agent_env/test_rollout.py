@@ -35,7 +35,7 @@ def masked_runs(traj) -> list[list[int]]:
 
 
 def expected_block(raw_docs: list[dict], doc_words: int | None, suffix: str) -> str:
-    """The information block built from the server's raw JSON, following DESIGN.md."""
+    """The information block built from the server's raw JSON, following docs/design.md."""
     lines = []
     for k, doc in enumerate(raw_docs, start=1):
         title, text = doc["contents"].split("\n", 1)

@@ -2,13 +2,17 @@
 
 Reads only the files a run dir holds (docs/contracts.md): `config.yaml`, `metrics.jsonl`,
 `eval.jsonl`, `groups.jsonl`. Charts, each one line (or bar set) per arm, seeds of an arm
-averaged (the mean line, with the min-max over seeds shaded):
+averaged (the mean line, with the min-max over seeds shaded, and a footnote saying so):
 
 - `heldout_vs_env_calls.png`, `heldout_vs_wall_time.png`: held-out Mean@k against cumulative
   environment cost and against wall time (the paper's cost axes). Environment cost is counted
   in episodes (step x b x G from the run's config): `env_calls_total` counts batched HTTP
   requests, one per search turn whatever the batch size, which would hide that a larger
-  fresh batch costs more; without a config it falls back to `env_calls_total`;
+  fresh batch costs more; without a config it falls back to `env_calls_total`. These curves
+  come from the small periodic in-training evaluation (its size and k are in the title); where
+  a run has the experiment's final evaluation (`heldout/eval.json`, the tables' numbers), a
+  diamond marks it at the line's end. The wall-time chart says in a footnote that wall times
+  only compare runs made side by side;
 - `quality_vs_<cost>.png` for generated tokens, environment requests and CPU seconds:
   held-out Mean@k (solid) and Best@k (dashed) against the cumulative cost ledger
   (`cost_*` in metrics.jsonl) at each evaluation step, band = min-max over seeds; tokens and
@@ -56,6 +60,10 @@ ARM_COLORS = {
 }
 _FALLBACK_COLORS = ["#393b79", "#637939", "#843c39", "#7b4173", "#5254a3", "#8ca252"]
 _SEED_DIR = re.compile(r"^seed[-_]?\d+$")
+FINAL_EVAL = Path("heldout") / "eval.json"
+WALL_TIME_CAVEAT = (
+    "Wall time depends on what else ran on the machine: compare only runs made side by side."
+)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -86,6 +94,7 @@ class RunData:
     evals: list[dict[str, Any]] = field(default_factory=list)
     groups: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    final: dict[str, Any] | None = None  # the final held-out evaluation (heldout/eval.json)
 
     @property
     def rollouts_per_step(self) -> int | None:
@@ -127,6 +136,11 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunData:
         for name in ("eval", "groups")
     }
     seed = config.get("seed")
+    final = None
+    if (run_dir / FINAL_EVAL).is_file():  # the experiment's evaluation of final/
+        report = json.loads((run_dir / FINAL_EVAL).read_text())
+        final = {**report["average"], "k": report["k"]}
+        final["num_questions"] = sum(d["num_questions"] for d in report["datasets"])
     return RunData(
         path=run_dir,
         label=label or run_label(run_dir, config),
@@ -135,6 +149,7 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunData:
         evals=_with_rollouts(optional["eval"], config),
         groups=optional["groups"],
         config=config,
+        final=final,
     )
 
 
@@ -175,11 +190,11 @@ def _figure(title: str, xlabel: str, ylabel: str):
     return fig, ax
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, bottom: float = 0.0) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))  # `bottom`: room for a footnote
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, format="png")
     tmp.replace(path)  # never a half-written chart
@@ -218,9 +233,14 @@ def _line_chart(
     path: Path,
     x_scale: float = 1.0,
     smooth: int = 1,
+    note: str = "",
+    final_of=None,
+    final_label: str = "",
 ) -> Path | None:
+    """One line per label (mean over seeds), the min-max band over seeds, and, with
+    `final_of(runs) -> float | None`, a diamond at the line's end for the final evaluation."""
     fig, ax = _figure(title, xlabel, ylabel)
-    drawn = False
+    drawn = banded = finals = False
     for i, (label, runs) in enumerate(groups.items()):
         curve = _seed_curves(runs, rows_of, x_key, y_key)
         if curve is None:
@@ -242,43 +262,77 @@ def _line_chart(
         )
         if n_seeds > 1:
             ax.fill_between(x * x_scale, lo, hi, color=color, alpha=0.15, linewidth=0)
+            banded = True
+        if final_of is not None:
+            final = final_of(runs)
+            if final is not None:
+                ax.plot([x[-1] * x_scale], [final], color=color, marker="D", ms=6, ls="none")
+                finals = True
         drawn = True
     if not drawn:
         return None
+    notes = [*([note] if note else [])]
+    if banded:
+        notes.insert(0, "Shaded: min-max over seeds.")
+    if finals and final_label:
+        notes.insert(0, f"Diamonds: {final_label}.")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    if notes:
+        fig.text(0.01, 0.01, " ".join(notes), fontsize=7, wrap=True, va="bottom")
+    return _save(fig, path, bottom=0.12 if notes else 0.0)
 
 
 def plot_heldout(groups: dict[str, list[RunData]], out_dir: Path) -> list[Path]:
-    k = next((r.get("k") for runs in groups.values() for run in runs for r in run.evals), None)
-    ylabel = f"held-out Mean@{k}" if k else "held-out Mean@k"
+    """Held-out Mean@k of the periodic in-training evaluation (a small fixed subset), with
+    the final evaluation's Mean@k (the number the tables report) as a diamond at each end."""
+    rows = [r for runs in groups.values() for run in runs for r in run.evals]
+    k = next((r.get("k") for r in rows), None)
+    n = next((r.get("num_questions") for r in rows), None)
+    ylabel = f"held-out Mean@{k or 'k'}"
+    subset = f"in-training evaluation, {n} questions, k={k}" if n else "in-training evaluation"
+    finals = [run.final for runs in groups.values() for run in runs if run.final]
+    final_label = ""
+    if finals:
+        final_label = (
+            f"final evaluation, Mean@{finals[0]['k']} on {finals[0]['num_questions']} questions"
+            " (mean over seeds), as in the tables"
+        )
+
+    def final_of(runs: list[RunData]) -> float | None:
+        values = [run.final["mean_at_k"] for run in runs if run.final]
+        return float(np.mean(values)) if values else None
+
     has_rollouts = all("rollouts_total" in r for rs in groups.values() for x in rs for r in x.evals)
     x_key, x_label = (
         ("rollouts_total", "environment episodes (fresh rollouts, b x G per step)")
         if has_rollouts
         else ("env_calls_total", "environment calls (batched retrieval requests)")
     )
+    common = dict(final_of=final_of, final_label=final_label)
     made = [
         _line_chart(
             groups,
             "evals",
             x_key,
             "mean_at_k",
-            "Held-out reward against environment cost",
+            f"Held-out reward against environment cost\n({subset})",
             x_label,
             ylabel,
             out_dir / "heldout_vs_env_calls.png",
+            **common,
         ),
         _line_chart(
             groups,
             "evals",
             "wall_time_total",
             "mean_at_k",
-            "Held-out reward against wall time",
+            f"Held-out reward against wall time\n({subset})",
             "wall time (minutes)",
             ylabel,
             out_dir / "heldout_vs_wall_time.png",
             x_scale=1 / 60,
+            note=WALL_TIME_CAVEAT,
+            **common,
         ),
     ]
     return [p for p in made if p is not None]
@@ -319,10 +373,12 @@ def plot_quality_vs_cost(groups: dict[str, list[RunData]], out_dir: Path) -> lis
         for label, runs in groups.items()
     }
     k = next((r.get("k") for runs in groups.values() for run in runs for r in run.evals), "k")
+    n = next((r.get("num_questions") for rs in groups.values() for x in rs for r in x.evals), None)
+    subset = f"\n(in-training evaluation, {n} questions, k={k})" if n else ""
     made = []
     for axis, (_, xlabel, scale) in COST_AXES.items():
         fig, ax = _figure(
-            f"Held-out Mean@{k} (solid) and Best@{k} (dashed) against cost",
+            f"Held-out Mean@{k} (solid) and Best@{k} (dashed) against cost{subset}",
             xlabel,
             "held-out score (band: min-max over seeds)",
         )

@@ -6,8 +6,8 @@ that `hdr --help` and argument errors answer at once.
 `main` is the one place where a user's mistake becomes one line on stderr and exit code 2,
 whatever the subcommand: a `UserError` raised anywhere (config, files, the server's startup,
 an evaluation), and the command-line parser's own complaints (unknown option or subcommand,
-bad value), with a "did you mean" where a near name exists. Ctrl-C without a saved state is
-"hdr: interrupted" and exit 130, never a traceback.
+bad value), with a "did you mean" where a near name exists. Ctrl-C is "hdr: stopped: ..." and
+exit 130, never a traceback (`hdr train` first saves a checkpoint and says how to continue).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)  # `hdr` or `hdr index` alone: the help was the answer
         fail(usage_message(err), 2)
     except (KeyboardInterrupt, typer.Abort):
-        fail("interrupted", 130)
+        fail("interrupted", 130, "stopped")
     sys.exit(result if isinstance(result, int) else 0)
 
 

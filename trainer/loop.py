@@ -676,9 +676,10 @@ def train(config: TrainConfig, resume: str | Path | None = None) -> Path:
     raises RunInterrupted saying how to continue; a second signal stops at once."""
     with StopSignals() as stop:
         run, start = setup_run(config, resume)
+        stop.check(run, start - 1)  # a signal while loading: stop before the first evaluation
         if start == 1 and config.eval.every and config.eval.at_start:
             log_heldout(run, 0)
-        stop.check(run, start - 1)
+            stop.check(run, 0)
         bar = progress(
             range(start, config.steps + 1),
             initial=start - 1,

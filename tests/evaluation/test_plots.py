@@ -155,3 +155,20 @@ def test_plot_command_writes_charts_and_reports_missing_dirs(tmp_path):
     assert (tmp_path / "c" / "replay_age.png").read_bytes()[:8] == PNG_MAGIC
     result = CliRunner().invoke(app, ["plot", str(tmp_path / "missing"), "--out", str(tmp_path)])
     assert isinstance(result.exception, UserError)
+
+
+def test_final_evaluation_is_read_beside_the_in_training_curve(tmp_path: Path) -> None:
+    """The experiment's final evaluation of a run (heldout/eval.json) is what the tables
+    report; the held-out charts mark it, so load_run must find it."""
+    run = _write_run(tmp_path / "headroom_drift" / "seed-1", "headroom_drift", 1)
+    (run / "heldout").mkdir()
+    report = {"k": 5, "average": {"mean_at_k": 0.34, "best_at_k": 0.5, "greedy_em": 0.45}}
+    report["datasets"] = [{"num_questions": 300}, {"num_questions": 200}]
+    (run / "heldout" / "eval.json").write_text(json.dumps(report))
+    loaded = load_run(run)
+    assert loaded.final == {
+        "mean_at_k": 0.34, "best_at_k": 0.5, "greedy_em": 0.45, "k": 5, "num_questions": 500
+    }  # fmt: skip
+    assert load_run(_write_run(tmp_path / "other", "on_policy", 2)).final is None
+    names = {p.name for p in plot_run_dirs([run, tmp_path / "other"], tmp_path / "charts")}
+    assert {"heldout_vs_env_calls.png", "heldout_vs_wall_time.png"} <= names

@@ -105,7 +105,7 @@ class ServerConfig(StrictModel):
     emulated_cost: EmulatedCostConfig = Field(
         default_factory=EmulatedCostConfig,
         description="Emulated remote-API cost per /retrieve request (off by default), e.g. "
-        "`--set emulated_cost.request_latency_ms=200`.",
+        "`hdr serve ... emulated_cost.request_latency_ms=200`.",
     )
     api_token: SecretStr | None = Field(
         default=None,

@@ -29,6 +29,7 @@ def steps_logged(run_dir) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.timeout(1800)  # a shared, loaded machine: the run, its checkpoint, the resume
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resume_continues(
     sig, sft_policy, small_qa, retrieval_url, tmp_path
@@ -39,17 +40,18 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resume_continues(
         "steps=500", "checkpoint.save_every=100", "log.progress=true",
     )  # fmt: skip
     command = [*HDR, "train", "--config", str(TINY_CPU), *overrides]
-    # stderr is a pipe: progress must come as plain lines, one at least every 0 s here
-    proc = subprocess.Popen(
-        command, env=env(HDR_PROGRESS_INTERVAL="0"), stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 600
-    while len(steps_logged(out)) < 2:  # stopped at step 2 or later, long before a checkpoint
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=600)
+    # stderr is a file, as in a log: progress must come as plain lines (every 0 s here)
+    log = tmp_path / "stderr.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=env(HDR_PROGRESS_INTERVAL="0"), stderr=sink)
+        deadline = time.monotonic() + 900
+        while len(steps_logged(out)) < 2:  # stop at step 2 or later, long before a checkpoint
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.wait(timeout=900)
+    stderr = log.read_text()
     assert proc.returncode == 128 + sig, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith(f"hdr: stopped: stopped by {sig.name} after step "), last

@@ -64,6 +64,20 @@ def _schedule(total: int, warmup_frac: float):
     return factor
 
 
+def length_batches(lengths: list[int], size: int, rng: random.Random, pool: int = 50):
+    """One epoch's batches of row indices: shuffled, then sorted by length within pools of
+    `pool` batches, so a batch's rows are padded to similar lengths (less padding, less
+    compute per epoch than random batches); the batch order is shuffled again."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches = []
+    for lo in range(0, len(order), size * pool):
+        chunk = sorted(order[lo : lo + size * pool], key=lambda i: lengths[i])
+        batches += [chunk[k : k + size] for k in range(0, len(chunk), size)]
+    rng.shuffle(batches)
+    return batches
+
+
 def nll_step(model, batch, optimizer, grad_clip: float) -> float:
     """One update on a batch of (ids, mask) rows: token-mean NLL over policy tokens."""
     from trainer.scoring import forward_logprobs, left_pad
@@ -140,18 +154,16 @@ def run_sft(config) -> Path:
     rng = random.Random(config.seed)
     with log_path.open("w") as log:
         for epoch in range(1, sft.epochs + 1):
-            order = list(range(len(rows)))
-            rng.shuffle(order)
             model.train()
             losses = []
             batches = progress(
-                range(0, len(order), sft.batch_size),
+                length_batches([len(r[0]) for r in rows], sft.batch_size, rng),
                 desc=f"sft epoch {epoch}/{sft.epochs}",
                 unit="batch",
                 enabled=config.log.progress,
             )
-            for lo in batches:
-                batch = [rows[i] for i in order[lo : lo + sft.batch_size]]
+            for members in batches:
+                batch = [rows[i] for i in members]
                 losses.append(nll_step(model, batch, optimizer, sft.grad_clip))
                 scheduler.step()
             model.eval()

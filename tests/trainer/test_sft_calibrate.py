@@ -79,3 +79,17 @@ def test_calibrate_closed_and_open_gates(sft_policy, small_qa, retrieval_url, tm
     assert "recommended" in report.table()
     saved = json.loads((tmp_path / "cal" / "calibrate.json").read_text())
     assert [p["tau"] for p in saved["points"]] == [0.0, 1e9]
+
+
+def test_sft_batches_cover_every_row_once_with_little_padding():
+    import random
+
+    from trainer.sft import length_batches
+
+    rng = random.Random(0)
+    lengths = [rng.randint(90, 180) for _ in range(1000)]
+    batches = length_batches(lengths, 32, random.Random(1))
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    assert sum(len(b) != 32 for b in batches) <= 2  # a short batch per pool at most
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    assert padded < 1.05 * sum(lengths)  # random batches of 32 pad to ~1.3x here

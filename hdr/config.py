@@ -31,7 +31,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     """Set `a.b.c=value` in a nested dict, creating sections on the way."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
-        raise UserError(f"override {override!r} is not of the form key.path=value")
+        raise UserError(
+            f"argument {override!r} is not a KEY=VALUE override (an option with several values"
+            " is repeated: --data a.jsonl --data b.jsonl)"
+        )
     parts = key.strip().split(".")
     node = data
     for part in parts[:-1]:

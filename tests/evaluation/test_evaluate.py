@@ -284,7 +284,8 @@ def test_hdr_eval_command_two_files_and_errors(
     )
     hdr = [sys.executable, "-m", "hdr.cli"]
     out = tmp_path / "out"
-    args = ["eval", "--model", str(policy_dir), "--data", *files, "--k", "2"]
+    args = ["eval", "--model", str(policy_dir), "--k", "2"]
+    args += [arg for path in files for arg in ("--data", path)]  # --data repeats
     args += ["--server", retrieval_url, "--out", str(out), "--train-config", str(train_cfg)]
     args += ["--set", "generation.backend=scripted", "--set", "progress=false"]
     done = subprocess.run(hdr + args, capture_output=True, text=True, timeout=300)

@@ -224,8 +224,9 @@ QUICK = {
 
 # `hdr demo`: the whole pipeline once, on the embedded defaults, within 10 minutes on 2 cores
 # (setup included): one headroom_drift run from the SFT start, evaluated beside the SFT start.
-# The trade for time: a 3-epoch SFT start (the full config's 8 epochs took 13 of the demo's
-# first 20 minutes), so the start is weaker than the experiment's and RL has more to gain.
+# The trade for time: a 3-epoch SFT start in batches of similar lengths (the full config's 8
+# epochs took 13 of the demo's first 20 minutes), so the start is weaker than the
+# experiment's and RL has more to gain.
 DEMO = {
     "arms": ["headroom_drift"],
     "references": [],
@@ -234,6 +235,7 @@ DEMO = {
     "sft_epochs": 3,
     "final_questions": 300,
     "jobs": 1,
+    "train_overrides": ["sft.length_batches=true"],
 }
 
 

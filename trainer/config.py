@@ -162,6 +162,11 @@ class SFTConfig(StrictModel):
         None, ge=1, description="Use only the first N training questions (None: all)."
     )
     rollout_chunk: int = Field(512, ge=1, description="Questions per scripted rollout call.")
+    length_batches: bool = Field(
+        False,
+        description="Batch trajectories of similar lengths (less padding, faster epochs; the"
+        " demo's choice) instead of uniformly random batches.",
+    )
     eval_questions: int = Field(
         200, ge=0, description="Held-out questions decoded greedily after each epoch (0: none)."
     )

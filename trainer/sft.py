@@ -156,8 +156,16 @@ def run_sft(config) -> Path:
         for epoch in range(1, sft.epochs + 1):
             model.train()
             losses = []
+            if sft.length_batches:
+                order = length_batches([len(r[0]) for r in rows], sft.batch_size, rng)
+            else:
+                shuffled = list(range(len(rows)))
+                rng.shuffle(shuffled)
+                order = [
+                    shuffled[k : k + sft.batch_size] for k in range(0, len(rows), sft.batch_size)
+                ]
             batches = progress(
-                length_batches([len(r[0]) for r in rows], sft.batch_size, rng),
+                order,
                 desc=f"sft epoch {epoch}/{sft.epochs}",
                 unit="batch",
                 enabled=config.log.progress,

@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from evaluation.metrics import best_at_k, mean_at_k
-from hdr.errors import UserError
+from hdr.errors import UserError, warn
 
 
-def heldout_eval(run, step: int) -> dict[str, Any]:
+def heldout_eval(run, step: int) -> dict[str, Any] | None:
+    """The step's record for eval.jsonl; None (with a warning) when some questions could not
+    reach the retrieval server, a UserError when none could."""
     from agent_env.rewards import exact_match
     from agent_env.rollout import rollout_groups
 
@@ -29,11 +31,19 @@ def heldout_eval(run, step: int) -> dict[str, Any]:
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
         sampled = rollout_groups(run.generator, run.client, run.tokenizer, examples, k, cfg.rollout)
-        if not sampled.groups:
-            raise UserError(
-                f"held-out evaluation at step {step}: every rollout failed to reach the retrieval"
-                f" server ({', '.join(cfg.retrieval.urls)}); is it running? (hdr serve --index DIR)"
+        if sampled.dropped:
+            where = f"the retrieval server ({', '.join(cfg.retrieval.urls)})"
+            if not sampled.groups:
+                raise UserError(
+                    f"held-out evaluation at step {step}: no question could reach {where};"
+                    " is it running? (hdr serve --index DIR)"
+                )
+            # scores over fewer questions would not compare with the other steps'
+            warn(
+                f"held-out evaluation at step {step} skipped: {len(sampled.dropped)} of"
+                f" {len(examples)} questions could not reach {where}"
             )
+            return None
         correct = [[em(t) for t in group] for group in sampled.groups]
         greedy_em = None
         if cfg.eval.greedy:

@@ -724,7 +724,7 @@ def step_or_stop(run: Run, step: int) -> dict[str, Any]:
         raise UserError(f"step {step} stopped: {err}; {where}") from None
 
 
-def log_heldout(run: Run, step: int) -> dict[str, Any]:
+def log_heldout(run: Run, step: int) -> dict[str, Any] | None:
     """The periodic held-out evaluation: logged to eval.jsonl and printed as one line."""
     from trainer.heldout import heldout_eval
 
@@ -732,6 +732,8 @@ def log_heldout(run: Run, step: int) -> dict[str, Any]:
     if run.config.log.progress:
         say(f"held-out evaluation at step {step}: {len(run.eval_examples)} questions, k={cfg.k}")
     record = heldout_eval(run, step)
+    if record is None:
+        return None
     run.logs.eval(record)
     k, greedy = record["k"], record["greedy_em"]
     say(

@@ -259,7 +259,7 @@ def test_wiki_vital_by_name_is_its_test_split():
 def test_hdr_eval_command_two_files_and_errors(
     tmp_path, policy_dir, retrieval_url, vital_questions
 ):
-    """`hdr eval --data A B` through the real entry point (scripted backend: fast)."""
+    """`hdr eval --data A --data B` through the real entry point (scripted backend: fast)."""
     import subprocess
     import sys
 

@@ -376,15 +376,23 @@ class RequestMetricsMiddleware:
 
 def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingState:
     """Load the index and every retriever it supports; the default must be among them."""
-    index = load_index(config.index_dir, config.corpus, config.hnsw_ef_search)
+    wanted = config.retrievers
+    index = load_index(
+        config.index_dir,
+        config.corpus,
+        config.dense,
+        with_dense=wanted is None or "dense" in wanted,
+        with_bm25=wanted is None or "bm25" in wanted,
+    )
     names = available_retrievers(index)
-    if config.default_retriever not in names:
+    missing = sorted(set(wanted or []) - set(names))
+    if missing or config.default_retriever not in names:
         index.close()
         raise UserError(
-            f"default retriever {config.default_retriever!r} is not available for index "
-            f"{config.index_dir}; available: {', '.join(names)}"
+            f"retriever {(missing or [config.default_retriever])[0]!r} is not available for "
+            f"index {config.index_dir}; available: {', '.join(names)}"
         )
-    retrievers = make_retrievers(index, names)
+    retrievers = make_retrievers(index, names, config)
     batcher = MicroBatcher(
         retrievers,
         max_batch_queries=config.max_batch_queries,
@@ -502,8 +510,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         return HealthResponse(
             status="ok" if healthy else "unhealthy",
             documents=manifest.documents,
-            encoder=manifest.encoder,
-            index_type=manifest.index_type,
+            encoder=manifest.encoder.name,
+            index_type=manifest.index_factory,
             retrievers=sorted(state.retrievers),
             default_retriever=config.default_retriever,
             emulated_cost=emulator.report(),

@@ -1,4 +1,5 @@
-"""`hdr` subcommands of the retrieval_server package: `hdr index prepare-wiki|build`, `hdr serve`.
+"""`hdr` subcommands of the retrieval_server package: `hdr index prepare-wiki|build|convert|import`
+and `hdr serve`.
 
 Heavy imports (torch, faiss, sentence-transformers, uvicorn) happen inside the command bodies so
 that `hdr --help` answers at once. User mistakes raise `UserError` (one line, exit 2).
@@ -6,6 +7,7 @@ that `hdr --help` answers at once. User mistakes raise `UserError` (one line, ex
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -47,30 +49,151 @@ def prepare_wiki_command(
     typer.echo(f"wrote {count} passages to {out}")
 
 
+def encoder_options(
+    backend: str, device: str, fp16: bool, batch_size: int, threads: int | None = None
+):
+    """An `EncoderConfig` from command-line options (validated: a bad value is one line)."""
+    from hdr.config import build_config
+    from retrieval_server.config import EncoderConfig
+
+    values = {"backend": backend, "device": device, "fp16": fp16, "batch_size": batch_size}
+    if threads is not None:
+        values["threads"] = threads
+    return build_config(EncoderConfig, values)
+
+
+def spec_options(
+    encoder: str, query_prefix: str | None, passage_prefix: str | None, pooling: str | None
+):
+    """The `EncoderSpec` of a new index: the model's defaults, overridden where given."""
+    from hdr.errors import UserError
+    from retrieval_server.encoder import encoder_spec
+
+    if pooling not in (None, "mean", "cls", "max"):
+        raise UserError(f"--pooling must be mean, cls or max, not {pooling!r}")
+    return encoder_spec(encoder, query_prefix, passage_prefix, pooling)  # type: ignore[arg-type]
+
+
+ENCODER_HELP = "Packaged name (all-MiniLM-L6-v2) or local model directory."
+INDEX_TYPE_HELP = (
+    "FAISS factory string (Flat, HNSW32,Flat, IVF1024,SQ8, IVF4096,PQ96, OPQ96,IVF4096,PQ96, "
+    "...) or the aliases flat and hnsw."
+)
+BM25_HELP = "Also build BM25 (default: only for corpora of at most 1,000,000 passages)."
+
+
 @index_app.command("build", epilog=BUILD_EXAMPLE)
 def build_command(
     corpus: Path = typer.Option(..., "--corpus", help="Search-R1 JSONL corpus."),
     out: Path = typer.Option(..., "--out", help="Index directory to write."),
-    encoder: str = typer.Option(
-        "all-MiniLM-L6-v2", "--encoder", help="Packaged name, local path, or model name."
+    encoder: str = typer.Option("all-MiniLM-L6-v2", "--encoder", help=ENCODER_HELP),
+    index_type: str = typer.Option("Flat", "--index-type", help=INDEX_TYPE_HELP),
+    bm25: bool | None = typer.Option(None, "--bm25/--no-bm25", help=BM25_HELP),
+    query_prefix: str | None = typer.Option(
+        None, "--query-prefix", help="Recorded for queries (default: guessed: e5, bge)."
     ),
-    index_type: str = typer.Option("flat", "--index-type", help="flat (exact) or hnsw."),
-    bm25: bool = typer.Option(True, "--bm25/--no-bm25", help="Also build a BM25 index."),
-    batch_size: int = typer.Option(256, "--batch-size", min=1, help="Passages per chunk."),
+    passage_prefix: str | None = typer.Option(
+        None, "--passage-prefix", help="Put before each passage (default: guessed: e5)."
+    ),
+    pooling: str | None = typer.Option(
+        None, "--pooling", help="mean, cls or max (default: the model's)."
+    ),
+    backend: str = typer.Option("onnx", "--encoder-backend", help="onnx (CPU) or torch."),
+    device: str = typer.Option("cpu", "--encoder-device", help="cpu or cuda (torch)."),
+    fp16: bool = typer.Option(False, "--fp16", help="Half precision (cuda only)."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Passages per forward pass."),
+    chunk_size: int = typer.Option(
+        8192, "--chunk-size", min=1, help="Passages per saved chunk (the unit of resuming)."
+    ),
+    train_sample: int = typer.Option(
+        262144, "--train-sample", min=1, help="Vectors to train IVF/PQ/SQ/OPQ indexes on."
+    ),
 ) -> None:
-    """Encode the corpus into a FAISS index (+ BM25) with a manifest."""
-    from hdr.errors import UserError
-    from retrieval_server.index import build_index
+    """Encode the corpus into a FAISS index (+ BM25) with a manifest; resumes when rerun."""
+    from retrieval_server.index_build import build_index
 
-    if index_type not in ("flat", "hnsw"):
-        raise UserError(f"--index-type must be flat or hnsw, not {index_type!r}")
-    manifest = build_index(
-        corpus, out, encoder=encoder, index_type=index_type, bm25=bm25, batch_size=batch_size
+    result = build_index(
+        corpus,
+        out,
+        spec=spec_options(encoder, query_prefix, passage_prefix, pooling),
+        index_type=index_type,
+        bm25=bm25,
+        encoder_config=encoder_options(backend, device, fp16, batch_size),
+        chunk_size=chunk_size,
+        train_sample=train_sample,
     )
+    manifest = result.manifest
+    resumed = f", resumed after {result.chunks_reused} chunks" if result.chunks_reused else ""
     typer.echo(
         f"indexed {manifest.documents} passages into {out} "
-        f"({manifest.index_type}, {manifest.dimension}-d, bm25={manifest.bm25}) "
-        f"in {manifest.build_seconds:.0f}s"
+        f"({manifest.index_factory}, {manifest.dimension}-d, bm25={manifest.bm25}) "
+        f"in {manifest.build_seconds:.0f}s{resumed}"
+    )
+
+
+@index_app.command("convert")
+def convert_command(
+    source: Path = typer.Option(..., "--from", help="Index directory with a Flat index."),
+    out: Path = typer.Option(..., "--out", help="Index directory to write."),
+    index_type: str = typer.Option(..., "--index-type", help=INDEX_TYPE_HELP),
+    train_sample: int = typer.Option(
+        262144, "--train-sample", min=1, help="Vectors to train IVF/PQ/SQ/OPQ indexes on."
+    ),
+) -> None:
+    """Remake an index's FAISS part as another index type from its stored vectors (no
+    re-encoding): e.g. an imported wiki-18 Flat index into IVF-PQ."""
+    from retrieval_server.index_build import convert_index
+
+    manifest = convert_index(source, out, index_type, train_sample)
+    size = manifest.files["dense.faiss"] / 2**30
+    typer.echo(
+        f"wrote {out}: {manifest.index_factory} over {manifest.documents} vectors, "
+        f"{size:.2f} GiB, in {manifest.build_seconds:.0f}s"
+    )
+
+
+@index_app.command("import")
+def import_command(
+    faiss_file: Path = typer.Option(..., "--faiss", help="Existing FAISS index file."),
+    corpus: Path = typer.Option(..., "--corpus", help="Its JSONL corpus (row i = line i)."),
+    encoder: str = typer.Option(..., "--encoder", help=ENCODER_HELP),
+    out: Path = typer.Option(..., "--out", help="Index directory to write."),
+    query_prefix: str | None = typer.Option(
+        None, "--query-prefix", help="Put before queries (default: guessed: e5, bge)."
+    ),
+    passage_prefix: str | None = typer.Option(
+        None, "--passage-prefix", help="The passages' prefix (default: guessed: e5)."
+    ),
+    pooling: str | None = typer.Option(
+        None, "--pooling", help="mean, cls or max (default: the model's)."
+    ),
+    bm25: bool | None = typer.Option(None, "--bm25/--no-bm25", help=BM25_HELP),
+    verify_sample: int = typer.Option(
+        64, "--verify-sample", min=1, help="Passages re-encoded to check the stored vectors."
+    ),
+    copy: bool = typer.Option(
+        False, "--copy", help="Copy the FAISS file (default: hard link, else symlink)."
+    ),
+    backend: str = typer.Option("onnx", "--encoder-backend", help="onnx (CPU) or torch."),
+    device: str = typer.Option("cpu", "--encoder-device", help="cpu or cuda (torch)."),
+) -> None:
+    """Adopt an existing FAISS index and its corpus without re-encoding (e.g. Search-R1's
+    e5_Flat.index + wiki-18.jsonl); refuses when re-encoded passages do not match it."""
+    from retrieval_server.index_build import import_index
+
+    manifest, summary = import_index(
+        faiss_file,
+        corpus,
+        out,
+        spec_options(encoder, query_prefix, passage_prefix, pooling),
+        encoder_config=encoder_options(backend, device, False, 64),
+        bm25=bm25,
+        verify_sample=verify_sample,
+        copy=copy,
+    )
+    typer.echo(
+        f"imported {manifest.documents} vectors ({manifest.index_factory}, "
+        f"{manifest.dimension}-d, bm25={manifest.bm25}) into {out}; {summary}"
     )
 
 
@@ -78,8 +201,11 @@ def serve_command(
     index: Path = typer.Option(..., "--index", help="Index directory from `hdr index build`."),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port."),
-    retriever: str = typer.Option(
-        "dense", "--retriever", help="Default retriever (dense or bm25); requests may override."
+    retriever: str | None = typer.Option(
+        None,
+        "--retriever",
+        help="Default retriever (dense or bm25; default: dense, or the first of --retrievers); "
+        "requests may override.",
     ),
     corpus: Path | None = typer.Option(
         None, "--corpus", help="Corpus path, if not where the manifest says."
@@ -92,6 +218,19 @@ def serve_command(
     ),
     overrides: list[str] = overrides_argument("ServerConfig", "max_topk=20 batch_wait_ms=2"),
     set_: list[str] = set_option(),
+    retrievers: str | None = typer.Option(
+        None, "--retrievers", help="Comma-separated retrievers to load (default: all built)."
+    ),
+    backend: str | None = typer.Option(None, "--encoder-backend", help="onnx (default) or torch."),
+    device: str | None = typer.Option(None, "--encoder-device", help="cpu (default) or cuda."),
+    query_prefix: str | None = typer.Option(
+        None, "--query-prefix", help="Override the manifest's query prefix."
+    ),
+    nprobe: int | None = typer.Option(None, "--nprobe", min=1, help="IVF lists per query."),
+    ef_search: int | None = typer.Option(None, "--ef-search", min=1, help="HNSW efSearch."),
+    mmap: bool | None = typer.Option(
+        None, "--mmap/--no-mmap", help="Memory-map flat vectors (default) or read them in."
+    ),
 ) -> None:
     """Serve an index over HTTP (Search-R1 compatible POST /retrieve). Token: $HDR_API_TOKEN.
 
@@ -103,14 +242,35 @@ def serve_command(
     from retrieval_server.index import validate_index
     from retrieval_server.retrievers import RETRIEVERS
 
+    if retriever is None:
+        retriever = retrievers.split(",")[0].strip() if retrievers else "dense"
     settings = [f"index_dir={index}", f"default_retriever={retriever}"]
     if corpus is not None:
         settings.append(f"corpus={corpus}")
+    options = {
+        "retrievers": f"[{retrievers}]" if retrievers is not None else None,
+        "encoder.backend": backend,
+        "encoder.device": device,
+        "query_prefix": json.dumps(query_prefix) if query_prefix is not None else None,
+        "dense.nprobe": nprobe,
+        "dense.ef_search": ef_search,
+        "dense.mmap": mmap,
+    }
+    settings += [f"{key}={value}" for key, value in options.items() if value is not None]
     server_config = load_config(ServerConfig, config, [*settings, *all_overrides(overrides, set_)])
     RETRIEVERS.get(server_config.default_retriever)  # unknown name: one line listing valid ones
+    for name in server_config.retrievers or []:
+        RETRIEVERS.get(name)
     files = validate_index(server_config.index_dir, server_config.corpus)  # cheap: no loading
-    if server_config.default_retriever == "bm25" and not files.manifest.bm25:
-        raise UserError(f"index {index} was built with --no-bm25; cannot serve bm25")
+    served = server_config.retrievers or RETRIEVERS.names()
+    if server_config.default_retriever not in served:
+        raise UserError(
+            f"--retriever {server_config.default_retriever} is not among --retrievers {retrievers}"
+        )
+    if "bm25" in (server_config.retrievers or [server_config.default_retriever]) and not (
+        files.manifest.bm25
+    ):
+        raise UserError(f"index {index} was built without BM25; cannot serve bm25")
     token = os.environ.get(API_TOKEN_ENV)
     if token:
         server_config.api_token = token

@@ -1,4 +1,5 @@
-"""Typed configuration of the retrieval server (one `ServerConfig`, validated at load).
+"""Typed configuration of the retrieval server (`ServerConfig`, validated at load), with its
+encoder runtime (`EncoderConfig`, shared with `hdr index build`) and dense search settings.
 
 Request limits, the compatibility profile and the overload policy (queue bound, deadline,
 concurrency) live here and nowhere else: the API derives its request model from them, so the
@@ -14,6 +15,47 @@ from pydantic import Field, SecretStr
 
 from hdr.config import StrictModel
 from retrieval_server.emulated_cost import EmulatedCostConfig
+
+
+class EncoderConfig(StrictModel):
+    """How the encoder runs (not what it computes: that is the index's `EncoderSpec`)."""
+
+    backend: Literal["onnx", "torch"] = Field(
+        default="onnx",
+        description="onnx: ONNX Runtime on the CPU (fastest here, same vectors); torch: "
+        "sentence-transformers (CPU or CUDA).",
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu", description="Where the encoder runs; cuda needs the torch backend."
+    )
+    fp16: bool = Field(default=False, description="Half precision (CUDA with torch only).")
+    batch_size: int = Field(default=64, ge=1, description="Texts encoded per forward pass.")
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="ONNX Runtime intra-op threads; None lets ONNX Runtime choose (all cores).",
+    )
+
+
+class DenseSearchConfig(StrictModel):
+    """How the dense (FAISS) index is held and searched at serve time."""
+
+    mmap: bool = Field(
+        default=True,
+        description="Memory-map flat vectors read-only instead of copying them into the "
+        "process: start-up in seconds and one copy in the page cache shared by all replicas.",
+    )
+    nprobe: int = Field(
+        default=32, ge=1, description="IVF lists searched per query (IVF indexes only)."
+    )
+    ef_search: int = Field(
+        default=128, ge=1, description="HNSW search breadth (HNSW indexes only)."
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu",
+        description="cuda: clone the index to every GPU (needs faiss built with GPU support; "
+        "the clone holds the vectors in GPU memory, float16 for flat).",
+    )
 
 
 class ServerConfig(StrictModel):
@@ -99,8 +141,25 @@ class ServerConfig(StrictModel):
         "5 s, aiohttp 15 s, hdr's 2 s), so a client never reuses a connection the server is "
         "closing.",
     )
-    hnsw_ef_search: int = Field(
-        default=128, ge=1, description="HNSW search breadth (only for index_type hnsw)."
+    retrievers: list[str] | None = Field(
+        default=None,
+        description="Retrievers to load and serve (dense, bm25); None: every one the index "
+        "has. A dense-only server never reads BM25; a BM25-only one loads no encoder.",
+    )
+    encoder: EncoderConfig = Field(
+        default_factory=EncoderConfig,
+        description="How queries are encoded (backend, device, batch size).",
+    )
+    query_prefix: str | None = Field(
+        default=None,
+        description="Text put before each query; None: the prefix recorded in the manifest.",
+    )
+    dense: DenseSearchConfig = Field(
+        default_factory=DenseSearchConfig,
+        description="How the FAISS index is held (mmap, GPU) and searched (nprobe, efSearch).",
+    )
+    bm25_threads: int | None = Field(
+        default=None, ge=1, description="Threads scoring a batch of BM25 queries; None: all cores."
     )
     emulated_cost: EmulatedCostConfig = Field(
         default_factory=EmulatedCostConfig,

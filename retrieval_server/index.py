@@ -1,18 +1,27 @@
-"""Build, validate and load a retrieval index directory.
+"""An index directory: its format, its checks, and loading it for serving.
 
 Layout of an index directory (no pickle anywhere: FAISS's own format, `.npy` without object
 arrays, bm25s's npy+JSON format, JSON):
 
-    dense.faiss        FAISS inner-product index over L2-normalised passage vectors; row i = line i
+    dense.faiss        FAISS inner-product index, any factory string (Flat, HNSW32,Flat,
+                       IVF4096,PQ96, OPQ...); row i = corpus line i. May be a link to an imported
+                       file.
     offsets.npy        int64 (documents + 1,): byte offset of each corpus line, then the file size,
                        so a passage is read with one positioned read and the corpus stays on disk
     bm25/              bm25s index (scores as CSC .npy, vocab/params JSON) and tokenizer vocab JSON
-    manifest.json      encoder, dimension, metric, index type, document count, corpus path and
-                       fingerprint, byte size of every file above; written last, so its absence
-                       marks an interrupted build
+    manifest.json      the encoder spec (name, query/passage prefixes, pooling, truncation,
+                       normalisation), dimension, FAISS factory string, document count, corpus
+                       path and fingerprint, byte size of every file above
 
+Builds and imports write into `DIR.partial/` and rename it to `DIR` when complete
+(`retrieval_server.index_build`), so a directory with a manifest is always whole.
 The corpus is not copied: the manifest records its path relative to the index directory (so
-`data/` can move as a whole) and a fingerprint that `load_index` checks.
+`data/` can move as a whole) and a fingerprint that `validate_index` checks.
+
+Serving: flat vectors are memory-mapped read-only (faiss IO_FLAG_MMAP_IFC) unless disabled, so
+start-up does not read them and replicas on one machine share one copy in the page cache;
+`nprobe` / `efSearch` are set from the serving config; `device: cuda` clones the index to the GPUs
+(written against faiss's GPU API, untested here: this machine's faiss has no GPU support).
 """
 
 from __future__ import annotations
@@ -20,9 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hdr.errors import UserError
-from retrieval_server.encoder import DEFAULT_ENCODER
+from retrieval_server.encoder import EncoderSpec, guess_prefixes
 
 if TYPE_CHECKING:
     import bm25s
@@ -38,15 +44,17 @@ if TYPE_CHECKING:
     import numpy as np
     from bm25s.tokenization import Tokenizer
 
+    from retrieval_server.config import DenseSearchConfig
+
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.faiss"
 OFFSETS_FILE = "offsets.npy"
 BM25_DIR = "bm25"
 BM25_STOPWORDS = "en"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FINGERPRINT_BLOCK = 1 << 20  # bytes hashed per sampled block
 FINGERPRINT_BLOCKS = 16  # files up to this many blocks are hashed whole
-IndexType = Literal["flat", "hnsw"]
+FLAT_FACTORY = "Flat"
 
 
 class IndexManifest(BaseModel):
@@ -55,11 +63,10 @@ class IndexManifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format_version: int
-    encoder: str
+    encoder: EncoderSpec
     dimension: int
     metric: Literal["inner_product"] = "inner_product"
-    index_type: IndexType
-    hnsw_m: int | None = None
+    index_factory: str  # FAISS index_factory string, e.g. "Flat", "HNSW32,Flat", "IVF1024,PQ64"
     documents: int
     corpus_path: str  # relative to the index directory where possible
     corpus_bytes: int
@@ -68,6 +75,7 @@ class IndexManifest(BaseModel):
     bm25_stopwords: str | None = None
     files: dict[str, int]  # path relative to the index directory -> size in bytes
     build_seconds: float
+    imported_from: str | None = None  # the FAISS file adopted by `hdr index import`, if any
 
 
 def corpus_fingerprint(path: Path) -> str:
@@ -93,188 +101,12 @@ def make_bm25_tokenizer() -> Tokenizer:
     return Tokenizer(lower=True, stopwords=BM25_STOPWORDS, stemmer=None)
 
 
-def count_lines(path: Path) -> int:
-    """Number of lines (a last line without a newline counts)."""
-    count, last = 0, b"\n"
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 24):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
-
-
-def iter_corpus(path: Path) -> Iterator[tuple[int, str]]:
-    """(byte offset, contents) per line of a Search-R1 JSONL corpus; a bad line is a UserError."""
-    offset = 0
-    with path.open("rb") as file:
-        for line_number, raw in enumerate(file, start=1):
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{line_number}: not a JSON object") from None
-            if not (isinstance(record, dict) and isinstance(record.get("contents"), str)):
-                raise UserError(f'{path}:{line_number}: needs a string field "contents"')
-            if "id" not in record:
-                raise UserError(f'{path}:{line_number}: needs a field "id"')
-            yield offset, record["contents"]
-            offset += len(raw)
-
-
-def new_dense_index(dimension: int, index_type: IndexType, hnsw_m: int) -> faiss.Index:
-    import faiss
-
-    if index_type == "flat":
-        return faiss.IndexFlatIP(dimension)
-    index = faiss.IndexHNSWFlat(dimension, hnsw_m, faiss.METRIC_INNER_PRODUCT)
-    index.hnsw.efConstruction = 128
-    return index
-
-
 def relative_corpus_path(corpus: Path, out_dir: Path) -> str:
     """The corpus path as recorded: relative to the index directory, absolute across drives."""
     try:
         return os.path.relpath(corpus.resolve(), out_dir.resolve())
     except ValueError:
         return str(corpus.resolve())
-
-
-def build_index(
-    corpus: Path,
-    out_dir: Path,
-    encoder: str = DEFAULT_ENCODER,
-    index_type: IndexType = "flat",
-    bm25: bool = True,
-    hnsw_m: int = 32,
-    batch_size: int = 256,
-    show_progress: bool = True,
-) -> IndexManifest:
-    """Index every passage of `corpus` into `out_dir` in one streaming pass; manifest last.
-
-    Passages are read in chunks of `batch_size`: encoded and added to FAISS, and tokenised for
-    BM25, so only BM25's token ids (which bm25s needs at once) grow with the corpus.
-    """
-    corpus, out_dir = Path(corpus), Path(out_dir)
-    if not corpus.is_file():
-        raise UserError(f"corpus file not found: {corpus}")
-    started = time.perf_counter()
-    documents = count_lines(corpus)
-    if documents == 0:
-        raise UserError(f"corpus {corpus} is empty")
-    # every line is checked before any encoding: a bad line deep in a large corpus would
-    # otherwise surface only after hours of work, with a half-made index left behind
-    for _ in iter_corpus(corpus):
-        pass
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # a half-rebuilt index must not look complete
-    try:
-        return _build_into(
-            corpus, out_dir, documents, started, encoder, index_type, bm25, hnsw_m, batch_size,
-            show_progress,
-        )  # fmt: skip
-    except BaseException:
-        if created:  # never leave a half-made directory behind (Ctrl-C, a failure)
-            import shutil
-
-            shutil.rmtree(out_dir, ignore_errors=True)
-        raise
-
-
-def _build_into(
-    corpus: Path,
-    out_dir: Path,
-    documents: int,
-    started: float,
-    encoder: str,
-    index_type: IndexType,
-    bm25: bool,
-    hnsw_m: int,
-    batch_size: int,
-    show_progress: bool,
-) -> IndexManifest:
-    """`build_index` after the corpus was checked: encode, write the files, manifest last."""
-    import faiss
-    import numpy as np
-
-    from hdr.progress import progress as progress_bar
-    from retrieval_server.encoder import Encoder
-
-    model = Encoder(encoder)
-    dense = new_dense_index(model.dimension, index_type, hnsw_m)
-    tokenizer = make_bm25_tokenizer() if bm25 else None
-    token_ids: list[list[int]] = []
-    offsets = np.zeros(documents + 1, dtype=np.int64)  # (documents + 1,)
-    chunk: list[str] = []
-
-    def flush() -> None:
-        dense.add(model.encode_passages(chunk, batch_size=64))  # (len(chunk), dimension)
-        if tokenizer is not None:
-            token_ids.extend(
-                tokenizer.tokenize(
-                    chunk,
-                    update_vocab=True,
-                    return_as="ids",
-                    show_progress=False,
-                    allow_empty=False,
-                )
-            )
-        progress.update(len(chunk))
-        chunk.clear()
-
-    row = 0
-    with progress_bar(
-        total=documents, desc="encode passages", unit="doc", enabled=show_progress
-    ) as progress:
-        for row, (offset, contents) in enumerate(iter_corpus(corpus)):
-            offsets[row] = offset
-            chunk.append(contents)
-            if len(chunk) == batch_size:
-                flush()
-        if chunk:
-            flush()
-    offsets[documents] = corpus.stat().st_size
-
-    faiss.write_index(dense, str(out_dir / DENSE_FILE))
-    np.save(out_dir / OFFSETS_FILE, offsets, allow_pickle=False)
-    if tokenizer is not None:
-        # bm25s draws its own bars: only on a terminal, where they redraw in place
-        write_bm25(out_dir / BM25_DIR, token_ids, tokenizer, show_progress and sys.stderr.isatty())
-
-    files = [out_dir / DENSE_FILE, out_dir / OFFSETS_FILE]
-    if bm25:
-        files += sorted(p for p in (out_dir / BM25_DIR).iterdir() if p.is_file())
-    manifest = IndexManifest(
-        format_version=FORMAT_VERSION,
-        encoder=encoder,
-        dimension=model.dimension,
-        index_type=index_type,
-        hnsw_m=hnsw_m if index_type == "hnsw" else None,
-        documents=documents,
-        corpus_path=relative_corpus_path(corpus, out_dir),
-        corpus_bytes=int(offsets[documents]),
-        corpus_fingerprint=corpus_fingerprint(corpus),
-        bm25=bm25,
-        bm25_stopwords=BM25_STOPWORDS if bm25 else None,
-        files={p.relative_to(out_dir).as_posix(): p.stat().st_size for p in files},
-        build_seconds=round(time.perf_counter() - started, 1),
-    )
-    (out_dir / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
-    return manifest
-
-
-def write_bm25(
-    bm25_dir: Path, token_ids: list[list[int]], tokenizer: Tokenizer, show_progress: bool
-) -> None:
-    """Index token ids with bm25s and save it with the tokenizer vocabulary (JSON + npy only)."""
-    import bm25s
-    from bm25s.tokenization import Tokenized
-
-    retriever = bm25s.BM25()
-    retriever.index(
-        Tokenized(ids=token_ids, vocab=tokenizer.get_vocab_dict()), show_progress=show_progress
-    )
-    retriever.save(str(bm25_dir), allow_pickle=False, show_progress=False)
-    tokenizer.save_vocab(str(bm25_dir))
 
 
 @dataclass
@@ -290,6 +122,24 @@ def build_command_hint(index_dir: Path) -> str:
     return f"build it with `hdr index build --corpus FILE --out {index_dir}`"
 
 
+def upgrade_manifest(data: dict[str, Any]) -> dict[str, Any]:
+    """A format 1 manifest (encoder by name, index_type flat|hnsw) as format 2: the prefixes
+    format 1 guessed from the name, the packaged models' mean pooling, 256 tokens, normalised."""
+    query_prefix, passage_prefix = guess_prefixes(data["encoder"])
+    data["encoder"] = EncoderSpec(
+        name=data["encoder"],
+        query_prefix=query_prefix,
+        passage_prefix=passage_prefix,
+        pooling="mean",
+        max_length=256,
+        normalize=True,
+    ).model_dump()
+    index_type, hnsw_m = data.pop("index_type", "flat"), data.pop("hnsw_m", None)
+    data["index_factory"] = FLAT_FACTORY if index_type == "flat" else f"HNSW{hnsw_m},Flat"
+    data["format_version"] = FORMAT_VERSION
+    return data
+
+
 def read_manifest(index_dir: Path) -> IndexManifest:
     if not index_dir.is_dir():
         raise UserError(
@@ -302,9 +152,13 @@ def read_manifest(index_dir: Path) -> IndexManifest:
             f"{build_command_hint(index_dir)}"
         )
     try:
-        manifest = IndexManifest.model_validate_json(path.read_text())
-    except ValidationError as err:
-        raise UserError(f"{path} is not a valid index manifest: {err.errors()[0]['msg']}") from None
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data.get("format_version") == 1:
+            data = upgrade_manifest(data)
+        manifest = IndexManifest.model_validate(data)
+    except (ValidationError, ValueError, KeyError, TypeError) as err:
+        reason = err.errors()[0]["msg"] if isinstance(err, ValidationError) else str(err)
+        raise UserError(f"{path} is not a valid index manifest: {reason}") from None
     if manifest.format_version != FORMAT_VERSION:
         raise UserError(
             f"{path} has format version {manifest.format_version}, this hdr reads "
@@ -366,12 +220,81 @@ class DocumentStore:
         os.close(self._fd)
 
 
+def read_dense(path: Path, mmap: bool) -> faiss.Index:
+    """Read a FAISS file; with `mmap`, flat vectors (IndexFlatCodes storage, also inside HNSW)
+    are mapped read-only from the file instead of copied into memory."""
+    import faiss
+
+    flags = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0
+    try:
+        return faiss.read_index(str(path), flags)
+    except RuntimeError as err:
+        raise UserError(f"{path} is not a readable FAISS index: {first_line(err)}") from None
+
+
+def first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+def set_search_parameters(index: faiss.Index, nprobe: int, ef_search: int) -> None:
+    """nprobe on an IVF index, efSearch on an HNSW one (also when wrapped, e.g. by OPQ)."""
+    import faiss
+
+    space = faiss.ParameterSpace()
+    if faiss.try_extract_index_ivf(index) is not None:
+        space.set_index_parameter(index, "nprobe", nprobe)
+    if has_hnsw(index):
+        space.set_index_parameter(index, "efSearch", ef_search)
+
+
+def has_hnsw(index: faiss.Index) -> bool:
+    import faiss
+
+    index = faiss.downcast_index(index)
+    while isinstance(index, faiss.IndexPreTransform):
+        index = faiss.downcast_index(index.index)
+    return hasattr(index, "hnsw")
+
+
+def clone_to_gpus(index: faiss.Index) -> faiss.Index:
+    """The index copied to every visible GPU (sharded, float16 flat storage).
+
+    Written against faiss's GPU API (`index_cpu_to_all_gpus`, `GpuMultipleClonerOptions`);
+    untested here, where faiss-cpu has no GPU support.
+    """
+    import faiss
+
+    if not hasattr(faiss, "GpuMultipleClonerOptions") or faiss.get_num_gpus() == 0:
+        raise UserError(
+            "dense.device cuda needs faiss with GPU support and a visible GPU "
+            "(install faiss-gpu instead of faiss-cpu)"
+        )
+    options = faiss.GpuMultipleClonerOptions()
+    options.shard = True  # each GPU holds a slice: wiki-18's 64 GB fits on several cards
+    options.useFloat16 = True
+    return faiss.index_cpu_to_all_gpus(index, co=options)
+
+
+def open_dense(files: IndexFiles, config: DenseSearchConfig) -> faiss.Index:
+    """The served FAISS index: read (or mapped), checked against the manifest, parameters set."""
+    manifest, index_dir = files.manifest, files.index_dir
+    dense = read_dense(index_dir / DENSE_FILE, config.mmap)
+    if dense.ntotal != manifest.documents or dense.d != manifest.dimension:
+        raise UserError(f"{index_dir / DENSE_FILE} does not match {index_dir / MANIFEST}")
+    set_search_parameters(dense, config.nprobe, config.ef_search)
+    if config.device == "cuda":
+        dense = clone_to_gpus(dense)
+    return dense
+
+
 @dataclass
 class LoadedIndex:
-    """Everything a retriever searches: the FAISS index, BM25 (if built) and the documents."""
+    """What the retrievers search: the FAISS index and/or BM25 (whichever are served), and the
+    documents."""
 
     files: IndexFiles
-    dense: faiss.Index
+    dense: faiss.Index | None
     bm25: bm25s.BM25 | None
     bm25_tokenizer: Tokenizer | None
     documents: DocumentStore
@@ -385,31 +308,38 @@ class LoadedIndex:
 
 
 def load_index(
-    index_dir: Path, corpus: Path | None = None, hnsw_ef_search: int = 128
+    index_dir: Path,
+    corpus: Path | None = None,
+    dense: DenseSearchConfig | None = None,
+    with_dense: bool = True,
+    with_bm25: bool = True,
 ) -> LoadedIndex:
-    """Validate, then load an index directory (see `validate_index` for the errors raised)."""
+    """Validate, then load the parts of an index directory that will be served.
+
+    `with_bm25` loads BM25 only if the index has it; see `validate_index` for the errors raised.
+    BM25's arrays are memory-mapped, like flat vectors.
+    """
     import bm25s
-    import faiss
     import numpy as np
+
+    from retrieval_server.config import DenseSearchConfig
 
     files = validate_index(index_dir, corpus)
     manifest, index_dir = files.manifest, files.index_dir
-    dense = faiss.read_index(str(index_dir / DENSE_FILE))
     offsets = np.load(index_dir / OFFSETS_FILE, mmap_mode="r", allow_pickle=False)
-    if dense.ntotal != manifest.documents or dense.d != manifest.dimension:
-        raise UserError(f"{index_dir / DENSE_FILE} does not match {index_dir / MANIFEST}")
     if len(offsets) != manifest.documents + 1 or int(offsets[-1]) != manifest.corpus_bytes:
         raise UserError(f"{index_dir / OFFSETS_FILE} does not match {index_dir / MANIFEST}")
-    if manifest.index_type == "hnsw":
-        dense.hnsw.efSearch = hnsw_ef_search
+    dense_index = open_dense(files, dense or DenseSearchConfig()) if with_dense else None
     bm25_index, tokenizer = None, None
-    if manifest.bm25:
-        bm25_index = bm25s.BM25.load(str(index_dir / BM25_DIR), allow_pickle=False)
+    if with_bm25 and manifest.bm25:
+        bm25_index = bm25s.BM25.load(
+            str(index_dir / BM25_DIR), mmap=True, allow_pickle=False, show_progress=False
+        )
         tokenizer = make_bm25_tokenizer()
         tokenizer.load_vocab(str(index_dir / BM25_DIR))
     return LoadedIndex(
         files=files,
-        dense=dense,
+        dense=dense_index,
         bm25=bm25_index,
         bm25_tokenizer=tokenizer,
         documents=DocumentStore(files.corpus, offsets),

@@ -1,5 +1,7 @@
 """Retrievers, chosen by name: "dense" (FAISS inner product) and "bm25" (bm25s).
 
+Which of them a server loads is chosen at serve time (`ServerConfig.retrievers`): a dense-only
+server never reads BM25, a BM25-only one never loads the encoder or the FAISS index.
 A retriever turns a batch of query strings into, per query, up to `topk` (corpus row, score)
 hits, best first. Documents are fetched separately, so retrievers know nothing of JSON or HTTP.
 BM25 returns only passages that share a term with the query (as Search-R1's pyserini BM25 does),
@@ -17,6 +19,7 @@ from hdr.registry import Registry
 if TYPE_CHECKING:
     import numpy as np
 
+    from retrieval_server.config import ServerConfig
     from retrieval_server.encoder import Encoder
     from retrieval_server.index import LoadedIndex
 
@@ -29,29 +32,35 @@ class Retriever(Protocol):
         ...
 
 
-RetrieverFactory = Callable[["LoadedIndex"], Retriever]
+RetrieverFactory = Callable[["LoadedIndex", "ServerConfig"], Retriever]
 RETRIEVERS: Registry[RetrieverFactory] = Registry("retriever")
 
 
 @RETRIEVERS.register("dense")
 class DenseRetriever:
-    """Encode queries with the index's encoder, exact or HNSW inner-product search in FAISS."""
+    """Encode queries as the index's passages were (its manifest's encoder spec, with the
+    server's query-prefix override), then inner-product search in FAISS (any index type)."""
 
-    def __init__(self, index: LoadedIndex) -> None:
+    def __init__(self, index: LoadedIndex, config: ServerConfig) -> None:
         from retrieval_server.encoder import Encoder
 
-        self.index = index
-        self.encoder: Encoder = Encoder(index.manifest.encoder)
+        if index.dense is None:
+            raise UserError(f"index {index.files.index_dir} was loaded without its dense index")
+        self.dense = index.dense
+        spec = index.manifest.encoder
+        if config.query_prefix is not None:
+            spec = spec.model_copy(update={"query_prefix": config.query_prefix})
+        self.encoder: Encoder = Encoder(spec, config.encoder)
         if self.encoder.dimension != index.manifest.dimension:
             raise UserError(
-                f"encoder {index.manifest.encoder} gives {self.encoder.dimension}-d vectors, "
+                f"encoder {spec.name} gives {self.encoder.dimension}-d vectors, "
                 f"the index holds {index.manifest.dimension}-d ones"
             )
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         vectors = self.encoder.encode_queries(queries)  # (Q, dimension)
-        k = min(topk, self.index.dense.ntotal)
-        scores, rows = self.index.dense.search(vectors, k)  # (Q, k) each; row -1 = no hit
+        k = min(topk, self.dense.ntotal)
+        scores, rows = self.dense.search(vectors, k)  # (Q, k) each; row -1 = no hit
         return [
             [(int(r), float(s)) for r, s in zip(query_rows, query_scores, strict=True) if r >= 0]
             for query_rows, query_scores in zip(rows, scores, strict=True)
@@ -60,9 +69,13 @@ class DenseRetriever:
 
 @RETRIEVERS.register("bm25")
 class BM25Retriever:
-    """Okapi BM25 (bm25s defaults k1=1.5, b=0.75) over the index's tokenised passages."""
+    """Okapi BM25 (bm25s defaults k1=1.5, b=0.75) over the index's tokenised passages; its
+    arrays are memory-mapped and a batch of queries is scored on `bm25_threads` threads."""
 
-    def __init__(self, index: LoadedIndex) -> None:
+    def __init__(self, index: LoadedIndex, config: ServerConfig) -> None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
         if index.bm25 is None or index.bm25_tokenizer is None:
             raise UserError(
                 f"index {index.files.index_dir} was built without BM25 (--no-bm25); "
@@ -70,13 +83,18 @@ class BM25Retriever:
             )
         self.bm25 = index.bm25
         self.tokenizer = index.bm25_tokenizer
+        self.threads = config.bm25_threads or os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="bm25")
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         # update_vocab=False: unknown words are dropped and the shared vocabulary never grows.
         token_ids = self.tokenizer.tokenize(
             queries, update_vocab=False, return_as="ids", show_progress=False, allow_empty=False
         )
-        return [self._search_one(ids, topk) for ids in token_ids]
+        if len(queries) == 1 or self.threads == 1:
+            return [self._search_one(ids, topk) for ids in token_ids]
+        # numpy releases the GIL in the scoring sums and the partition, so threads overlap.
+        return list(self.pool.map(lambda ids: self._search_one(ids, topk), token_ids))
 
     def _search_one(self, token_ids: list[int], topk: int) -> list[Hit]:
         if not token_ids:
@@ -99,11 +117,14 @@ def top_positive(scores: np.ndarray, topk: int) -> list[Hit]:
     ]
 
 
-def make_retrievers(index: LoadedIndex, names: list[str]) -> dict[str, Retriever]:
+def make_retrievers(
+    index: LoadedIndex, names: list[str], config: ServerConfig
+) -> dict[str, Retriever]:
     """Instantiate the named retrievers over one loaded index."""
-    return {name: RETRIEVERS.get(name)(index) for name in names}
+    return {name: RETRIEVERS.get(name)(index, config) for name in names}
 
 
 def available_retrievers(index: LoadedIndex) -> list[str]:
-    """Names the index can serve: dense always, bm25 when it was built."""
-    return [name for name in RETRIEVERS.names() if name != "bm25" or index.bm25 is not None]
+    """Names the loaded index can serve: dense if its FAISS index is loaded, bm25 likewise."""
+    loaded = {"dense": index.dense is not None, "bm25": index.bm25 is not None}
+    return [name for name in RETRIEVERS.names() if loaded.get(name, True)]

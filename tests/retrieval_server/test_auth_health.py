@@ -49,7 +49,7 @@ def test_health_is_open_and_describes_the_index(protected_url: str, small_corpus
         "status": "ok",
         "documents": len(small_corpus.read_text().splitlines()),
         "encoder": "all-MiniLM-L6-v2",
-        "index_type": "flat",
+        "index_type": "Flat",
         "retrievers": ["bm25", "dense"],
         "default_retriever": "bm25",
         "emulated_cost": {

@@ -45,8 +45,9 @@ def test_build_refuses_a_missing_corpus_and_an_unknown_index_type(tmp_path: Path
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "0", "contents": "\\"A\\"\\nb"}\n')
     ivf = hdr("index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "i"),
-              "--index-type", "ivf")  # fmt: skip
-    assert_one_line_user_error(ivf, "--index-type must be flat or hnsw")
+              "--index-type", "IVF8,Nonsense")  # fmt: skip
+    assert_one_line_user_error(ivf, "is not a FAISS factory string")
+    assert not (tmp_path / "i").exists() and not (tmp_path / "i.partial").exists()
 
 
 @pytest.fixture

@@ -10,23 +10,26 @@ import numpy as np
 import pytest
 
 from hdr.errors import UserError
-from retrieval_server.encoder import DEFAULT_ENCODER, prompts_for, resolve_encoder
-from retrieval_server.index import (
-    MANIFEST,
-    build_index,
-    corpus_fingerprint,
-    load_index,
-    validate_index,
-)
+from retrieval_server.config import ServerConfig
+from retrieval_server.encoder import DEFAULT_ENCODER, guess_prefixes, resolve_encoder
+from retrieval_server.index import MANIFEST, corpus_fingerprint, load_index, validate_index
+from retrieval_server.index_build import build_index, partial_dir
 from retrieval_server.retrievers import RETRIEVERS, available_retrievers
 
 
 def test_manifest_describes_the_index(small_index: Path, small_corpus: Path) -> None:
     manifest = json.loads((small_index / MANIFEST).read_text())
-    assert manifest["encoder"] == DEFAULT_ENCODER
+    assert manifest["encoder"] == {
+        "name": DEFAULT_ENCODER,
+        "query_prefix": "",
+        "passage_prefix": "",
+        "pooling": "mean",
+        "max_length": 256,
+        "normalize": True,
+    }
     assert manifest["dimension"] == 384
     assert manifest["metric"] == "inner_product"
-    assert manifest["index_type"] == "flat"
+    assert manifest["index_factory"] == "Flat"
     assert manifest["documents"] == len(small_corpus.read_text().splitlines())
     assert manifest["corpus_fingerprint"] == corpus_fingerprint(small_corpus)
     assert (small_index / manifest["corpus_path"]).resolve() == small_corpus.resolve()
@@ -128,7 +131,8 @@ def test_bad_corpus_line_names_the_line(tmp_path: Path) -> None:
     corpus.write_text('{"id": "0", "contents": "\\"A\\"\\ntext"}\n{"id": "1"}\n')
     with pytest.raises(UserError, match=r"bad.jsonl:2: needs a string field"):
         build_index(corpus, tmp_path / "index", show_progress=False)
-    assert not (tmp_path / "index" / MANIFEST).exists()
+    assert not (tmp_path / "index").exists()
+    assert not partial_dir(tmp_path / "index").exists()  # checked before anything is written
 
 
 def test_hnsw_index_without_bm25_finds_passages(tmp_path: Path) -> None:
@@ -138,14 +142,15 @@ def test_hnsw_index_without_bm25_finds_passages(tmp_path: Path) -> None:
     shutil.copy(WIKI18_SAMPLE, corpus)
     manifest = build_index(
         corpus, tmp_path / "hnsw", index_type="hnsw", bm25=False, show_progress=False
-    )
-    assert (manifest.index_type, manifest.hnsw_m, manifest.bm25) == ("hnsw", 32, False)
+    ).manifest
+    assert (manifest.index_factory, manifest.bm25) == ("HNSW32,Flat", False)
     index = load_index(tmp_path / "hnsw")
+    config = ServerConfig(index_dir=tmp_path / "hnsw")
     try:
         assert available_retrievers(index) == ["dense"]
         with pytest.raises(UserError, match="built without BM25"):
-            RETRIEVERS.get("bm25")(index)
-        dense = RETRIEVERS.get("dense")(index)
+            RETRIEVERS.get("bm25")(index, config)
+        dense = RETRIEVERS.get("dense")(index, config)
         hits = dense.search(["Evan Morris lobbyist for Genentech", "Horatio Hale philologist"], 2)
         assert [query_hits[0][0] for query_hits in hits] == [0, 1]
         assert all(len(query_hits) == 2 for query_hits in hits)
@@ -154,11 +159,10 @@ def test_hnsw_index_without_bm25_finds_passages(tmp_path: Path) -> None:
 
 
 def test_encoder_prefixes_follow_the_model_family() -> None:
-    assert prompts_for("/models/e5-base-v2").query_prefix == "query: "
-    assert prompts_for("intfloat/e5-base-v2").passage_prefix == "passage: "
-    assert prompts_for("BAAI/bge-base-en-v1.5").query_prefix.startswith("Represent this")
-    assert prompts_for("BAAI/bge-base-en-v1.5").passage_prefix == ""
-    assert prompts_for(DEFAULT_ENCODER).query_prefix == ""
+    assert guess_prefixes("/models/e5-base-v2") == ("query: ", "passage: ")
+    assert guess_prefixes("BAAI/bge-base-en-v1.5")[0].startswith("Represent this")
+    assert guess_prefixes("BAAI/bge-base-en-v1.5")[1] == ""
+    assert guess_prefixes(DEFAULT_ENCODER) == ("", "")
     assert Path(resolve_encoder(DEFAULT_ENCODER), "config.json").is_file()
 
 

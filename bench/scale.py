@@ -1,0 +1,306 @@
+"""Scale benchmark: a synthetic wiki-18-shaped dense index served flat-mmap and as IVF-PQ.
+
+wiki-18 with e5-base-v2 is 21M passages x 768 dimensions (a 64.5 GB flat index). This bench
+makes `--vectors` synthetic 768-d unit vectors chunk by chunk, deterministically (chunk i is
+drawn from seed i, so nothing is stored to be re-read and the flat matrix is never in memory),
+and in one pass over the chunks:
+
+- streams them into a Flat FAISS file (`FlatFileWriter`, what `hdr index build` uses);
+- adds them to an IVF-PQ index trained on a sample (`--ivf`, default IVF1024,PQ96);
+- keeps the exact top 10 of `--queries` held-out query vectors (ground truth for recall).
+
+Then, for each index, a fresh process opens it exactly as `hdr serve` does
+(`retrieval_server.index.read_dense` + `set_search_parameters`: mmap for flat) and reports its
+start time (process start to ready), resident memory while searching (VmRSS, split into
+anonymous and file-backed pages), queries/s (one query per call, and batches of 32) and
+recall@10 against exact search. The server's encoder and HTTP layer are not part of it (the
+synthetic corpus has no text; bench/retrieval.py measures those).
+
+The data: 1,024 cluster centres in a 128-d subspace of R^768, points scattered around them in
+that subspace, plus isotropic noise in all 768 dimensions (10% of the norm), L2-normalised:
+clustered and of low intrinsic dimension, as sentence embeddings are, not uniform noise.
+
+Disk: the flat file needs vectors x 3 KiB. If free disk (minus a 10 GB margin) is short, the
+flat point is measured at the largest size that fits and the report says so. Everything the
+bench writes is deleted at the end (`--keep` keeps it).
+
+    .venv/bin/python bench/scale.py --vectors 10000000      # writes bench/results/scale.json
+
+Targets (issue 11): IVF-PQ resident memory < 4 GB with recall@10 >= 0.9; flat-mmap starts in
+seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DIMENSION = 768
+RANK = 128
+CLUSTERS = 1024
+NOISE = 0.1
+TOPK = 10
+WIKI18_PASSAGES = 21_015_324
+DISK_MARGIN = 10 * 2**30
+RSS_TARGET_BYTES = 4 * 10**9
+RECALL_TARGET = 0.9
+
+
+def generator_basis(seed: int = 1234) -> tuple[np.ndarray, np.ndarray]:
+    """The shared subspace basis (RANK, DIMENSION) and cluster centres (CLUSTERS, RANK)."""
+    rng = np.random.default_rng(seed)
+    basis = rng.standard_normal((RANK, DIMENSION), dtype=np.float32) / np.sqrt(RANK)
+    centres = rng.standard_normal((CLUSTERS, RANK), dtype=np.float32)
+    return basis, centres
+
+
+def synthetic_vectors(seed: int, count: int, basis: np.ndarray, centres: np.ndarray) -> np.ndarray:
+    """(count, DIMENSION) float32 unit vectors, the same for the same seed."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, CLUSTERS, count)
+    latent = centres[labels] + 0.6 * rng.standard_normal((count, RANK), dtype=np.float32)
+    vectors = latent @ basis  # (count, DIMENSION)
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    vectors += (
+        NOISE
+        * norms
+        / np.sqrt(DIMENSION)
+        * rng.standard_normal((count, DIMENSION), dtype=np.float32)
+    )
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors
+
+
+def chunk_seeds(total: int, chunk: int) -> list[tuple[int, int]]:
+    """(seed, size) per chunk; seeds 0.. for the base, queries and training use others."""
+    return [(i, min(chunk, total - start)) for i, start in enumerate(range(0, total, chunk))]
+
+
+def merge_topk(
+    best_scores: np.ndarray, best_rows: np.ndarray, scores: np.ndarray, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the TOPK highest of two (Q, k) candidate sets."""
+    all_scores = np.concatenate([best_scores, scores], axis=1)
+    all_rows = np.concatenate([best_rows, rows], axis=1)
+    order = np.argsort(-all_scores, axis=1)[:, :TOPK]
+    return np.take_along_axis(all_scores, order, 1), np.take_along_axis(all_rows, order, 1)
+
+
+def build(
+    workdir: Path, vectors: int, flat_vectors: int, chunk: int, ivf: str, train: int, queries: int
+) -> dict:
+    """One pass over the chunks: flat file, IVF-PQ index, exact top 10 of the queries."""
+    import faiss
+
+    from retrieval_server.index_build import FlatFileWriter, new_faiss_index
+
+    basis, centres = generator_basis()
+    query_vectors = synthetic_vectors(10**9, queries, basis, centres)  # held out
+    timings: dict[str, float] = {}
+
+    started = time.perf_counter()
+    ivf_index = new_faiss_index(ivf, DIMENSION)
+    ivf_index.train(synthetic_vectors(10**9 + 1, train, basis, centres))
+    timings["ivf_train_s"] = time.perf_counter() - started
+
+    flat = FlatFileWriter(workdir / "flat.faiss", DIMENSION, flat_vectors)
+    best_scores = np.full((queries, TOPK), -np.inf, dtype=np.float32)
+    best_rows = np.full((queries, TOPK), -1, dtype=np.int64)
+    flat_best = (best_scores.copy(), best_rows.copy())
+    generate_s = flat_s = ivf_s = exact_s = 0.0
+    start_row = 0
+    for seed, size in chunk_seeds(vectors, chunk):
+        t0 = time.perf_counter()
+        block = synthetic_vectors(seed, size, basis, centres)
+        t1 = time.perf_counter()
+        if start_row < flat_vectors:
+            flat.add(block[: flat_vectors - start_row])
+        t2 = time.perf_counter()
+        ivf_index.add(block)
+        t3 = time.perf_counter()
+        scores, rows = faiss.knn(query_vectors, block, TOPK, faiss.METRIC_INNER_PRODUCT)
+        best_scores, best_rows = merge_topk(best_scores, best_rows, scores, rows + start_row)
+        if start_row < flat_vectors:  # exact top 10 within the (smaller) flat point
+            keep = rows + start_row < flat_vectors
+            flat_best = merge_topk(
+                *flat_best, np.where(keep, scores, -np.inf), np.where(keep, rows + start_row, -1)
+            )
+        t4 = time.perf_counter()
+        generate_s, flat_s, ivf_s, exact_s = (
+            generate_s + t1 - t0, flat_s + t2 - t1, ivf_s + t3 - t2, exact_s + t4 - t3
+        )  # fmt: skip
+        start_row += size
+        print(f"  {start_row:>11,} / {vectors:,} vectors", flush=True)
+    flat.close()
+    t0 = time.perf_counter()
+    faiss.write_index(ivf_index, str(workdir / "ivf.faiss"))
+    timings["ivf_write_s"] = time.perf_counter() - t0
+    np.save(workdir / "queries.npy", query_vectors)
+    np.save(workdir / "truth_ivf.npy", best_rows)
+    np.save(workdir / "truth_flat.npy", flat_best[1])
+    timings.update(
+        generate_s=generate_s, flat_write_s=flat_s, ivf_add_s=ivf_s, exact_topk_s=exact_s
+    )
+    return {key: round(value, 1) for key, value in timings.items()}
+
+
+SERVE_PROBE = r"""
+import json, sys, time
+started = float(sys.argv[1])
+sys.path.insert(0, sys.argv[6])
+import numpy as np
+from retrieval_server.index import read_dense, set_search_parameters
+from pathlib import Path
+index = read_dense(Path(sys.argv[2]), mmap=sys.argv[3] == "1")
+set_search_parameters(index, int(sys.argv[4]), 128)
+ready = time.time() - started
+queries = np.load(sys.argv[5])
+budget = float(sys.argv[7])
+
+def timed(batch):
+    rows, done, t0 = [], 0, time.perf_counter()
+    while done < len(queries) and (time.perf_counter() - t0 < budget or done == 0):
+        rows.append(index.search(queries[done : done + batch], 10)[1])
+        done += len(rows[-1])
+    return np.concatenate(rows), done / (time.perf_counter() - t0)
+
+rows_single, qps_single = timed(1)
+rows_batch, qps_batch = timed(32)
+status = dict(
+    line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line
+)
+kib = lambda key: int(status[key].split()[0]) * 1024
+print(json.dumps({
+    "start_s": round(ready, 2), "qps_1": round(qps_single, 1), "qps_32": round(qps_batch, 1),
+    "rss_bytes": kib("VmRSS"), "rss_anon_bytes": kib("RssAnon"), "rss_file_bytes": kib("RssFile"),
+    "rows": rows_batch.tolist() if len(rows_batch) >= len(rows_single) else rows_single.tolist(),
+}))
+"""
+
+
+def serve_probe(path: Path, mmap: bool, nprobe: int, queries: Path, budget_s: float) -> dict:
+    """Open the index in a fresh process as the server does; time it, search, measure RSS."""
+    command = [sys.executable, "-c", SERVE_PROBE, str(time.time()), str(path), "1" if mmap else "0",
+               str(nprobe), str(queries), str(ROOT), str(budget_s)]  # fmt: skip
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def recall_at_10(found: list[list[int]], truth: np.ndarray) -> float:
+    hits = [len(set(row) & set(true_row)) for row, true_row in zip(found, truth, strict=False)]
+    return round(sum(hits) / (TOPK * len(hits)), 4)
+
+
+def drop_page_cache_hint(path: Path) -> None:
+    """Ask the kernel to forget the file's cached pages, so a start is measured cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def main(
+    vectors: int = typer.Option(10_000_000, help="Vectors in the IVF-PQ point (and flat)."),
+    chunk: int = typer.Option(100_000, help="Vectors generated per chunk."),
+    ivf: str = typer.Option("IVF1024,PQ96", help="FAISS factory string of the compressed point."),
+    nprobe: int = typer.Option(64, help="IVF lists searched per query."),
+    train: int = typer.Option(65_536, help="Training vectors for the IVF-PQ index."),
+    queries: int = typer.Option(200, help="Held-out queries for recall and speed."),
+    seconds: float = typer.Option(20.0, help="Search time budget per measurement."),
+    workdir: Path = typer.Option(Path(tempfile.gettempdir()) / "hdr-scale", help="Scratch dir."),
+    out: Path = typer.Option(Path("bench/results/scale.json"), help="JSON results file."),
+    keep: bool = typer.Option(False, help="Keep the index files instead of deleting them."),
+) -> None:
+    console = Console()
+    workdir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(workdir).free
+    flat_vectors = min(vectors, max(0, (free - DISK_MARGIN) // (DIMENSION * 4)))
+    flat_vectors -= flat_vectors % chunk if flat_vectors > chunk else 0
+    note = "" if flat_vectors == vectors else (
+        f"flat point reduced to {flat_vectors:,} vectors: {free / 2**30:.0f} GiB free disk"
+    )  # fmt: skip
+    console.print(f"free disk {free / 2**30:.0f} GiB; flat {flat_vectors:,}, {ivf} {vectors:,}")
+    load_before = os.getloadavg()
+    try:
+        started = time.perf_counter()
+        timings = build(workdir, vectors, flat_vectors, chunk, ivf, train, queries)
+        build_s = time.perf_counter() - started
+        query_file = workdir / "queries.npy"
+        points = []
+        for name, path, mmap, count, truth in (
+            ("flat-mmap", workdir / "flat.faiss", True, flat_vectors, "truth_flat.npy"),
+            (ivf, workdir / "ivf.faiss", False, vectors, "truth_ivf.npy"),
+        ):
+            drop_page_cache_hint(path)
+            probe = serve_probe(path, mmap, nprobe, query_file, seconds)
+            recall = recall_at_10(probe.pop("rows"), np.load(workdir / truth))
+            points.append(
+                {"index": name, "vectors": count, "size_bytes": path.stat().st_size,
+                 "recall_at_10": recall, **probe}
+            )  # fmt: skip
+            console.print(points[-1])
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    ivf_point = points[1]
+    per_vector_rss = ivf_point["rss_anon_bytes"] / vectors
+    extrapolated = {
+        "passages": WIKI18_PASSAGES,
+        "flat_size_bytes": WIKI18_PASSAGES * DIMENSION * 4,
+        "ivf_size_bytes": round(ivf_point["size_bytes"] / vectors * WIKI18_PASSAGES),
+        "ivf_rss_anon_bytes": round(per_vector_rss * WIKI18_PASSAGES),
+        "ivf_add_s": round(timings["ivf_add_s"] / vectors * WIKI18_PASSAGES),
+    }
+    passed = ivf_point["rss_bytes"] < RSS_TARGET_BYTES and ivf_point["recall_at_10"] >= (
+        RECALL_TARGET
+    )
+    report = {
+        "build_seconds_total": round(build_s, 1),
+        "build_timings": timings,
+        "points": points,
+        "extrapolated_to_wiki18": extrapolated,
+        "note": note,
+        "settings": {"chunk": chunk, "nprobe": nprobe, "train": train, "queries": queries},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()),
+        },
+        "target": {"ivf_rss_below_4gb_and_recall_0.9": passed},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    table = Table(title=f"scale benchmark ({DIMENSION}-d synthetic, topk {TOPK})")
+    for column in ("index", "vectors", "size GiB", "start s", "RSS GiB (anon+file)", "q/s x1",
+                   "q/s x32", "recall@10"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for p in points:
+        table.add_row(
+            p["index"], f"{p['vectors']:,}", f"{p['size_bytes'] / 2**30:.2f}", f"{p['start_s']}",
+            f"{p['rss_bytes'] / 2**30:.2f} ({p['rss_anon_bytes'] / 2**30:.2f}+"
+            f"{p['rss_file_bytes'] / 2**30:.2f})",
+            f"{p['qps_1']}", f"{p['qps_32']}", f"{p['recall_at_10']:.3f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"build: {timings}; {note}")
+    console.print(f"extrapolated to wiki-18: {extrapolated}; written to {out}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

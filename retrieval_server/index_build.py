@@ -1,0 +1,556 @@
+"""Writing index directories: build from a corpus, convert to another FAISS index, import one.
+
+Every writer follows the same steps: check all its input first (the whole corpus, the factory
+string, the encoder), then work in `DIR.partial/`, then write the manifest and rename
+`DIR.partial` to `DIR`. An interrupted or failed run never leaves a directory that looks like an
+index; `DIR.partial` is only ever read by the next build of the same `DIR`.
+
+- `build_index`: passages are encoded in chunks of `chunk_size`, each saved as
+  `DIR.partial/vectors/NNNNNN.npy` as soon as it is done, so a rerun with the same corpus and
+  encoder spec resumes after the last finished chunk (a different spec starts over). Then the
+  FAISS index is made from the chunks: "Flat" is streamed to disk chunk by chunk (the full
+  matrix is never in memory); other factory strings are trained on a sample of
+  `train_sample` vectors and filled chunk by chunk.
+- `convert_index`: the same FAISS step from an existing index's stored vectors (Flat or
+  HNSW..Flat), e.g. an imported wiki-18 Flat index into IVF-PQ, without re-encoding.
+- `import_index`: adopts an existing FAISS file (Search-R1's or FlashRAG's `e5_Flat.index`) and
+  its corpus: links it (or copies it), writes offsets and the manifest, after re-encoding a
+  sample of passages and comparing with the stored vectors.
+
+BM25 is built when asked, and by default only for corpora up to `BM25_AUTO_MAX_DOCUMENTS`
+passages: bm25s indexes from token ids held in memory (a few GB per million passages).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from hdr.errors import UserError
+from retrieval_server.corpus import read_contents, scan_corpus
+from retrieval_server.encoder import DEFAULT_ENCODER, Encoder, EncoderSpec, encoder_spec
+from retrieval_server.index import (
+    BM25_DIR,
+    BM25_STOPWORDS,
+    DENSE_FILE,
+    FLAT_FACTORY,
+    FORMAT_VERSION,
+    MANIFEST,
+    OFFSETS_FILE,
+    IndexManifest,
+    corpus_fingerprint,
+    first_line,
+    make_bm25_tokenizer,
+    read_dense,
+    relative_corpus_path,
+    validate_index,
+)
+
+if TYPE_CHECKING:
+    import faiss
+    import numpy as np
+
+    from retrieval_server.config import EncoderConfig
+
+BM25_AUTO_MAX_DOCUMENTS = 1_000_000
+DEFAULT_CHUNK_SIZE = 8192
+DEFAULT_TRAIN_SAMPLE = 262_144  # faiss's k-means uses at most 256 points per centroid
+VECTORS_DIR = "vectors"
+BUILD_STATE = "build.json"
+INDEX_ALIASES = {"flat": FLAT_FACTORY, "hnsw": "HNSW32,Flat"}
+IMPORT_MIN_COSINE = 0.98  # re-encoded vs stored; fp16 GPU builds agree to ~0.999
+IMPORT_MIN_SELF_RECALL = 0.9  # lossy indexes: share of sampled passages found in their top 10
+
+
+def factory_string(index_type: str) -> str:
+    """A FAISS factory string from `--index-type` (the aliases flat and hnsw, or a factory)."""
+    return INDEX_ALIASES.get(index_type, index_type)
+
+
+def new_faiss_index(factory: str, dimension: int) -> faiss.Index:
+    """An empty inner-product index from a factory string; a bad string is a UserError."""
+    import faiss
+
+    try:
+        return faiss.index_factory(dimension, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as err:
+        raise UserError(
+            f"{factory!r} is not a FAISS factory string for {dimension}-d vectors "
+            f"(e.g. Flat, HNSW32,Flat, IVF1024,SQ8, IVF4096,PQ96, OPQ96,IVF4096,PQ96): "
+            f"{first_line(err)}"
+        ) from None
+
+
+class FlatFileWriter:
+    """Writes an inner-product `IndexFlat` file chunk by chunk, byte for byte what
+    `faiss.write_index` writes, without holding the vectors: header (taken from faiss's own
+    serialisation of an empty index, with the count set), then the float32 rows."""
+
+    def __init__(self, path: Path, dimension: int, total: int) -> None:
+        import faiss
+        import numpy as np
+
+        empty = faiss.serialize_index(faiss.IndexFlatIP(dimension)).tobytes()
+        # fourcc, d (int32), ntotal (int64) at bytes 8..16, ..., then the code vector's length
+        # (uint64, in floats) as the last 8 bytes of an empty index, then the floats.
+        header = bytearray(empty[:-8])
+        header[8:16] = np.int64(total).tobytes()
+        self.dimension, self.total, self.written = dimension, total, 0
+        self._file = path.open("wb")
+        self._file.write(bytes(header) + np.uint64(total * dimension).tobytes())
+
+    def add(self, vectors: np.ndarray) -> None:
+        import numpy as np
+
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)  # (n, dimension)
+        if vectors.ndim != 2 or vectors.shape[1] != self.dimension:
+            raise ValueError(f"expected (n, {self.dimension}) vectors, got {vectors.shape}")
+        self._file.write(vectors.tobytes())
+        self.written += len(vectors)
+
+    def close(self) -> None:
+        self._file.close()
+        if self.written != self.total:
+            raise ValueError(f"flat file has {self.written} rows, its header says {self.total}")
+
+
+class VectorSource(Protocol):
+    """Passage vectors in row order, read a chunk at a time."""
+
+    count: int
+    dimension: int
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """(n, dimension) float32 blocks, in row order, covering every row once."""
+        ...
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """(len(rows), dimension) float32 vectors of the given (sorted) rows."""
+        ...
+
+
+class ChunkFiles:
+    """The `vectors/NNNNNN.npy` chunks of a build."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        import numpy as np
+
+        self.paths = paths
+        shapes = [np.load(path, mmap_mode="r").shape for path in paths]
+        self.starts = np.cumsum([0] + [shape[0] for shape in shapes])  # (chunks + 1,)
+        self.count, self.dimension = int(self.starts[-1]), shapes[0][1]
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        import numpy as np
+
+        for path in self.paths:
+            yield np.load(path)
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        import numpy as np
+
+        chunk_of_row = np.searchsorted(self.starts, rows, side="right") - 1
+        parts = []
+        for chunk in np.unique(chunk_of_row):
+            vectors = np.load(self.paths[chunk], mmap_mode="r")
+            parts.append(vectors[rows[chunk_of_row == chunk] - self.starts[chunk]])
+        return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+class StoredVectors:
+    """The vectors an existing FAISS index stores (Flat, HNSW..Flat), read back by row."""
+
+    def __init__(self, index: faiss.Index, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        self.index, self.chunk_size = index, chunk_size
+        self.count, self.dimension = index.ntotal, index.d
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        for start in range(0, self.count, self.chunk_size):
+            yield self.index.reconstruct_n(start, min(self.chunk_size, self.count - start))
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        return self.index.reconstruct_batch(rows)
+
+
+def training_rows(count: int, sample: int) -> np.ndarray:
+    """A fixed pseudo-random sorted sample of rows to train on (all rows if fewer)."""
+    import numpy as np
+
+    if sample >= count:
+        return np.arange(count)
+    return np.sort(np.random.default_rng(0).choice(count, sample, replace=False))
+
+
+def write_dense(
+    source: VectorSource,
+    factory: str,
+    path: Path,
+    train_sample: int = DEFAULT_TRAIN_SAMPLE,
+    on_chunk: Callable[[int], None] = lambda rows: None,
+) -> None:
+    """Make the FAISS index `factory` over every vector of `source` and write it to `path`."""
+    import faiss
+
+    if factory == FLAT_FACTORY:
+        writer = FlatFileWriter(path, source.dimension, source.count)
+        try:
+            for vectors in source.chunks():
+                writer.add(vectors)
+                on_chunk(len(vectors))
+        finally:
+            writer.close()
+        return
+    index = new_faiss_index(factory, source.dimension)
+    if not index.is_trained:
+        try:
+            index.train(source.rows(training_rows(source.count, train_sample)))
+        except RuntimeError as err:
+            raise UserError(f"cannot train {factory!r}: {first_line(err)}") from None
+    for vectors in source.chunks():
+        index.add(vectors)
+        on_chunk(len(vectors))
+    faiss.write_index(index, str(path))
+
+
+def write_bm25(
+    corpus: Path, offsets: np.ndarray, bm25_dir: Path, chunk_size: int, show_progress: bool
+) -> None:
+    """Tokenise every passage, index with bm25s, save with the vocabulary (npy + JSON only)."""
+    import bm25s
+    from bm25s.tokenization import Tokenized
+
+    tokenizer = make_bm25_tokenizer()
+    token_ids: list[list[int]] = []
+    documents = len(offsets) - 1
+    for start in range(0, documents, chunk_size):
+        passages = read_contents(corpus, offsets, start, min(start + chunk_size, documents))
+        token_ids += tokenizer.tokenize(
+            passages, update_vocab=True, return_as="ids", show_progress=False, allow_empty=False
+        )
+    retriever = bm25s.BM25()
+    retriever.index(  # bm25s draws its own bars: only on a terminal, where they redraw in place
+        Tokenized(ids=token_ids, vocab=tokenizer.get_vocab_dict()),
+        show_progress=show_progress and sys.stderr.isatty(),
+    )
+    retriever.save(str(bm25_dir), allow_pickle=False, show_progress=False)
+    tokenizer.save_vocab(str(bm25_dir))
+
+
+def partial_dir(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".partial")
+
+
+def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManifest:
+    """Record the files' sizes in the manifest, write it, and rename `partial` to `out_dir`
+    (replacing an older index there only once the new one is whole)."""
+    files = [partial / DENSE_FILE, partial / OFFSETS_FILE]
+    if manifest.bm25:
+        files += sorted(p for p in (partial / BM25_DIR).iterdir() if p.is_file())
+    manifest.files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in files}
+    (partial / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    if out_dir.exists():
+        old = out_dir.with_name(out_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(partial, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, out_dir)
+    return manifest
+
+
+def new_manifest(
+    spec: EncoderSpec, dimension: int, factory: str, corpus: Path, out_dir: Path, **fields: object
+) -> IndexManifest:
+    import numpy as np
+
+    offsets = np.load(partial_dir(out_dir) / OFFSETS_FILE, mmap_mode="r")
+    bm25 = (partial_dir(out_dir) / BM25_DIR).is_dir()
+    return IndexManifest(
+        format_version=FORMAT_VERSION,
+        encoder=spec,
+        dimension=dimension,
+        index_factory=factory,
+        documents=len(offsets) - 1,
+        corpus_path=relative_corpus_path(corpus, out_dir),
+        corpus_bytes=int(offsets[-1]),
+        corpus_fingerprint=corpus_fingerprint(corpus),
+        bm25=bm25,
+        bm25_stopwords=BM25_STOPWORDS if bm25 else None,
+        files={},
+        **fields,
+    )
+
+
+@dataclass
+class BuildResult:
+    manifest: IndexManifest
+    chunks_encoded: int  # chunks encoded by this run
+    chunks_reused: int  # chunks found done by an interrupted earlier run
+
+
+def start_partial(out_dir: Path, state: dict[str, object]) -> Path:
+    """`DIR.partial` for a build with `state`: kept if an earlier run had the same state."""
+    partial = partial_dir(out_dir)
+    state_file = partial / BUILD_STATE
+    if partial.exists():
+        try:
+            same = json.loads(state_file.read_text()) == state
+        except (OSError, ValueError):
+            same = False
+        if same:
+            return partial
+        shutil.rmtree(partial)
+    (partial / VECTORS_DIR).mkdir(parents=True)
+    state_file.write_text(json.dumps(state, indent=2) + "\n")
+    return partial
+
+
+def build_index(
+    corpus: Path,
+    out_dir: Path,
+    spec: EncoderSpec | None = None,
+    index_type: str = FLAT_FACTORY,
+    bm25: bool | None = None,
+    encoder_config: EncoderConfig | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    train_sample: int = DEFAULT_TRAIN_SAMPLE,
+    show_progress: bool = True,
+) -> BuildResult:
+    """Encode every passage of `corpus` and write the index directory `out_dir` (see module).
+
+    `bm25` None builds BM25 for corpora of at most `BM25_AUTO_MAX_DOCUMENTS` passages.
+    """
+    import numpy as np
+    from hdr.progress import progress as progress_bar
+
+    corpus, out_dir = Path(corpus), Path(out_dir)
+    started = time.perf_counter()
+    factory = factory_string(index_type)
+    offsets = scan_corpus(corpus)  # the whole corpus is checked before anything is encoded
+    documents = len(offsets) - 1
+    spec = spec or encoder_spec(DEFAULT_ENCODER)
+    encoder = Encoder(spec, encoder_config)
+    new_faiss_index(factory, encoder.dimension)  # a bad factory string fails before encoding
+    with_bm25 = documents <= BM25_AUTO_MAX_DOCUMENTS if bm25 is None else bm25
+
+    state = {
+        "corpus_fingerprint": corpus_fingerprint(corpus),
+        "corpus_bytes": int(offsets[-1]),
+        "encoder": spec.model_dump(),
+        "chunk_size": chunk_size,
+    }
+    partial = start_partial(out_dir, state)
+    chunk_paths = [
+        partial / VECTORS_DIR / f"{i:06d}.npy" for i in range(-(-documents // chunk_size))
+    ]
+    done = [path for path in chunk_paths if path.is_file()]
+    with progress_bar(
+        total=documents, desc="encode passages", unit="doc", enabled=show_progress
+    ) as progress:
+        progress.update(sum(np.load(path, mmap_mode="r").shape[0] for path in done))
+        for number, path in enumerate(chunk_paths):
+            if path.is_file():
+                continue
+            start = number * chunk_size
+            stop = min(start + chunk_size, documents)
+            vectors = encoder.encode_passages(read_contents(corpus, offsets, start, stop))
+            tmp = path.with_suffix(".tmp.npy")
+            np.save(tmp, vectors, allow_pickle=False)  # (stop - start, dimension)
+            os.replace(tmp, path)  # a chunk file exists only when complete
+            progress.update(stop - start)
+
+    np.save(partial / OFFSETS_FILE, offsets, allow_pickle=False)
+    with progress_bar(
+        total=documents, desc=f"index {factory}", unit="doc", enabled=show_progress
+    ) as bar:
+        write_dense(
+            ChunkFiles(chunk_paths), factory, partial / DENSE_FILE, train_sample, bar.update
+        )
+    if with_bm25:
+        write_bm25(corpus, offsets, partial / BM25_DIR, chunk_size, show_progress)
+    shutil.rmtree(partial / VECTORS_DIR)
+    (partial / BUILD_STATE).unlink()
+    manifest = new_manifest(
+        spec, encoder.dimension, factory, corpus, out_dir,
+        build_seconds=round(time.perf_counter() - started, 1),
+    )  # fmt: skip
+    return BuildResult(
+        manifest=commit(partial, out_dir, manifest),
+        chunks_encoded=len(chunk_paths) - len(done),
+        chunks_reused=len(done),
+    )
+
+
+def convert_index(
+    source_dir: Path,
+    out_dir: Path,
+    index_type: str,
+    train_sample: int = DEFAULT_TRAIN_SAMPLE,
+    show_progress: bool = True,
+) -> IndexManifest:
+    """A copy of the index at `source_dir` with its dense index remade as `index_type`, from the
+    stored vectors (no re-encoding); BM25 and offsets are carried over (hard-linked if possible)."""
+    from hdr.progress import progress as progress_bar
+
+    started = time.perf_counter()
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    files = validate_index(source_dir)
+    factory = factory_string(index_type)
+    new_faiss_index(factory, files.manifest.dimension)
+    vectors = StoredVectors(read_dense(source_dir / DENSE_FILE, mmap=True))
+    try:
+        vectors.rows(training_rows(vectors.count, 1))
+    except RuntimeError:
+        raise UserError(
+            f"{source_dir} has a {files.manifest.index_factory} index, whose vectors cannot be "
+            "read back; convert from a Flat (or HNSW..Flat) index"
+        ) from None
+    partial = partial_dir(out_dir)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    link_or_copy(source_dir / OFFSETS_FILE, partial / OFFSETS_FILE)
+    if files.manifest.bm25:
+        shutil.copytree(source_dir / BM25_DIR, partial / BM25_DIR, copy_function=link_or_copy)
+    total = vectors.count
+    with progress_bar(
+        total=total, desc=f"index {factory}", unit="doc", enabled=show_progress
+    ) as bar:
+        write_dense(vectors, factory, partial / DENSE_FILE, train_sample, bar.update)
+    manifest = new_manifest(
+        files.manifest.encoder, files.manifest.dimension, factory, files.corpus, out_dir,
+        build_seconds=round(time.perf_counter() - started, 1),
+        imported_from=files.manifest.imported_from,
+    )  # fmt: skip
+    return commit(partial, out_dir, manifest)
+
+
+def link_or_copy(source: Path | str, target: Path | str) -> None:
+    """A hard link (same file system: no extra disk), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def verify_imported_vectors(
+    dense: faiss.Index, encoder: Encoder, corpus: Path, offsets: np.ndarray, sample: int
+) -> str:
+    """Re-encode `sample` passages spread over the corpus and compare them with the index.
+
+    Indexes that store vectors (Flat, HNSW..Flat) are compared by cosine; lossy ones (PQ, SQ)
+    by whether each passage's own row is among its 10 nearest. Returns a one-line summary;
+    raises UserError on a mismatch (wrong encoder, prefix, pooling, or corpus order).
+    """
+    import faiss
+    import numpy as np
+
+    rows = np.unique(np.linspace(0, dense.ntotal - 1, min(sample, dense.ntotal)).astype(np.int64))
+    passages = [read_contents(corpus, offsets, int(row), int(row) + 1)[0] for row in rows]
+    encoded = encoder.encode_passages(passages)  # (sample, dimension)
+    hint = "check --encoder, --passage-prefix and --pooling, and that the corpus is the indexed one"
+    stores_vectors = isinstance(faiss.downcast_index(dense), faiss.IndexFlat | faiss.IndexHNSWFlat)
+    if stores_vectors:
+        stored = dense.reconstruct_batch(rows)
+        cosine = (encoded * stored).sum(1) / (
+            np.linalg.norm(encoded, axis=1) * np.linalg.norm(stored, axis=1) + 1e-12
+        )  # (sample,)
+        worst = int(np.argmin(cosine))
+        if cosine[worst] < IMPORT_MIN_COSINE:
+            raise UserError(
+                f"the vectors in the index do not match {encoder.spec.name} on this corpus: "
+                f"re-encoded passage {int(rows[worst])} has cosine {cosine[worst]:.3f} to its "
+                f"stored vector (median {np.median(cosine):.3f} over {len(rows)}, needed >= "
+                f"{IMPORT_MIN_COSINE}); {hint}"
+            )
+        return f"{len(rows)} re-encoded passages match, cosine >= {cosine.min():.4f}"
+    _, found = dense.search(encoded, 10)  # (sample, 10)
+    recall = float(np.mean([row in hits for row, hits in zip(rows, found, strict=True)]))
+    if recall < IMPORT_MIN_SELF_RECALL:
+        raise UserError(
+            f"the index does not match {encoder.spec.name} on this corpus: only {recall:.0%} of "
+            f"{len(rows)} re-encoded passages find their own row in their top 10 (needed >= "
+            f"{IMPORT_MIN_SELF_RECALL:.0%}); {hint}"
+        )
+    return f"{len(rows)} re-encoded passages: {recall:.0%} find their own row in their top 10"
+
+
+def import_index(
+    faiss_file: Path,
+    corpus: Path,
+    out_dir: Path,
+    spec: EncoderSpec,
+    encoder_config: EncoderConfig | None = None,
+    bm25: bool | None = None,
+    verify_sample: int = 64,
+    copy: bool = False,
+    show_progress: bool = True,
+) -> tuple[IndexManifest, str]:
+    """Adopt an existing FAISS inner-product index of `corpus` (row i = line i) as `out_dir`.
+
+    The FAISS file is hard-linked (or symlinked across file systems; copied with `copy`), never
+    re-encoded; a sample is re-encoded to check encoder, prefixes and row order. Returns the
+    manifest and the verification summary.
+    """
+    import faiss
+    import numpy as np
+
+    started = time.perf_counter()
+    faiss_file, corpus, out_dir = Path(faiss_file), Path(corpus), Path(out_dir)
+    if not faiss_file.is_file():
+        raise UserError(f"FAISS file not found: {faiss_file}")
+    offsets = scan_corpus(corpus)
+    documents = len(offsets) - 1
+    dense = read_dense(faiss_file, mmap=True)
+    if dense.ntotal != documents:
+        raise UserError(
+            f"{faiss_file} holds {dense.ntotal} vectors but {corpus} has {documents} passages; "
+            "row i of the index must be line i of the corpus"
+        )
+    if dense.metric_type != faiss.METRIC_INNER_PRODUCT:
+        raise UserError(f"{faiss_file} is not an inner-product index (metric {dense.metric_type})")
+    encoder = Encoder(spec, encoder_config)
+    if encoder.dimension != dense.d:
+        raise UserError(
+            f"{faiss_file} holds {dense.d}-d vectors, encoder {spec.name} gives "
+            f"{encoder.dimension}-d ones"
+        )
+    summary = verify_imported_vectors(dense, encoder, corpus, offsets, verify_sample)
+
+    partial = partial_dir(out_dir)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    if copy:
+        shutil.copyfile(faiss_file, partial / DENSE_FILE)
+    else:
+        try:
+            os.link(faiss_file, partial / DENSE_FILE)
+        except OSError:  # another file system: a symlink serves (and maps) the same bytes
+            (partial / DENSE_FILE).symlink_to(faiss_file.resolve())
+    np.save(partial / OFFSETS_FILE, offsets, allow_pickle=False)
+    if documents <= BM25_AUTO_MAX_DOCUMENTS if bm25 is None else bm25:
+        write_bm25(corpus, offsets, partial / BM25_DIR, DEFAULT_CHUNK_SIZE, show_progress)
+    manifest = new_manifest(
+        spec, dense.d, describe_factory(dense), corpus, out_dir,
+        build_seconds=round(time.perf_counter() - started, 1),
+        imported_from=str(faiss_file.resolve()),
+    )  # fmt: skip
+    return commit(partial, out_dir, manifest), summary
+
+
+def describe_factory(index: faiss.Index) -> str:
+    """The factory string of an index read from a file, where faiss can tell (else its class)."""
+    import faiss
+    from faiss.contrib.factory_tools import reverse_index_factory
+
+    try:
+        return reverse_index_factory(index)
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return type(faiss.downcast_index(index)).__name__

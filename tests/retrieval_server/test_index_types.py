@@ -1,0 +1,167 @@
+"""FAISS index types by factory string, memory-mapped flat indexes, and chosen retrievers.
+
+Every factory string is made from the session's Flat index with `convert_index` (its stored
+vectors, no re-encoding) and served by a real server on the fixture corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import faiss
+import httpx
+import numpy as np
+import pytest
+from servers import running_server
+
+from hdr.errors import UserError
+from retrieval_server.config import DenseSearchConfig
+from retrieval_server.corpus import iter_vital_articles
+from retrieval_server.index import MANIFEST, load_index, read_manifest
+from retrieval_server.index_build import FlatFileWriter, convert_index, partial_dir
+
+# factory string -> least share of queries whose served top passage is the exact (Flat) one;
+# 1.0 for indexes that keep exact vectors and search every list here (nprobe >= nlist).
+FACTORIES = {
+    "HNSW16,Flat": 1.0,
+    "IVF8,Flat": 1.0,
+    "IVF8,SQ8": 0.95,
+    "IVF4,PQ48": 0.8,
+    "OPQ48,IVF4,PQ48": 0.8,
+}
+# PQ training (48 k-means of 256 centroids) takes seconds on an idle machine but minutes on a
+# loaded one, so the PQ strings run with the slow tests.
+SLOW_FACTORIES = {"IVF4,PQ48", "OPQ48,IVF4,PQ48"}
+QUERIES = 40
+
+
+def fixture_queries() -> list[tuple[str, int]]:
+    """(short description of a vital article, its corpus row) for articles in the fixture corpus
+    (rows 10+ are the vital articles in package order)."""
+    articles = list(zip(range(10, 310), iter_vital_articles(), strict=False))
+    pairs = [(article.description, row) for row, article in articles if article.description]
+    return pairs[:: max(1, len(pairs) // QUERIES)][:QUERIES]
+
+
+def top_rows(url: str, queries: list[str], topk: int = 1, **body: object) -> list[list[int]]:
+    response = httpx.post(
+        f"{url}/retrieve",
+        json={"queries": queries, "topk": topk, "return_scores": True, **body},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return [[int(item["document"]["id"]) for item in query] for query in response.json()["result"]]
+
+
+@pytest.fixture(scope="module")
+def flat_top(retrieval_url: str) -> list[int]:
+    """Top row per fixture query from the exact (Flat) index (right for about 2 in 3: short
+    descriptions such as "American actor" are ambiguous)."""
+    return [rows[0] for rows in top_rows(retrieval_url, [q for q, _ in fixture_queries()])]
+
+
+def test_flat_file_writer_writes_what_faiss_writes(tmp_path: Path) -> None:
+    vectors = np.random.default_rng(0).standard_normal((1000, 24)).astype(np.float32)
+    reference = faiss.IndexFlatIP(24)
+    reference.add(vectors)
+    faiss.write_index(reference, str(tmp_path / "reference.faiss"))
+    writer = FlatFileWriter(tmp_path / "streamed.faiss", 24, 1000)
+    for start in range(0, 1000, 300):  # uneven chunks, the last one short
+        writer.add(vectors[start : start + 300])
+    writer.close()
+    streamed = (tmp_path / "streamed.faiss").read_bytes()
+    assert streamed == (tmp_path / "reference.faiss").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FACTORIES else f for f in FACTORIES],
+)
+def test_each_factory_string_serves_the_right_passages(
+    factory: str, small_index: Path, flat_top: list[int], tmp_path: Path
+) -> None:
+    out = tmp_path / "converted"
+    manifest = convert_index(small_index, out, factory, show_progress=False)
+    assert manifest.index_factory == factory
+    assert read_manifest(out).index_factory == factory
+    assert not partial_dir(out).exists()
+    queries = fixture_queries()
+    with running_server(out, dense={"nprobe": 8}) as server:
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["index_type"] == factory
+        served = [rows[0] for rows in top_rows(server.url, [q for q, _ in queries])]
+    agree = np.mean([a == b for a, b in zip(served, flat_top, strict=True)])
+    assert agree >= FACTORIES[factory], (factory, agree)
+    # and about as often right as exact search: the article a description was made from
+    right = np.mean([top == row for top, (_, row) in zip(served, queries, strict=True)])
+    flat_right = np.mean([top == row for top, (_, row) in zip(flat_top, queries, strict=True)])
+    assert flat_right >= 0.5
+    assert right >= flat_right - (1 - FACTORIES[factory]), (factory, right, flat_right)
+
+
+def test_bad_factory_string_is_refused_before_any_work(small_index: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not a FAISS factory string"):
+        convert_index(small_index, tmp_path / "bad", "IVF8,Nonsense", show_progress=False)
+    assert not (tmp_path / "bad").exists() and not partial_dir(tmp_path / "bad").exists()
+
+
+def test_mmap_results_are_identical_to_in_memory(small_index: Path) -> None:
+    vectors = faiss.read_index(str(small_index / "dense.faiss")).reconstruct_n(0, 50)
+    results = []
+    for mmap in (True, False):
+        index = load_index(small_index, dense=DenseSearchConfig(mmap=mmap), with_bm25=False)
+        try:
+            results.append(index.dense.search(vectors, 10))
+        finally:
+            index.close()
+    (mapped_scores, mapped_rows), (read_scores, read_rows) = results
+    np.testing.assert_array_equal(mapped_rows, read_rows)
+    np.testing.assert_array_equal(mapped_scores, read_scores)
+    assert mapped_rows[:, 0].tolist() == list(range(50))
+
+
+def test_mmap_serves_the_same_as_in_memory(small_index: Path, retrieval_url: str) -> None:
+    queries = [q for q, _ in fixture_queries()][:10]
+    with running_server(small_index, dense={"mmap": False}) as server:
+        assert top_rows(server.url, queries, topk=5) == top_rows(retrieval_url, queries, topk=5)
+
+
+def test_dense_only_server(small_index: Path) -> None:
+    with running_server(small_index, retrievers=["dense"]) as server:
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["retrievers"] == ["dense"]
+        assert top_rows(server.url, ["Japanese poetry form with 17 syllables"])[0]
+        refused = httpx.post(
+            f"{server.url}/retrieve", json={"queries": ["Accordion"], "retriever": "bm25"}
+        )
+        assert refused.status_code == 400 and "available: dense" in refused.json()["detail"]
+
+
+def test_bm25_only_server(small_index: Path) -> None:
+    with running_server(small_index, retrievers=["bm25"], default_retriever="bm25") as server:
+        health = httpx.get(f"{server.url}/health").json()
+        assert (health["retrievers"], health["default_retriever"]) == (["bm25"], "bm25")
+        accordion = top_rows(server.url, ["accordion bellows keyboard instrument"])[0]
+        lines = (small_index / read_manifest(small_index).corpus_path).read_text().splitlines()
+        assert json.loads(lines[accordion[0]])["contents"].startswith('"Accordion"')
+        refused = httpx.post(
+            f"{server.url}/retrieve", json={"queries": ["Accordion"], "retriever": "dense"}
+        )
+        assert refused.status_code == 400
+
+
+def test_serving_a_retriever_the_index_lacks_is_refused(small_index: Path, tmp_path: Path) -> None:
+    out = tmp_path / "no-bm25"
+    convert_index(small_index, out, "Flat", show_progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["bm25"] is True  # carried over; drop it to make an index without BM25
+    manifest["bm25"] = False
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("bm25/")}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    from retrieval_server.app import ServerMetrics, load_serving_state
+    from retrieval_server.config import ServerConfig
+
+    config = ServerConfig(index_dir=out, retrievers=["bm25"])
+    with pytest.raises(UserError, match="retriever 'bm25' is not available"):
+        load_serving_state(config, ServerMetrics())

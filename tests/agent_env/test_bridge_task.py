@@ -30,7 +30,7 @@ def bridge_test() -> list:
 @pytest.fixture(scope="module")
 def bridge_url(bridge_test, tmp_path_factory) -> Iterator[str]:
     from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
-    from retrieval_server.index import build_index
+    from retrieval_server.index_build import build_index
 
     articles = list(iter_vital_articles())
     wanted = set(range(SMALL_CORPUS_ARTICLES))

@@ -329,6 +329,7 @@ def build_index(
     `bm25` None builds BM25 for corpora of at most `BM25_AUTO_MAX_DOCUMENTS` passages.
     """
     import numpy as np
+
     from hdr.progress import progress as progress_bar
 
     corpus, out_dir = Path(corpus), Path(out_dir)

@@ -23,6 +23,15 @@ BUILD_EXAMPLE = """Example:
 
   hdr index build --corpus data/wiki-vital.jsonl --out data/index
 """
+CONVERT_EXAMPLE = """Example:
+
+  hdr index convert --from data/wiki18-flat --index-type IVF4096,PQ96 --out data/wiki18-ivfpq
+"""
+IMPORT_EXAMPLE = """Example:
+
+  hdr index import --faiss e5_Flat.index --corpus wiki-18.jsonl --encoder /models/e5-base-v2 \\
+      --out data/wiki18-flat
+"""
 SERVE_EXAMPLES = """Examples:
 
   hdr serve --index data/index
@@ -131,7 +140,7 @@ def build_command(
     )
 
 
-@index_app.command("convert")
+@index_app.command("convert", epilog=CONVERT_EXAMPLE)
 def convert_command(
     source: Path = typer.Option(..., "--from", help="Index directory with a Flat index."),
     out: Path = typer.Option(..., "--out", help="Index directory to write."),
@@ -152,7 +161,7 @@ def convert_command(
     )
 
 
-@index_app.command("import")
+@index_app.command("import", epilog=IMPORT_EXAMPLE)
 def import_command(
     faiss_file: Path = typer.Option(..., "--faiss", help="Existing FAISS index file."),
     corpus: Path = typer.Option(..., "--corpus", help="Its JSONL corpus (row i = line i)."),

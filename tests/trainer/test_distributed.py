@@ -194,8 +194,11 @@ def test_ranks_that_disagree_are_refused_in_one_line(two_and_one):
 def test_shards_are_contiguous_and_cover_the_step():
     bounds = distributed.shard_bounds(10, 4)
     assert [list(r) for r in bounds] == [[0, 1], [2, 3, 4], [5, 6], [7, 8, 9]]
-    assert distributed.shard_seed(0, 3, 1) == distributed.shard_seed(0, 3, 1)
-    assert len({distributed.shard_seed(0, s, k) for s in range(5) for k in range(4)}) == 20
+    assert distributed.shard_seed(0, 3, 0, 1) == distributed.shard_seed(0, 3, 0, 1)
+    seeds = {
+        distributed.shard_seed(0, s, r, k) for s in range(5) for r in range(2) for k in range(4)
+    }
+    assert len(seeds) == 40
 
 
 def test_split_map_in_one_process_is_the_plain_call():

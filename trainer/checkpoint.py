@@ -3,8 +3,15 @@
 A checkpoint `checkpoints/step-XXXXXX/` holds everything to continue a run exactly: the model
 (and tokenizer) as `save_pretrained` writes them, the optimizer (`optimizer.pt`) and scheduler
 (`scheduler.json`) states, the replay buffer (`buffer.safetensors` + `buffer.json`), the RNG
-states of python, numpy and torch (`rng.safetensors` + `rng.json`), the trainer's counters
-(`state.json`) and the run config (`config.yaml`).
+states of python, numpy and torch of every process (`rng/rank-R.safetensors` + `.json`), the
+trainer's counters and the number of processes (`state.json`) and the run config
+(`config.yaml`).
+
+Across processes (trainer/distributed.py) rank 0 writes the checkpoint. The replay buffer is
+replicated, so it is written once; each rank's RNG state is its own file. Resuming under the
+same number of processes restores each rank's own state; under another number it restores
+the common state when every rank's was the same (the trainer keeps them equal), and refuses
+with one line otherwise.
 
 Atomic: everything is written into a hidden temporary directory next to the final one, then
 `manifest.json` (every file's size and sha256) is written last, then the directory is renamed
@@ -105,6 +112,9 @@ class TrainState:
     counters: dict[str, Any]
     config_yaml: str
     model_files: dict[str, str] = field(default_factory=dict)  # name -> text, beside weights
+    rng_states: list | None = None  # capture_rng() of every rank; None: this process alone
+    model_state: dict | None = None  # a gathered full state dict (FSDP); None: the module's
+    optimizer_state: dict | None = None  # likewise; None: `optimizer.state_dict()`
 
 
 def save_checkpoint(root: Path, step: int, state: TrainState, keep_last: int) -> Path:
@@ -115,20 +125,25 @@ def save_checkpoint(root: Path, step: int, state: TrainState, keep_last: int) ->
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state.model.save_pretrained(tmp / "model", safe_serialization=True)
+    state.model.save_pretrained(
+        tmp / "model", state_dict=state.model_state, safe_serialization=True
+    )
     if state.tokenizer is not None:
         state.tokenizer.save_pretrained(tmp / "model")
     for name, text in state.model_files.items():
         (tmp / "model" / name).write_text(text)
-    torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+    optimizer_state = state.optimizer_state or state.optimizer.state_dict()
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     _write_json(tmp / "scheduler.json", state.scheduler.state_dict())
     buf_tensors, buf_meta = state.buffer.state()
     save_file(buf_tensors, tmp / "buffer.safetensors")
     _write_json(tmp / "buffer.json", {"capacity": state.buffer.capacity, "groups": buf_meta})
-    rng_tensors, rng_info = capture_rng()
-    save_file(rng_tensors, tmp / "rng.safetensors")
-    _write_json(tmp / "rng.json", rng_info)
-    _write_json(tmp / "state.json", {"step": step, **state.counters})
+    rng_states = state.rng_states or [capture_rng()]
+    (tmp / "rng").mkdir()
+    for rank, (rng_tensors, rng_info) in enumerate(rng_states):
+        save_file(rng_tensors, tmp / "rng" / f"rank-{rank}.safetensors")
+        _write_json(tmp / "rng" / f"rank-{rank}.json", rng_info)
+    _write_json(tmp / "state.json", {"step": step, **state.counters, "world_size": len(rng_states)})
     (tmp / "config.yaml").write_text(state.config_yaml)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {
@@ -183,7 +198,15 @@ class Checkpoint:
         return (self.path / "config.yaml").read_text()
 
     def counters(self) -> dict[str, Any]:
-        return json.loads((self.path / "state.json").read_text())
+        """The trainer's counters and `step` (not the number of processes)."""
+        state = json.loads((self.path / "state.json").read_text())
+        state.pop("world_size", None)
+        return state
+
+    @property
+    def world_size(self) -> int:
+        """How many processes wrote this checkpoint's run."""
+        return int(json.loads((self.path / "state.json").read_text()).get("world_size", 1))
 
     def optimizer_state(self) -> dict:
         return torch.load(self.path / "optimizer.pt", map_location="cpu", weights_only=True)
@@ -196,11 +219,39 @@ class Checkpoint:
         tensors = load_file(self.path / "buffer.safetensors")
         return ReplayBuffer.from_state(meta["capacity"], tensors, meta["groups"])
 
-    def restore_rng(self) -> None:
-        restore_rng(
-            load_file(self.path / "rng.safetensors"),
-            json.loads((self.path / "rng.json").read_text()),
+    def rng_states(self) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+        """Every rank's saved RNG state, in rank order."""
+        if not (self.path / "rng").is_dir():  # written before checkpoints knew of ranks
+            legacy = json.loads((self.path / "rng.json").read_text())
+            return [(load_file(self.path / "rng.safetensors"), legacy)]
+        return [
+            (
+                load_file(self.path / "rng" / f"rank-{r}.safetensors"),
+                json.loads((self.path / "rng" / f"rank-{r}.json").read_text()),
+            )
+            for r in range(self.world_size)
+        ]
+
+    def restore_rng(self, rank: int = 0, world: int = 1) -> None:
+        """Restore this rank's RNG state. Under another number of processes than wrote the
+        checkpoint, every saved state must be the same one (then any rank may take it)."""
+        states = self.rng_states()
+        if world == len(states):
+            restore_rng(*states[rank])
+            return
+        first_tensors, first_info = states[0]
+        same = all(
+            info == first_info
+            and tensors.keys() == first_tensors.keys()
+            and all(torch.equal(tensors[k], first_tensors[k]) for k in tensors)
+            for tensors, info in states[1:]
         )
+        if not same:
+            raise UserError(
+                f"checkpoint {self.path} was written by {len(states)} processes whose random"
+                f" states differ; resume it with {len(states)} processes, not {world}"
+            )
+        restore_rng(first_tensors, first_info)
 
 
 def _verify(path: Path) -> int:
@@ -240,14 +291,21 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=path, step=_verify(path))
 
 
-def save_model(model, tokenizer, out: Path, extra_files: dict[str, str] | None = None) -> Path:
+def save_model(
+    model,
+    tokenizer,
+    out: Path,
+    extra_files: dict[str, str] | None = None,
+    state_dict: dict | None = None,
+) -> Path:
     """`save_pretrained` (model and tokenizer) and `extra_files` (name -> text, e.g. the
     rollout settings) into a temporary directory beside `out`, then rename it into place:
-    `out` is either the old model or the whole new one."""
+    `out` is either the old model or the whole new one. `state_dict`: weights gathered
+    elsewhere (FSDP), instead of the module's own."""
     out = Path(out)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)

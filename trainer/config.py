@@ -145,6 +145,30 @@ class LogConfig(StrictModel):
     progress: bool = Field(True, description="Show a progress bar on stderr.")
 
 
+class DistributedConfig(StrictModel):
+    """Data-parallel training under `torchrun` (trainer/distributed.py); inert in one process."""
+
+    rollout_shards: int = Field(
+        1,
+        ge=1,
+        description="The step's prompts are rolled out in this many contiguous shards, each"
+        " under its own seed (seed, step, shard); processes take whole shards, so a step's"
+        " results do not depend on how many processes run it. Must be a multiple of the"
+        " number of processes.",
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: every process holds the whole model (DistributedDataParallel);"
+        " fsdp: parameters sharded with FSDP2 `fully_shard` (GPU only, not run here).",
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A collective that waits longer than this fails the job (a dead or stuck"
+        " process), instead of hanging; must exceed the held-out evaluation's duration.",
+    )
+
+
 class SFTConfig(StrictModel):
     """The supervised warm start (`hdr sft`); reads the rest of the training config."""
 
@@ -191,6 +215,7 @@ class TrainConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
     @field_validator("arm")
@@ -225,6 +250,15 @@ class TrainConfig(StrictModel):
     def _generation_seeded_by_the_run(self) -> TrainConfig:
         if self.generation.seed is None:
             self.generation.seed = self.seed
+        return self
+
+    @model_validator(mode="after")
+    def _shards_hold_prompts(self) -> TrainConfig:
+        if self.distributed.rollout_shards > self.grpo.batch_prompts:
+            raise ValueError(
+                "distributed.rollout_shards must not exceed grpo.batch_prompts (a shard holds"
+                " at least one prompt)"
+            )
         return self
 
     @property

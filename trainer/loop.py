@@ -50,6 +50,7 @@ import torch
 from hdr.config import dump_config, load_config
 from hdr.errors import RunInterrupted, UserError
 from hdr.progress import progress, say
+from trainer import distributed
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
@@ -107,6 +108,8 @@ class Run:
     logs: RunLogs
     ref_model: Any = None
     cost: StepCost = field(default_factory=StepCost)  # the current step's ledger
+    dist: distributed.Dist = field(default_factory=distributed.Dist)
+    policy: Any = None  # the update's forward module (DDP/FSDP-wrapped across processes)
     counters: dict[str, Any] = field(
         default_factory=lambda: {
             "env_calls_total": 0,
@@ -116,11 +119,15 @@ class Run:
     )
 
     def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
-        """The replay `ScoreFn`: current-policy log-probs of stored groups, no grad."""
+        """The replay `ScoreFn`: current-policy log-probs of stored groups, no grad; across
+        processes each rank scores its round-robin share and every rank gets all of them."""
         self.cost.scan_tf_tokens += distinct_tokens(groups)
         with self.autocast():
-            return score_groups(
-                self.model, groups, self.config.grpo.score_chunk, self.config.rollout.temperature
+            return self.dist.split_map(
+                groups,
+                lambda part: score_groups(
+                    self.model, part, self.config.grpo.score_chunk, self.config.rollout.temperature
+                ),
             )
 
     def autocast(self):
@@ -245,11 +252,18 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
     from agent_env.generation import build_generator
     from agent_env.retrieval_client import RetrievalClient
 
+    dist, config = distributed.init_distributed(config)
     seed_everything(config.seed)
     ckpt = open_checkpoint(resume) if resume is not None else None
-    run_dir = prepare_run_dir(config, ckpt)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+
+    def make_run_dir() -> Path:
+        run_dir = prepare_run_dir(config, ckpt)
+        (run_dir / "config.yaml").write_text(dump_config(config))
+        return run_dir
+
+    run_dir = dist.on_main(make_run_dir)  # rank 0 alone writes the run directory
     model, tokenizer = load_policy(ckpt.model_dir if ckpt else config.model.path, config)
+    policy = distributed.wrap_policy(model, dist, config.distributed.strategy)
     optimizer, scheduler = build_optimizer(model, config)
     buffer = ReplayBuffer(config.replay.capacity)
     ref_model = None
@@ -279,18 +293,22 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
             config.seed,
             config.eval.num_questions,
         ),
-        logs=RunLogs(run_dir, config.log.tensorboard, purge_step=ckpt.step + 1 if ckpt else None),
+        logs=RunLogs(run_dir, config.log.tensorboard, purge_step=ckpt.step + 1 if ckpt else None)
+        if dist.is_main
+        else distributed.SilentLogs(),
         ref_model=ref_model,
+        dist=dist,
+        policy=policy,
     )
     if not run.train_examples:
         raise UserError(f"training task {config.data.train!r} has no questions")
     start = 1
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt.optimizer_state())
+        distributed.load_optimizer_state(run, ckpt.optimizer_state())
         scheduler.load_state_dict(ckpt.scheduler_state())
         run.buffer = ckpt.buffer()
         run.counters = {k: v for k, v in ckpt.counters().items() if k != "step"}
-        ckpt.restore_rng()
+        ckpt.restore_rng(dist.rank, dist.world)
         start = ckpt.step + 1
     return run, start
 
@@ -307,11 +325,15 @@ def trajectory_rows(groups: list[list]) -> tuple[torch.Tensor, ...]:
     return ids, attn, mask
 
 
-def behaviour_groups(run: Run, groups: list[list], step: int) -> tuple[list[StoredGroup], float]:
+def behaviour_groups(
+    run: Run, groups: list[list], step: int, indices: list[int] | None = None
+) -> tuple[list[StoredGroup], float]:
     """Teacher-forced behaviour log-probs (`gen_logprobs`) and advantages of the fresh groups;
-    returns them as StoredGroups (not yet in the buffer) and the mean token entropy."""
+    returns them as StoredGroups (not yet in the buffer) and the mean token entropy.
+    `indices`: each group's index in the step (its id), by default its position here."""
     if not groups:
         return [], 0.0
+    indices = list(range(len(groups))) if indices is None else indices
     ids, attn, mask = trajectory_rows(groups)
     run.cost.behaviour_tf_tokens += forwarded_tokens(ids, attn, mask)
     with torch.no_grad(), run.autocast():
@@ -332,7 +354,7 @@ def behaviour_groups(run: Run, groups: list[list], step: int) -> tuple[list[Stor
         rows = slice(k * G, (k + 1) * G)
         width = int(attn[rows].sum(dim=1).max())  # trim the group to its own longest row
         cut = (rows, slice(ids.shape[1] - width, None))
-        gid = f"s{step}/{k}/{group[0].example.id}"
+        gid = f"s{step}/{indices[k]}/{group[0].example.id}"
         fresh.append(
             make_group(
                 gid, ids[cut], attn[cut], mask[cut], gen[cut], rewards[k], advantages[k], step
@@ -396,60 +418,84 @@ def update_policy(
     `weights` (one per replayed group, importance weights of a sampling selector) scale that
     group's advantages, which scales its loss terms exactly since a weight is positive.
     `fresh_weights` (truncated IS, one `[G, T_g]` per fresh group) scale the fresh tokens'
-    surrogate; replayed tokens keep token weight 1."""
+    surrogate; replayed tokens keep token weight 1. Across processes each trains on its
+    round-robin share of the groups and the gradients are summed over processes, so the
+    update is the whole batch's (trainer/distributed.py)."""
     cfg, groups = run.config.grpo, fresh + replayed
     if not groups:  # dynamic sampling kept nothing and nothing was replayed
         run.scheduler.step()
         return UpdateStats(0.0, 0.0, 0.0, [], [])
-    weights = weights or [1.0] * len(replayed)
-    ids = concat_left_padded([g.input_ids for g in groups])
-    attn = concat_left_padded([g.attention_mask for g in groups])
-    mask = concat_left_padded([g.loss_mask for g in groups])
-    old = concat_left_padded([g.gen_logprobs for g in groups])
+    weights = [1.0] * len(fresh) + (weights or [1.0] * len(replayed))
+    run.cost.update_tf_tokens += sum(int(g.attention_mask.sum()) for g in groups) * (
+        cfg.updates_per_step
+    )
+    total = torch.stack([g.loss_mask.sum() for g in groups]).sum().clamp(min=1.0)  # global
+    mine = run.dist.share(len(groups))
+    share = 1.0 if mine else 0.0  # a process dealt no group joins the all-reduce with zeros
+    local = mine or [0]
+    ids = concat_left_padded([groups[j].input_ids for j in local])
+    attn = concat_left_padded([groups[j].attention_mask for j in local])
+    mask = concat_left_padded([groups[j].loss_mask for j in local])
+    old = concat_left_padded([groups[j].gen_logprobs for j in local])
     adv = torch.cat(
-        [g.advantages for g in fresh]
-        + [g.advantages * w for g, w in zip(replayed, weights, strict=True)]
-    )  # (N,)
-    run.cost.update_tf_tokens += int(attn.sum()) * cfg.updates_per_step
+        [
+            groups[j].advantages if j < len(fresh) else groups[j].advantages * weights[j]
+            for j in local
+        ]
+    )  # (n,)
     token_weights = None
     if fresh_weights is not None:
-        ones = [torch.ones_like(g.gen_logprobs) for g in replayed]
-        token_weights = concat_left_padded([*fresh_weights, *ones])  # (N, T)
+        per_group = [
+            fresh_weights[j] if j < len(fresh) else torch.ones_like(groups[j].gen_logprobs)
+            for j in local
+        ]
+        token_weights = concat_left_padded(per_group)  # (n, T)
         token_weights = torch.where(mask.bool(), token_weights, torch.ones_like(token_weights))
-    total = mask.sum().clamp(min=1.0)
     order = torch.argsort(attn.sum(dim=1), stable=True)
+    chunks = [order[lo : lo + cfg.micro_batch] for lo in range(0, len(order), cfg.micro_batch)]
     first_pass = torch.zeros_like(old)
     run.model.train()
     loss_sum = kl_sum = 0.0
     for p in range(cfg.updates_per_step):
         run.optimizer.zero_grad(set_to_none=True)
-        for lo in range(0, len(order), cfg.micro_batch):
-            rows = order[lo : lo + cfg.micro_batch]
+        for c, rows in enumerate(chunks):
+            part = share * float(mask[rows].sum() / total)
             w = None if token_weights is None else token_weights[rows]
-            loss, kl, lp = chunk_loss(
-                run, ids[rows], attn[rows], mask[rows], old[rows], adv[rows], w
-            )
-            (loss * mask[rows].sum() / total).backward()
-            loss_sum += (
-                float(loss.detach()) * float(mask[rows].sum() / total) / cfg.updates_per_step
-            )
-            kl_sum += kl * float(mask[rows].sum() / total) / cfg.updates_per_step
+            with distributed.accumulate(run.policy, sync=c == len(chunks) - 1):
+                loss, kl, lp = chunk_loss(
+                    run, ids[rows], attn[rows], mask[rows], old[rows], adv[rows], w
+                )
+                (loss * mask[rows].sum() / total * share).backward()
+            loss_sum += float(loss.detach()) * part / cfg.updates_per_step
+            kl_sum += kl * part / cfg.updates_per_step
             if p == 0:
                 first_pass[rows] = lp
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+        grad_norm = distributed.clip_grad_norm(run.model, cfg.grad_clip)
         run.optimizer.step()
     run.scheduler.step()
     run.model.eval()
-    drift, room, row = [], [], sum(g.input_ids.shape[0] for g in fresh)
-    for g in replayed:  # replay telemetry from the first pass: the pre-update policy
+    trained = [(j, groups[j]) for j in mine]
+    drift, room = replay_telemetry(run, len(fresh), trained, first_pass)
+    sums = run.dist.sum({"loss": loss_sum, "kl": kl_sum})
+    return UpdateStats(sums["loss"], grad_norm, sums["kl"], drift, room)
+
+
+def replay_telemetry(
+    run: Run, num_fresh: int, trained: list[tuple[int, StoredGroup]], first_pass: torch.Tensor
+) -> tuple[list[float], list[float]]:
+    """Drift and headroom of each replayed group under the pre-update policy (the update's
+    first pass), in selection order; each process measures the groups it trained on."""
+    found, row = [], 0
+    for j, g in trained:
         G, T = g.input_ids.shape
-        lp = first_pass[row : row + G, first_pass.shape[1] - T :]
-        drift.append(
-            float(policy_drift(lp, g.gen_logprobs, g.loss_mask, run.config.replay.drift_norm))
-        )
-        room.append(float(headroom(lp, g.loss_mask, g.advantages)))
+        if j >= num_fresh:
+            lp = first_pass[row : row + G, first_pass.shape[1] - T :]
+            norm = run.config.replay.drift_norm
+            drift = float(policy_drift(lp, g.gen_logprobs, g.loss_mask, norm))
+            found.append((j, drift, float(headroom(lp, g.loss_mask, g.advantages))))
         row += G
-    return UpdateStats(loss_sum, float(grad_norm), kl_sum, drift, room)
+    found = sorted(t for part in run.dist.all_gather(found) for t in part)
+    return [d for _, d, _ in found], [h for _, _, h in found]
 
 
 def chunk_loss(
@@ -461,7 +507,7 @@ def chunk_loss(
     weights = None if weights is None else weights.to(device)
     temperature = run.config.rollout.temperature
     with run.autocast():
-        lp, _ = forward_logprobs(run.model, ids, attn, mask, temperature)
+        lp, _ = run.policy(ids, attn, mask, temperature)
     lp = align(lp).float()  # (n, T)
     loss = policy_loss(lp, old, adv, mask, cfg.eps_low, cfg.eps_high, weights)
     kl = 0.0
@@ -501,19 +547,17 @@ def has_reward_variance(group: list) -> bool:
 def rollout_fresh(run: Run, step: int) -> FreshBatch:
     """Roll out the step's `b` prompts. With `grpo.dynamic_sampling` (DAPO-style), groups
     whose rewards are all equal are dropped and refilled with extra prompts, up to
-    `refill_rounds` times; the kept groups are capped at `b`."""
-    from agent_env.rollout import rollout_groups
-
+    `refill_rounds` times; the kept groups are capped at `b`. Across processes each rolls
+    out its shards of every batch and all of them receive every group (trainer/distributed.py),
+    so what follows is the same on every process."""
     cfg = run.config
     b = cfg.grpo.batch_prompts
     passages_before = run.client.stats.passages
 
-    def roll(examples: list):
-        return rollout_groups(
-            run.generator, run.client, run.tokenizer, examples, cfg.grpo.group_size, cfg.rollout
-        )
+    def roll(examples: list, round_: int):
+        return distributed.rollout_sharded(run, examples, step, round_)
 
-    rollouts = [roll(sample_prompts(run.train_examples, cfg.seed, step, b))]
+    rollouts = [roll(sample_prompts(run.train_examples, cfg.seed, step, b), 0)]
     kept = rollouts[0].groups
     if cfg.grpo.dynamic_sampling:
         kept = [g for g in kept if has_reward_variance(g)]
@@ -521,7 +565,7 @@ def rollout_fresh(run: Run, step: int) -> FreshBatch:
             if len(kept) >= b:
                 break
             extra = refill_prompts(run.train_examples, cfg.seed, step, round_, b - len(kept))
-            rollouts.append(roll(extra))
+            rollouts.append(roll(extra, round_))
             kept += [g for g in rollouts[-1].groups if has_reward_variance(g)]
         kept = kept[:b]
     if not any(r.groups for r in rollouts):
@@ -529,7 +573,8 @@ def rollout_fresh(run: Run, step: int) -> FreshBatch:
             f"step {step}: every rollout failed to reach the retrieval server"
             f" ({', '.join(cfg.retrieval.urls)}); is it running? (hdr serve --index DIR)"
         )
-    return FreshBatch(kept, rollouts, run.client.stats.passages - passages_before)
+    passages = run.dist.sum({"passages": run.client.stats.passages - passages_before})
+    return FreshBatch(kept, rollouts, int(passages["passages"]))
 
 
 def train_step(run: Run, step: int) -> dict[str, Any]:
@@ -539,20 +584,26 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     cfg, t_start, run.cost = run.config, time.perf_counter(), StepCost()
     client_before = replace(run.client.stats)  # a copy of the counters
     # 1-2. rollout of b prompts x G responses, each rewarded by agent_env
-    with run.cost.cpu("rollout"):
+    with run.cost.cpu("rollout"), distributed.gathered_weights(run):
         batch = rollout_fresh(run, step)
-    # 3. behaviour log-probs and advantages
+    # 3. behaviour log-probs and advantages (each process scores its share)
     t0 = time.perf_counter()
-    with run.cost.cpu("scoring"):
-        fresh, entropy = behaviour_groups(run, batch.groups, step)
+    with run.cost.cpu("scoring"), distributed.gathered_weights(run):
+        fresh, entropy = distributed.split_behaviour(run, batch.groups, step, behaviour_groups)
         gap, is_weights = sampler_gap(
             fresh, sampler_logprobs(batch.groups, fresh), cfg.grpo.tis_cap
         )
     t1 = time.perf_counter()
-    # 4. replay selection
-    with run.cost.cpu("selection"):
+    # 4. replay selection: one decision, the same on every process
+    with run.cost.cpu("selection"), distributed.gathered_weights(run):
         selector = SELECTORS.get(cfg.arm)
         selection = selector(run.buffer, step, cfg.select_params, run.score, fresh=fresh)
+    run.dist.agree(
+        ([g.group_id for g in selection.groups], selection.swap_out),
+        f"step {step}'s replay selection: selector {cfg.arm!r} is not a deterministic function"
+        " of the buffer, the scores and the shared RNG, so it cannot run across processes;"
+        " run it in one process",
+    )
     t2 = time.perf_counter()
     # 5. one update on fresh + replayed (a swap selector leaves some fresh groups out)
     swapped = set(selection.swap_out)
@@ -597,8 +648,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "time_scoring": t1 - t0,
         "time_selection": t2 - t1,
         "time_update": t3 - t2,
+        "time_collectives": run.dist.take_collective_time(),
         "time_step": time.perf_counter() - t_start,
         "wall_time_total": run.counters["wall_time_total"],
+        "world_size": run.dist.world,
+        "fresh_group_ids": [g.group_id for g in fresh],
+        "replayed_group_ids": [g.group_id for g in selection.groups],
         **run.cost.record(),
     }
 
@@ -669,40 +724,50 @@ def replay_metrics(
 
 
 def train(config: TrainConfig, resume: str | Path | None = None) -> Path:
-    """Run (or continue) training; returns the run directory.
+    """Run (or continue) training; returns the run directory. Under torchrun every process
+    runs this; rank 0 alone logs, evaluates and writes checkpoints.
 
     SIGINT or SIGTERM (Ctrl-C, `kill`, a scheduler's preemption) stops the run after the
     current step, with a checkpoint of that step (step 0 when it comes before the first), and
     raises RunInterrupted saying how to continue; a second signal stops at once."""
     with StopSignals() as stop:
         run, start = setup_run(config, resume)
-        stop.check(run, start - 1)  # a signal while loading: stop before the first evaluation
-        if start == 1 and config.eval.every and config.eval.at_start:
-            log_heldout(run, 0)
-            stop.check(run, 0)
-        bar = progress(
-            range(start, config.steps + 1),
-            initial=start - 1,
-            total=config.steps,
-            desc=f"train {config.arm}",
-            unit="step",
-            enabled=config.log.progress,
-        )
-        for step in bar:
-            record = step_or_stop(run, step)
-            run.logs.step(record)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", replay=record["replayed_groups"])
-            if config.eval.every and step % config.eval.every == 0:
-                log_heldout(run, step)
-            saved = None
-            if config.checkpoint.save_every and step % config.checkpoint.save_every == 0:
-                saved = save(run, step)
-            stop.check(run, step, saved)
-        bar.close()
+        try:
+            train_steps(run, start, stop)
+        finally:
+            distributed.shutdown(run.dist)
+    return run.run_dir
+
+
+def train_steps(run: Run, start: int, stop: StopSignals) -> None:
+    """The steps from `start` with their evaluations and checkpoints, then `final/`."""
+    config, main = run.config, run.dist.is_main  # config localised per process (its device)
+    stop.check(run, start - 1)  # a signal while loading: stop before the first evaluation
+    if main and start == 1 and config.eval.every and config.eval.at_start:
+        log_heldout(run, 0)
+        stop.check(run, 0)
+    bar = progress(
+        range(start, config.steps + 1),
+        initial=start - 1,
+        total=config.steps,
+        desc=f"train {config.arm}",
+        unit="step",
+        enabled=config.log.progress and main,
+    )
+    for step in bar:
+        record = step_or_stop(run, step)
+        run.logs.step(record)
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", replay=record["replayed_groups"])
+        if main and config.eval.every and step % config.eval.every == 0:
+            log_heldout(run, step)
+        saved = None
+        if config.checkpoint.save_every and step % config.checkpoint.save_every == 0:
+            saved = save(run, step)
+        stop.check(run, step, saved)
+    bar.close()
     run.logs.groups_left(run.buffer.groups(), None)
     save_final(run)
     run.logs.close()
-    return run.run_dir
 
 
 def step_or_stop(run: Run, step: int) -> dict[str, Any]:
@@ -792,7 +857,13 @@ class StopSignals:
         )
 
 
-def save(run: Run, step: int) -> Path:
+def save(run: Run, step: int) -> Path | None:
+    """Every process hands rank 0 its RNG state (and, under FSDP, its weight shards); rank 0
+    writes the checkpoint."""
+    rng_states = distributed.gather_rng_states(run.dist)
+    model_state, optimizer_state = distributed.full_states(run)
+    if not run.dist.is_main:
+        return None
     state = TrainState(
         model=run.model,
         tokenizer=run.tokenizer,
@@ -802,6 +873,9 @@ def save(run: Run, step: int) -> Path:
         counters=run.counters,
         config_yaml=dump_config(run.config),
         model_files=model_files(run.config),
+        rng_states=rng_states,
+        model_state=model_state,
+        optimizer_state=optimizer_state,
     )
     run.logs.flush()
     return save_checkpoint(
@@ -816,10 +890,15 @@ def model_files(config: TrainConfig) -> dict[str, str]:
     return {SETTINGS_FILE: settings_yaml(config.rollout, config.retrieval)}
 
 
-def save_final(run: Run) -> Path:
+def save_final(run: Run) -> Path | None:
     """`final/`: model and tokenizer, loadable with from_pretrained, and the rollout settings
-    (written atomically)."""
-    return save_model(run.model, run.tokenizer, run.run_dir / "final", model_files(run.config))
+    (written atomically, by rank 0)."""
+    model_state, _ = distributed.full_states(run)
+    if not run.dist.is_main:
+        return None
+    return save_model(
+        run.model, run.tokenizer, run.run_dir / "final", model_files(run.config), model_state
+    )
 
 
 def load_train_config(path: str | None, overrides: list[str], resume: str | None) -> TrainConfig:

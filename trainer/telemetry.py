@@ -168,7 +168,7 @@ class RunLogs:
                 if key.endswith("_q") and len(value) == len(QUANTILES):
                     for q, v in zip(QUANTILES, value, strict=True):
                         self.tb.add_scalar(f"{tag}/p{round(q * 100)}", v, step)
-                elif value:
+                elif value and all(isinstance(v, (int, float)) for v in value):
                     self.tb.add_histogram(tag, np.asarray(value, dtype=float), step)
             elif isinstance(value, (int, float)):
                 self.tb.add_scalar(tag, value, step)

@@ -8,6 +8,7 @@ import sys
 
 import yaml
 from conftest import TINY_CPU
+from transformers import AutoTokenizer
 
 from agent_env.policy_settings import SETTINGS_FILE
 
@@ -66,7 +67,12 @@ def test_rollout_uses_the_saved_settings_and_prints_progress_lines(
     assert result.returncode == 0, result.stderr
     assert f"using the rollout settings saved with the model ({SETTINGS_FILE})" in result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 4 and all(r["searches"] >= 1 for r in rows)
+    # the saved prompt (tiny-cpu's), not the default instruction: the context ends in <search>
+    tokenizer = AutoTokenizer.from_pretrained(str(sft_policy))
+    assert len(rows) == 4
+    for row in rows:
+        prompt = tokenizer.decode(row["prompt_ids"])
+        assert f"Question: {row['question']}" in prompt and prompt.endswith("<search>")
     # not a terminal: plain progress lines, no carriage-return frames
     assert "\r" not in result.stderr
     assert "rollout: 0/4" in result.stderr and "rollout: 4/4 (100%)" in result.stderr

@@ -1,0 +1,265 @@
+"""The distributed replay-and-update protocol (trainer/distributed.py) on 2 real processes
+(torch.multiprocessing, gloo on 127.0.0.1) against the same code in one process: the scan
+scored across ranks admits the same groups, and DDP's update on the round-robin share of
+fresh + replayed groups leaves the same weights. A real tiny Llama, a buffer of groups the
+model itself scored; no server (the end-to-end `hdr train` runs are test_distributed_train.py).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from conftest import tiny_llama
+
+from hdr.errors import UserError
+from trainer import distributed
+from trainer.checkpoint import Checkpoint, TrainState, capture_rng, save_checkpoint
+from trainer.config import TrainConfig
+from trainer.loop import Run, build_optimizer, update_policy
+from trainer.replay import SELECTORS, ReplayBuffer, make_group
+from trainer.scoring import score_groups
+
+STEPS = 3
+TIMEOUT_S = 480  # a hang guard; a loaded 2-core machine needs minutes to start torch twice
+
+
+def small_config() -> TrainConfig:
+    return TrainConfig.model_validate(
+        {
+            "model": {"path": "unused"},
+            "steps": 10,
+            "grpo": {
+                "batch_prompts": 4,
+                "group_size": 3,
+                "lr": 3e-3,
+                "warmup_steps": 0,
+                "micro_batch": 4,
+                "score_chunk": 5,
+            },
+            "replay": {"budget": 3, "capacity": 12, "tau": 0.05, "scan_chunk": 2},
+        }
+    )
+
+
+def make_groups(model, step: int, count: int, seed: int) -> list:
+    """`count` groups of random token sequences: gen log-probs from `model` (the behaviour
+    policy), hand-set rewards that differ inside each group."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for k in range(count):
+        G, T = 3, 6 + k % 3
+        ids = torch.randint(1, 64, (G, T), generator=gen)
+        attn = torch.ones(G, T, dtype=torch.long)
+        attn[0, :2] = 0  # left padding on one row
+        mask = torch.zeros(G, T)
+        mask[:, 3:] = 1.0
+        rewards = torch.tensor([1.0, 0.0, float(k % 2)])
+        adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        lp = score_groups(model, [_Rows(ids, attn, mask)])[0]  # (G, T), 0 off the mask
+        groups.append(make_group(f"s{step}/{k}", ids, attn, mask, lp, rewards, adv, step))
+    return groups
+
+
+class _Rows:
+    """The fields `score_groups` reads, for groups not yet made."""
+
+    def __init__(self, ids, attn, mask):
+        self.input_ids, self.attention_mask, self.loss_mask = ids, attn, mask
+
+
+def run_protocol(dist: distributed.Dist) -> dict:
+    """STEPS steps of: make fresh groups, select (headroom_drift) with the split scorer,
+    update on fresh + replayed, ingest. Returns what a comparison needs."""
+    config = small_config()
+    model = tiny_llama(seed=0)
+    policy = distributed.wrap_policy(model, dist, "ddp")
+    optimizer, scheduler = build_optimizer(model, config)
+    run = Run(
+        config=config,
+        run_dir=Path("."),
+        model=model,
+        tokenizer=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        buffer=ReplayBuffer(config.replay.capacity),
+        generator=None,
+        client=None,
+        train_examples=[],
+        eval_examples=[],
+        logs=distributed.SilentLogs(),
+        dist=dist,
+        policy=policy,
+    )
+    selected, scanned, grad_norms, losses = [], [], [], []
+    for step in range(1, STEPS + 1):
+        fresh = make_groups(model, step, count=4, seed=step)
+        selection = SELECTORS.get("headroom_drift")(
+            run.buffer, step, config.select_params, run.score
+        )
+        dist.agree([g.group_id for g in selection.groups], "selection")
+        update = update_policy(run, fresh, selection.groups)
+        for g in selection.groups:
+            g.replay_count += 1
+        run.buffer.ingest(fresh)
+        selected.append([g.group_id for g in selection.groups])
+        scanned.append(selection.scanned)
+        grad_norms.append(update.grad_norm)
+        losses.append(update.loss)
+    return {
+        "selected": selected,
+        "scanned": scanned,
+        "grad_norms": grad_norms,
+        "losses": losses,
+        "weights": {k: v.tolist() for k, v in model.state_dict().items()},
+        "buffer_headroom": [g.headroom for g in run.buffer],
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch_dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        dist = distributed.Dist(rank=rank, world=world)
+        result = run_protocol(dist)
+        try:  # what a selector that is not deterministic across ranks meets
+            dist.agree(rank, "a value each rank holds differently")
+            result["refused"] = None
+        except UserError as err:
+            result["refused"] = str(err)
+        Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_and_one(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    ctx = mp.start_processes(
+        _worker, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
+    )
+    for proc in ctx.processes:
+        proc.join(TIMEOUT_S)
+    alive = [p for p in ctx.processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"a worker did not finish within {TIMEOUT_S} s"
+    assert all(p.exitcode == 0 for p in ctx.processes)
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    return ranks, run_protocol(distributed.Dist())
+
+
+def test_selection_is_one_global_decision(two_and_one):
+    (r0, r1), one = two_and_one
+    assert r0["selected"] == r1["selected"] == one["selected"]
+    assert r0["scanned"] == one["scanned"]
+    assert any(one["selected"][1:]), "nothing was replayed: the test shows nothing"
+    # the gate rejected something, so the decision depended on the scores
+    assert sum(one["scanned"]) > sum(len(s) for s in one["selected"])
+    assert r0["buffer_headroom"] == pytest.approx(one["buffer_headroom"], abs=1e-6)
+
+
+def test_update_matches_one_process(two_and_one):
+    (r0, r1), one = two_and_one
+    assert r0["weights"] == r1["weights"]  # DDP keeps the replicas identical
+    assert r0["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert r0["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
+    for name, w in one["weights"].items():
+        a, b = torch.tensor(w), torch.tensor(r0["weights"][name])
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), name
+    start = tiny_llama(seed=0).state_dict()
+    moved = any(not torch.equal(torch.tensor(one["weights"][k]), start[k]) for k in start)
+    assert moved
+
+
+def test_ranks_that_disagree_are_refused_in_one_line(two_and_one):
+    (r0, r1), _ = two_and_one
+    line = "the 2 processes disagree on a value each rank holds differently"
+    assert r0["refused"] == r1["refused"] == line
+
+
+def test_shards_are_contiguous_and_cover_the_step():
+    bounds = distributed.shard_bounds(10, 4)
+    assert [list(r) for r in bounds] == [[0, 1], [2, 3, 4], [5, 6], [7, 8, 9]]
+    assert distributed.shard_seed(0, 3, 0, 1) == distributed.shard_seed(0, 3, 0, 1)
+    seeds = {
+        distributed.shard_seed(0, s, r, k) for s in range(5) for r in range(2) for k in range(4)
+    }
+    assert len(seeds) == 40
+
+
+def test_split_map_in_one_process_is_the_plain_call():
+    assert distributed.Dist().split_map([1, 2, 3], lambda xs: [x * 2 for x in xs]) == [2, 4, 6]
+    assert distributed.Dist(rank=1, world=3).share(8) == [1, 4, 7]
+
+
+def test_shard_count_the_world_does_not_divide_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UserError, match="rollout_shards=1 cannot be split over 2"):
+        distributed.init_distributed(small_config())
+    config = small_config().model_copy(
+        update={
+            "distributed": small_config().distributed.model_copy(
+                update={"rollout_shards": 2, "strategy": "fsdp"}
+            )
+        }
+    )
+    with pytest.raises(UserError, match="fsdp needs GPUs"):
+        distributed.init_distributed(config)
+
+
+def test_more_shards_than_prompts_is_refused():
+    with pytest.raises(ValueError, match="rollout_shards must not exceed"):
+        TrainConfig.model_validate(
+            {
+                "model": {"path": "x"},
+                "grpo": {"batch_prompts": 2},
+                "distributed": {"rollout_shards": 4},
+            }
+        )
+
+
+def test_resume_under_another_world_size(tmp_path):
+    """Equal per-rank RNG states resume under any world size; differing ones only under the
+    world size that wrote them, refused in one line otherwise."""
+    model = tiny_llama()
+    optimizer, scheduler = build_optimizer(model, small_config())
+    state = dict(
+        model=model,
+        tokenizer=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        buffer=ReplayBuffer(4),
+        counters={"env_calls_total": 0},
+        config_yaml="",
+    )
+    torch.manual_seed(7)
+    same = capture_rng()
+    path = save_checkpoint(tmp_path / "a", 1, TrainState(**state, rng_states=[same, same]), 1)
+    ckpt = Checkpoint(path, 1)
+    assert ckpt.world_size == 2 and "world_size" not in ckpt.counters()
+    torch.manual_seed(0)
+    ckpt.restore_rng(0, 1)
+    assert torch.equal(torch.get_rng_state(), same[0]["torch"])
+    torch.manual_seed(8)
+    other = capture_rng()
+    path = save_checkpoint(tmp_path / "b", 1, TrainState(**state, rng_states=[same, other]), 1)
+    ckpt = Checkpoint(path, 1)
+    ckpt.restore_rng(1, 2)  # the same world size: each rank its own
+    assert torch.equal(torch.get_rng_state(), other[0]["torch"])
+    with pytest.raises(UserError, match="written by 2 processes whose random states differ"):
+        ckpt.restore_rng(0, 1)

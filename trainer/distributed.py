@@ -1,0 +1,473 @@
+"""Data-parallel training: the torch.distributed plumbing that `trainer/loop.py` calls.
+
+`hdr train` is one code path for any number of processes. Launched plainly it is world size 1
+and no process group exists; under `torchrun --nproc-per-node N` it reads RANK, WORLD_SIZE
+and LOCAL_RANK, joins a process group (gloo on CPUs, NCCL on GPUs, each rank on
+`cuda:LOCAL_RANK`), and every collective below does real work.
+
+One step across N ranks (the protocol docs/trainer.md writes down):
+
+1. Prompts. Every rank draws the step's `b` prompts (`sample_prompts`, a pure function of
+   seed and step). They are cut into `distributed.rollout_shards` contiguous shards; rank r
+   rolls out shards r, r+N, ... each under torch's RNG seeded from (seed, step, round, shard)
+   (round > 0: dynamic sampling's refills), so a shard samples the same tokens whichever rank
+   runs it and however many ranks there are. The trajectories are all-gathered: every rank
+   holds the step's whole rollout, so dynamic sampling's filter and refills, rewards, metrics
+   and the cost ledger are the single-process ones.
+2. Behaviour log-probs and advantages: the fresh groups are dealt round-robin, each rank
+   teacher-forces its share, and the StoredGroups are all-gathered in step order.
+3. Replay selection runs on every rank, on identical inputs: the buffer is replicated (every
+   rank ingests the same fresh groups in the same order), so the global headroom order, the
+   drift gate `tau` and the budget `R` are exactly the single-process ones. The only
+   distributed part is the scoring callable the selector is given: the candidates of each
+   scan chunk are split round-robin across ranks, each rank teacher-forces its share, and the
+   log-probs are all-gathered, so every rank refreshes headroom and gates with the same
+   numbers. Any registered selector that is a deterministic function of (buffer, step,
+   params, scores, python/numpy/torch RNG) is therefore distributed faithfully; the ranks'
+   RNG states stay equal because rollouts use forked, per-shard RNGs and only rank 0
+   evaluates (under a forked RNG too); the sampling selectors draw from their own
+   (seed, step) generator. After every selection the ranks compare the admitted group ids
+   (and the fresh groups a swap selector leaves out) and refuse, in one line, to go on if
+   they differ, rather than train on different batches.
+4. Update: fresh + admitted groups are dealt round-robin to the ranks (group j to rank
+   j mod N). Each rank's loss is its rows' clipped token sum divided by the token count of
+   the whole global batch, so the gradients, summed across ranks by DDP (a sum hook, not
+   DDP's mean), are exactly the single-process token-mean gradient. Gradient clipping then
+   sees the same global gradient on every rank. A rank dealt no group runs one row with
+   weight 0 so it still joins the all-reduce.
+5. Ingress, logs, evaluation, checkpoints: every rank ingests (replicated buffer); rank 0
+   alone writes logs, evaluates and writes checkpoints, which hold the buffer once and every
+   rank's RNG state.
+
+Where it departs from single-process training: float summation order (scoring batches hold
+different rows; gradients are summed across ranks), so results agree within float tolerance,
+not bit for bit. The buffer is replicated rather than sharded: each rank holds all `C`
+groups (CPU memory) and the fresh groups cross the network once per step; in exchange every
+selector runs unchanged. With the vLLM backend the sampler keeps its own RNG, so only the
+hf backend's rollouts are independent of N.
+
+FSDP (`distributed.strategy: fsdp`) uses FSDP2's `fully_shard` on each decoder layer and on
+the loss module; generation and no-grad scoring call the model outside that module, so the
+root's parameters are unsharded around them. It is written against torch's API and has not
+been run: it needs GPUs (NCCL), which were not available where hdr was built.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from hdr.errors import UserError
+from trainer.scoring import forward_logprobs
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+# --- the process group -----------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    """This process's place in the job. World size 1 (no process group) is the plain run."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # this module initialised the process group (and ends it)
+    collective_s: float = 0.0  # seconds inside collectives, waiting for peers included
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes logs, checkpoints and evaluations."""
+        return self.rank == 0
+
+    def share(self, n: int) -> list[int]:
+        """This rank's items of `n` dealt round-robin: rank, rank + world, ..."""
+        return list(range(self.rank, n, self.world))
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.collective_s += time.perf_counter() - start
+
+    def take_collective_time(self) -> float:
+        """Seconds spent in collectives since the last call."""
+        spent, self.collective_s = self.collective_s, 0.0
+        return spent
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order (pickled; our own processes only)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        with self._timed():
+            torch_dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        with self._timed():
+            torch_dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over ranks (float64; every rank passes the same keys)."""
+        if self.world == 1:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        if torch_dist.get_backend() == "nccl":
+            t = t.cuda()
+        with self._timed():
+            torch_dist.all_reduce(t)
+        return dict(zip(keys, t.cpu().tolist(), strict=True))
+
+    def split_map(self, items: Sequence[T], fn: Callable[[list[T]], list[R]]) -> list[R]:
+        """`fn` over `items`, its work split round-robin across ranks; every rank gets the
+        whole result in `items`' order. `fn` maps a list to a same-length list."""
+        if self.world == 1:
+            return fn(list(items))
+        mine = fn([items[i] for i in self.share(len(items))])
+        out: list[Any] = [None] * len(items)
+        for rank, part in enumerate(self.all_gather(mine)):
+            out[rank :: self.world] = part
+        return out
+
+    def agree(self, value: Any, what: str) -> None:
+        """Refuse, on every rank and in one line, to go on unless every rank holds the same
+        `value` (`what` says what it is and what to do)."""
+        values = self.all_gather(value)
+        if any(v != values[0] for v in values):
+            raise UserError(f"the {self.world} processes disagree on {what}")
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on rank 0 only and hand its result to every rank; a UserError raised
+        there is raised on every rank with the same line (so no rank waits for a dead one)."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except UserError as err:
+                error = str(err)
+        result, error = self.broadcast((result, error))
+        if error is not None:
+            raise UserError(error)
+        return result  # type: ignore[return-value]
+
+
+def launched_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) for a plain run."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def init_distributed(config):
+    """Join the job's process group (if launched by torchrun) and localise the config: each
+    rank's model on `cuda:LOCAL_RANK` when the config asks for CUDA. Returns (Dist, config).
+    Refuses, in one line, a shard count the world size does not divide and FSDP on CPUs."""
+    rank, world, local_rank = launched_world()
+    dcfg = config.distributed
+    if world == 1:
+        return Dist(), config
+    if dcfg.rollout_shards % world:
+        raise UserError(
+            f"distributed.rollout_shards={dcfg.rollout_shards} cannot be split over {world}"
+            f" processes; set it to a multiple of {world} (a step's results then do not depend"
+            " on the number of processes)"
+        )
+    cuda = config.model.device.startswith("cuda")
+    if dcfg.strategy == "fsdp" and not cuda:
+        raise UserError("distributed.strategy=fsdp needs GPUs (model.device: cuda); use ddp")
+    if cuda:
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+        update = {"model": config.model.model_copy(update={"device": device})}
+        if config.generation.device.startswith("cuda"):
+            update["generation"] = config.generation.model_copy(update={"device": device})
+        config = config.model_copy(update=update)
+    owns = not torch_dist.is_initialized()
+    if owns:
+        torch_dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=dcfg.timeout_s),
+        )
+    return Dist(rank=rank, world=world, local_rank=local_rank, owns_group=owns), config
+
+
+def shutdown(dist: Dist) -> None:
+    """Leave the process group this module started (after every rank's last collective)."""
+    if dist.owns_group and torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
+
+
+# --- rollouts ----------------------------------------------------------------------------------
+
+
+def shard_bounds(num_prompts: int, shards: int) -> list[range]:
+    """Contiguous, near-equal shards of the step's prompt positions."""
+    return [
+        range(s * num_prompts // shards, (s + 1) * num_prompts // shards) for s in range(shards)
+    ]
+
+
+def shard_seed(seed: int, step: int, round_: int, shard: int) -> int:
+    """torch's seed for one rollout shard (of the step's batch, round 0, or of a dynamic-
+    sampling refill): a function of (seed, step, round, shard) only."""
+    return int(np.random.SeedSequence([seed, step, round_, shard]).generate_state(1, np.uint64)[0])
+
+
+def rollout_sharded(run, examples: list, step: int, round_: int = 0):
+    """Roll out `examples` (`G` responses each) as `distributed.rollout_shards` contiguous
+    shards, each under torch's RNG seeded by `shard_seed`; this rank rolls out shards rank,
+    rank + N, ... and every rank receives every shard's groups. Returns one RolloutResult for
+    all of them, in shard order (the order of `examples`); its times are the slowest rank's."""
+    from agent_env.rollout import RolloutResult, rollout_groups
+
+    cfg = run.config
+    bounds = shard_bounds(len(examples), cfg.distributed.rollout_shards)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    mine = []
+    for shard in run.dist.share(len(bounds)):
+        if not bounds[shard]:
+            continue
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(shard_seed(cfg.seed, step, round_, shard))
+            result = rollout_groups(
+                run.generator,
+                run.client,
+                run.tokenizer,
+                [examples[i] for i in bounds[shard]],
+                cfg.grpo.group_size,
+                cfg.rollout,
+            )
+        mine.append((shard, result))
+    parts = run.dist.all_gather(mine)
+    results = [r for _, r in sorted((p for part in parts for p in part), key=lambda p: p[0])]
+
+    def slowest(name: str) -> float:
+        return max(sum(getattr(r, name) for _, r in part) for part in parts)
+
+    return RolloutResult(
+        groups=[g for r in results for g in r.groups],
+        env_calls=sum(r.env_calls for r in results),
+        retrieval_calls=sum(r.retrieval_calls for r in results),
+        gen_time=slowest("gen_time"),
+        retrieval_time=slowest("retrieval_time"),
+        wall_time=slowest("wall_time"),
+        dropped=[g for r in results for g in r.dropped],
+    )
+
+
+def split_behaviour(run, groups: list[list], step: int, behaviour_groups) -> tuple[list, float]:
+    """The loop's `behaviour_groups` over this rank's round-robin share of the fresh groups;
+    every rank gets all of them as StoredGroups in step order (ids by step index), the
+    token-weighted mean entropy, and the ledger's behaviour tokens of all ranks."""
+    if run.dist.world == 1:
+        return behaviour_groups(run, groups, step)
+    mine = run.dist.share(len(groups))
+    before = run.cost.behaviour_tf_tokens
+    local, entropy = behaviour_groups(run, [groups[i] for i in mine], step, mine)
+    tokens = sum(g.num_tokens for g in local)
+    totals = run.dist.sum(
+        {
+            "entropy": entropy * tokens,
+            "tokens": tokens,
+            "forwarded": run.cost.behaviour_tf_tokens - before,
+        }
+    )
+    run.cost.behaviour_tf_tokens = before + int(totals["forwarded"])
+    pairs = [p for part in run.dist.all_gather(list(zip(mine, local, strict=True))) for p in part]
+    fresh = [g for _, g in sorted(pairs, key=lambda p: p[0])]
+    return fresh, totals["entropy"] / max(totals["tokens"], 1.0)
+
+
+# --- the trained module ------------------------------------------------------------------------
+
+
+class TokenLogprobs(nn.Module):
+    """The loss forward as a module (`trainer.scoring.forward_logprobs` of the policy), so
+    DDP and FSDP wrap exactly what the update calls: the policy's own `forward` is not used,
+    the output layer runs only at policy tokens."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, target_mask, temperature: float = 1.0):
+        return forward_logprobs(self.model, input_ids, attention_mask, target_mask, temperature)
+
+
+def _sum_hook(process_group, bucket):
+    """DDP comm hook: gradients add up across ranks (each rank's loss is already its share of
+    the global token mean, so DDP's default average would divide by N once too often)."""
+    group = process_group if process_group is not None else torch_dist.group.WORLD
+    work = torch_dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_policy(model: nn.Module, dist: Dist, strategy: str) -> nn.Module:
+    """The module the update runs: plain in one process, DDP or FSDP2 across several."""
+    policy = TokenLogprobs(model)
+    if dist.world == 1:
+        return policy
+    if strategy == "fsdp":
+        return _fully_shard(policy, dist)
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [dist.local_rank] if next(model.parameters()).is_cuda else None
+    # no buffer broadcast: ranks run different numbers of forwards per step (uneven rows),
+    # and the policy's buffers (rotary tables) are constants
+    ddp = DistributedDataParallel(policy, device_ids=device_ids, broadcast_buffers=False)
+    ddp.register_comm_hook(None, _sum_hook)
+    return ddp
+
+
+def _fully_shard(policy: TokenLogprobs, dist: Dist) -> nn.Module:
+    """FSDP2: each decoder layer its own unit, the rest (embeddings, norm, output layer) in
+    the root. Gradients are reduce-scattered as a sum (each rank's loss is its share of the
+    global token mean). Untested here: needs GPUs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh("cuda", (dist.world,))
+    for layer in getattr(policy.model.base_model, "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return policy
+
+
+def is_fsdp(policy: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(policy, FSDPModule)
+
+
+@contextmanager
+def gathered_weights(run) -> Iterator[None]:
+    """Generation and no-grad scoring call the model outside the wrapped module; under FSDP
+    the root's parameters are unsharded around them. Nothing to do otherwise."""
+    if not is_fsdp(run.policy):
+        yield
+        return
+    run.policy.unshard()
+    try:
+        yield
+    finally:
+        run.policy.reshard()
+
+
+def accumulate(policy: nn.Module, sync: bool):
+    """Context for one micro-batch: gradients are reduced across ranks only when `sync`
+    (the last micro-batch of a pass), accumulated locally before."""
+    if sync:
+        return nullcontext()
+    if hasattr(policy, "no_sync"):  # DDP
+        return policy.no_sync()
+    if is_fsdp(policy):
+        return _fsdp_no_sync(policy)
+    return nullcontext()
+
+
+@contextmanager
+def _fsdp_no_sync(policy) -> Iterator[None]:
+    policy.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        policy.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient's L2 norm; returns the norm before clipping (under FSDP the
+    norm of the sharded gradients is reduced across ranks by DTensor)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def full_states(run) -> tuple[dict | None, dict]:
+    """(model state dict or None, optimizer state dict) to save. DDP and a single process
+    hold full replicas: None means "save the module itself". FSDP gathers both (a collective:
+    every rank calls it) onto the CPU."""
+    if not is_fsdp(run.policy):
+        return None, run.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    wrapped = get_model_state_dict(run.policy, options=options)  # keys "model.<name>"
+    model_state = {k.removeprefix("model."): v for k, v in wrapped.items()}
+    optim_state = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
+    return model_state, optim_state
+
+
+def load_optimizer_state(run, state: dict) -> None:
+    """Load a full optimizer state (as `full_states` saved it) into this rank's optimizer."""
+    if not is_fsdp(run.policy):
+        run.optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    set_optimizer_state_dict(
+        run.policy,
+        run.optimizer,
+        state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False),
+    )
+
+
+def gather_rng_states(dist: Dist) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+    """Every rank's `capture_rng()`, on every rank. The tensors travel as numpy arrays: torch's
+    pickling of a uint32 tensor (numpy's key state) does not load back."""
+    from trainer.checkpoint import capture_rng
+
+    tensors, info = capture_rng()
+    states = dist.all_gather(({k: v.numpy() for k, v in tensors.items()}, info))
+    return [({k: torch.from_numpy(v) for k, v in t.items()}, i) for t, i in states]
+
+
+class SilentLogs:
+    """What ranks other than 0 write: nothing (the RunLogs interface)."""
+
+    def step(self, record: dict) -> None: ...
+
+    def eval(self, record: dict) -> None: ...
+
+    def groups_left(self, groups, step: int | None) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -108,6 +108,7 @@ def test_a_failed_build_exits_non_zero_and_serves_nothing(tmp_path):
     finally:
         entrypoint.kill()
     assert status != 0, entrypoint.output()
-    assert "hdr: error: cannot load encoder" in entrypoint.output()
+    assert "hdr: error: encoder" in entrypoint.output()
+    assert "no-such-encoder" in entrypoint.output()
     assert not (tmp_path / "data" / "index" / "manifest.json").exists()
     assert "serving" not in entrypoint.output()

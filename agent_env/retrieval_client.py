@@ -324,6 +324,15 @@ class RetrievalClient:
         urls = [url.rstrip("/") for url in self.config.urls]
         return any(await asyncio.gather(*(self._health(url) for url in urls)))
 
+    def require_reachable(self) -> None:
+        """Fail at once, in one line, when no URL answers before a job starts: a server that
+        was never started is a setup mistake; the outage grace is for restarts mid-run."""
+        if not self._run(self._any_healthy()):
+            raise RetrievalUnavailable(
+                f"no retrieval server answers at {', '.join(self.config.urls)}; start one with "
+                "`hdr serve --index DIR` (or `make serve`) or point retrieval.urls at it"
+            )
+
     async def _wait_for_recovery(self, reason: str) -> None:
         """Pause until some URL is healthy again; one shared wait for all chunks."""
         if self._recovery is None or self._recovery.done():

@@ -108,6 +108,7 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
             RetrievalClient(client_config, seed=job.seed) as client,
             progress(desc="rollout", total=len(examples), unit="q", leave=False) as bar,
         ):
+            client.require_reachable()
             for lo in range(0, len(examples), job.batch):
                 chunk = examples[lo : lo + job.batch]
                 result = rollout_groups(generator, client, tokenizer, chunk, job.group_size, config)

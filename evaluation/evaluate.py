@@ -567,6 +567,7 @@ def evaluate(
         config.generation, model_dir=model_dir, tokenizer=tokenizer, prompt=config.rollout.prompt
     )
     with RetrievalClient(config.retrieval, seed=config.seed) as client:
+        client.require_reachable()
         report = evaluate_policy(
             getattr(generator, "model", None),
             tokenizer,

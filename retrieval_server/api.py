@@ -92,7 +92,7 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "unhealthy"]
     documents: int
     encoder: str
-    index_type: str
+    index_type: str | None  # None: no dense index (BM25 only)
     retrievers: list[str]
     default_retriever: str
     emulated_cost: EmulatedCostReport

@@ -117,6 +117,12 @@ def build_command(
     train_sample: int = typer.Option(
         262144, "--train-sample", min=1, help="Vectors to train IVF/PQ/SQ/OPQ indexes on."
     ),
+    dense: bool = typer.Option(
+        True,
+        "--dense/--no-dense",
+        help="Build the dense index (--no-dense: BM25 only, nothing encoded: seconds, not"
+        " minutes, on a CPU).",
+    ),
 ) -> None:
     """Encode the corpus into a FAISS index (+ BM25) with a manifest; resumes when rerun."""
     from retrieval_server.index_build import build_index
@@ -130,13 +136,14 @@ def build_command(
         encoder_config=encoder_options(backend, device, fp16, batch_size),
         chunk_size=chunk_size,
         train_sample=train_sample,
+        dense=dense,
     )
     manifest = result.manifest
     resumed = f", resumed after {result.chunks_reused} chunks" if result.chunks_reused else ""
     typer.echo(
         f"indexed {manifest.documents} passages into {out} "
-        f"({manifest.index_factory}, {manifest.dimension}-d, bm25={manifest.bm25}) "
-        f"in {manifest.build_seconds:.0f}s{resumed}"
+        f"({manifest.index_factory or 'no dense index'}, {manifest.dimension}-d,"
+        f" bm25={manifest.bm25}) in {manifest.build_seconds:.0f}s{resumed}"
     )
 
 
@@ -213,8 +220,8 @@ def serve_command(
     retriever: str | None = typer.Option(
         None,
         "--retriever",
-        help="Default retriever (dense or bm25; default: dense, or the first of --retrievers); "
-        "requests may override.",
+        help="Default retriever (dense or bm25; default: the first of --retrievers, else dense,"
+        " or bm25 on a --no-dense index); requests may override.",
     ),
     corpus: Path | None = typer.Option(
         None, "--corpus", help="Corpus path, if not where the manifest says."
@@ -248,11 +255,13 @@ def serve_command(
     from hdr.config import load_config
     from hdr.errors import UserError, warn
     from retrieval_server.config import API_TOKEN_ENV, ServerConfig
-    from retrieval_server.index import validate_index
+    from retrieval_server.index import read_manifest, validate_index
     from retrieval_server.retrievers import RETRIEVERS
 
-    if retriever is None:
-        retriever = retrievers.split(",")[0].strip() if retrievers else "dense"
+    if retriever is None and retrievers:
+        retriever = retrievers.split(",")[0].strip()
+    elif retriever is None:  # the index's own: dense, or bm25 for a --no-dense index
+        retriever = "dense" if read_manifest(index).index_factory is not None else "bm25"
     settings = [f"index_dir={index}", f"default_retriever={retriever}"]
     if corpus is not None:
         settings.append(f"corpus={corpus}")

@@ -66,7 +66,9 @@ class IndexManifest(BaseModel):
     encoder: EncoderSpec
     dimension: int
     metric: Literal["inner_product"] = "inner_product"
-    index_factory: str  # FAISS index_factory string, e.g. "Flat", "HNSW32,Flat", "IVF1024,PQ64"
+    # FAISS index_factory string, e.g. "Flat", "HNSW32,Flat", "IVF1024,PQ64"; None: no dense
+    # index (`hdr index build --no-dense`, BM25 only); `encoder` is then what one would use
+    index_factory: str | None
     documents: int
     corpus_path: str  # relative to the index directory where possible
     corpus_bytes: int
@@ -329,7 +331,8 @@ def load_index(
     offsets = np.load(index_dir / OFFSETS_FILE, mmap_mode="r", allow_pickle=False)
     if len(offsets) != manifest.documents + 1 or int(offsets[-1]) != manifest.corpus_bytes:
         raise UserError(f"{index_dir / OFFSETS_FILE} does not match {index_dir / MANIFEST}")
-    dense_index = open_dense(files, dense or DenseSearchConfig()) if with_dense else None
+    has_dense = with_dense and manifest.index_factory is not None
+    dense_index = open_dense(files, dense or DenseSearchConfig()) if has_dense else None
     bm25_index, tokenizer = None, None
     if with_bm25 and manifest.bm25:
         bm25_index = bm25s.BM25.load(

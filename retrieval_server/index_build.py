@@ -35,7 +35,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from hdr.errors import UserError
 from retrieval_server.corpus import read_contents, scan_corpus
-from retrieval_server.encoder import DEFAULT_ENCODER, Encoder, EncoderSpec, encoder_spec
+from retrieval_server.encoder import (
+    DEFAULT_ENCODER,
+    Encoder,
+    EncoderSpec,
+    encoder_spec,
+    resolve_encoder,
+)
 from retrieval_server.index import (
     BM25_DIR,
     BM25_STOPWORDS,
@@ -250,7 +256,9 @@ def partial_dir(out_dir: Path) -> Path:
 def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManifest:
     """Record the files' sizes in the manifest, write it, and rename `partial` to `out_dir`
     (replacing an older index there only once the new one is whole)."""
-    files = [partial / DENSE_FILE, partial / OFFSETS_FILE]
+    files = [partial / OFFSETS_FILE]
+    if manifest.index_factory is not None:
+        files.append(partial / DENSE_FILE)
     if manifest.bm25:
         files += sorted(p for p in (partial / BM25_DIR).iterdir() if p.is_file())
     manifest.files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in files}
@@ -267,7 +275,12 @@ def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManife
 
 
 def new_manifest(
-    spec: EncoderSpec, dimension: int, factory: str, corpus: Path, out_dir: Path, **fields: object
+    spec: EncoderSpec,
+    dimension: int,
+    factory: str | None,
+    corpus: Path,
+    out_dir: Path,
+    **fields: object,
 ) -> IndexManifest:
     import numpy as np
 
@@ -323,10 +336,13 @@ def build_index(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     train_sample: int = DEFAULT_TRAIN_SAMPLE,
     show_progress: bool = True,
+    dense: bool = True,
 ) -> BuildResult:
     """Encode every passage of `corpus` and write the index directory `out_dir` (see module).
 
     `bm25` None builds BM25 for corpora of at most `BM25_AUTO_MAX_DOCUMENTS` passages.
+    `dense` False builds BM25 alone: nothing is encoded (seconds where encoding takes minutes
+    or hours on a CPU); the manifest records the encoder a dense index would use.
     """
     import numpy as np
 
@@ -338,9 +354,13 @@ def build_index(
     offsets = scan_corpus(corpus)  # the whole corpus is checked before anything is encoded
     documents = len(offsets) - 1
     spec = spec or encoder_spec(DEFAULT_ENCODER)
+    with_bm25 = documents <= BM25_AUTO_MAX_DOCUMENTS if bm25 is None else bm25
+    if not dense:
+        if not with_bm25:
+            raise UserError("--no-dense with --no-bm25 leaves nothing to build")
+        return build_bm25_only(corpus, out_dir, spec, offsets, chunk_size, show_progress, started)
     encoder = Encoder(spec, encoder_config)
     new_faiss_index(factory, encoder.dimension)  # a bad factory string fails before encoding
-    with_bm25 = documents <= BM25_AUTO_MAX_DOCUMENTS if bm25 is None else bm25
 
     state = {
         "corpus_fingerprint": corpus_fingerprint(corpus),
@@ -390,6 +410,34 @@ def build_index(
     )
 
 
+def build_bm25_only(
+    corpus: Path,
+    out_dir: Path,
+    spec: EncoderSpec,
+    offsets: np.ndarray,
+    chunk_size: int,
+    show_progress: bool,
+    started: float,
+) -> BuildResult:
+    """The index directory without a dense index: offsets and BM25."""
+    import numpy as np
+    from transformers import AutoConfig
+
+    dimension = AutoConfig.from_pretrained(resolve_encoder(spec.name)).hidden_size
+    partial = partial_dir(out_dir)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    np.save(partial / OFFSETS_FILE, offsets, allow_pickle=False)
+    write_bm25(corpus, offsets, partial / BM25_DIR, chunk_size, show_progress)
+    manifest = new_manifest(
+        spec, dimension, None, corpus, out_dir,
+        build_seconds=round(time.perf_counter() - started, 1),
+    )  # fmt: skip
+    return BuildResult(
+        manifest=commit(partial, out_dir, manifest), chunks_encoded=0, chunks_reused=0
+    )
+
+
 def convert_index(
     source_dir: Path,
     out_dir: Path,
@@ -404,6 +452,8 @@ def convert_index(
     started = time.perf_counter()
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     files = validate_index(source_dir)
+    if files.manifest.index_factory is None:
+        raise UserError(f"{source_dir} has no dense index to convert (built with --no-dense)")
     factory = factory_string(index_type)
     new_faiss_index(factory, files.manifest.dimension)
     vectors = StoredVectors(read_dense(source_dir / DENSE_FILE, mmap=True))

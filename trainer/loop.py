@@ -261,6 +261,8 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
         (run_dir / "config.yaml").write_text(dump_config(config))
         return run_dir
 
+    client = RetrievalClient(config.retrieval, seed=config.seed)
+    client.require_reachable()  # before anything is written or loaded
     run_dir = dist.on_main(make_run_dir)  # rank 0 alone writes the run directory
     model, tokenizer = load_policy(ckpt.model_dir if ckpt else config.model.path, config)
     policy = distributed.wrap_policy(model, dist, config.distributed.strategy)
@@ -286,7 +288,7 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
         scheduler=scheduler,
         buffer=buffer,
         generator=generator,
-        client=RetrievalClient(config.retrieval, seed=config.seed),
+        client=client,
         train_examples=load_task(config.data.train, config.data.train_split),
         eval_examples=heldout_subset(
             load_task(config.data.eval, config.data.eval_split),
@@ -516,7 +518,7 @@ def chunk_loss(
             ref, _ = forward_logprobs(run.ref_model, ids, attn, mask, temperature)
         kl_t = kl_k3(lp, align(ref), mask)
         loss = loss + cfg.beta * kl_t
-        kl = float(kl_t)
+        kl = float(kl_t.detach())
     return loss, kl, lp.detach().float().cpu()
 
 

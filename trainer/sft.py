@@ -129,12 +129,13 @@ def run_sft(config) -> Path:
 
     sft, out = config.sft, Path(config.model.path)
     seed_everything(config.seed)
+    client = RetrievalClient(config.retrieval, seed=config.seed)
+    client.require_reachable()
     init = Path(sft.init_model)
     ensure_init_model(init)
     tokenizer = AutoTokenizer.from_pretrained(str(init))
     model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
     model = model.to(config.model.device)
-    client = RetrievalClient(config.retrieval, seed=config.seed)
     examples = load_task(config.data.train, config.data.train_split)[: sft.max_examples]
     if not examples:
         raise UserError(f"training task {config.data.train!r} has no questions")
@@ -143,6 +144,9 @@ def run_sft(config) -> Path:
     )
     start = time.perf_counter()
     rows = scripted_rows(config, tokenizer, client, examples)
+    if not rows:  # every scripted trajectory's retrieval failed: nothing to learn from
+        failed = client.stats.failed_queries
+        raise UserError(f"hdr sft: no scripted trajectory completed ({failed} searches failed)")
     say(f"hdr sft: {len(rows)} scripted trajectories in {time.perf_counter() - start:.0f}s")
     per_epoch = math.ceil(len(rows) / sft.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=sft.weight_decay)

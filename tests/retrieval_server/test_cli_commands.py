@@ -81,24 +81,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_starts_on_loopback_and_answers(small_index: Path) -> None:
+def start_serve(*args: str) -> tuple[subprocess.Popen[str], str, dict]:
+    """`hdr serve ARGS` on a free port: the process, its URL and its first /health."""
     port = free_port()
     process = subprocess.Popen(
-        [HDR, "serve", "--index", str(small_index), "--port", str(port), "--retriever", "bm25"],
+        [HDR, "serve", *args, "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(process.stdout.read())
+        try:
+            return process, url, httpx.get(f"{url}/health", timeout=5).json()
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise AssertionError("hdr serve did not come up") from None
+            time.sleep(0.2)
+
+
+def stop_serve(process: subprocess.Popen[str]) -> str:
+    process.terminate()  # uvicorn shuts down gracefully, then re-raises SIGTERM
+    output, _ = process.communicate(timeout=30)
+    return output
+
+
+def test_serve_starts_on_loopback_and_answers(small_index: Path) -> None:
+    process, url, health = start_serve("--index", str(small_index), "--retriever", "bm25")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                health = httpx.get(f"{url}/health", timeout=5)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "hdr serve did not come up"
-                time.sleep(0.2)
-        assert health.json()["default_retriever"] == "bm25"
+        assert health["default_retriever"] == "bm25"
         body = {"queries": ["Great Wall of China"], "topk": 3, "return_scores": True}
         response = httpx.post(f"{url}/retrieve", json=body, timeout=60)
         assert response.status_code == 200
@@ -106,10 +119,43 @@ def test_serve_starts_on_loopback_and_answers(small_index: Path) -> None:
             '"Great Wall of China"'
         )
     finally:
-        process.terminate()  # uvicorn shuts down gracefully, then re-raises SIGTERM
-        output, _ = process.communicate(timeout=30)
-    assert f"hdr serve: http://127.0.0.1:{port} ready" in output  # loopback by default
+        output = stop_serve(process)
+    assert f"hdr serve: {url} ready" in output  # loopback by default
     assert "Application shutdown complete" in output
+
+
+def test_a_bm25_only_index_builds_without_encoding_and_serves_bm25(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """`--no-dense`: no FAISS file, nothing encoded; `hdr serve` defaults to bm25 on it and
+    answers a dense request with a 4xx that names what it has."""
+    out = tmp_path / "bm25-only"
+    built = hdr("index", "build", "--corpus", str(small_corpus), "--out", str(out), "--no-dense")
+    assert built.returncode == 0, built.stderr
+    assert "no dense index" in built.stdout and "encode passages" not in built.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["index_factory"] is None and manifest["bm25"] is True
+    assert not (out / "dense.faiss").exists() and "dense.faiss" not in manifest["files"]
+
+    process, url, health = start_serve("--index", str(out))
+    try:
+        assert (health["default_retriever"], health["retrievers"]) == ("bm25", ["bm25"])
+        found = httpx.post(f"{url}/retrieve", json={"queries": ["Great Wall of China"]})
+        assert found.json()["result"][0][0]["contents"].startswith('"Great Wall of China"')
+        dense = httpx.post(f"{url}/retrieve", json={"queries": ["x"], "retriever": "dense"})
+        assert dense.status_code == 400 and "available: bm25" in dense.text
+    finally:
+        stop_serve(process)
+    assert_one_line_user_error(
+        hdr("serve", "--index", str(out), "--retriever", "dense", "--port", "0"),
+        "retriever 'dense' is not available",
+    )
+    convert = ["--from", str(out), "--out", str(tmp_path / "c"), "--index-type", "IVF4,Flat"]
+    assert_one_line_user_error(hdr("index", "convert", *convert), "has no dense index to convert")
+    nothing = tmp_path / "nothing"
+    neither = ["--corpus", str(small_corpus), "--out", str(nothing), "--no-dense", "--no-bm25"]
+    assert_one_line_user_error(hdr("index", "build", *neither), "leaves nothing to build")
+    assert not nothing.exists()
 
 
 def test_serve_checks_its_port_before_loading_the_index(small_index: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY_CPU, tiny_overrides
 
 from agent_env.policy_settings import SETTINGS_FILE
-from trainer.checkpoint import list_checkpoints, open_checkpoint
+from trainer.checkpoint import open_checkpoint
 
 HDR = [sys.executable, "-m", "hdr.cli"]
 
@@ -89,20 +89,21 @@ def free_port() -> int:
 
 
 def test_no_server_is_one_line_and_the_same_command_runs_again(sft_policy, small_qa, tmp_path):
-    """Case 3 of the first hour: no server listening. One line says so (the step-0
-    evaluation, or the first step when the evaluation had nothing to score); the run directory
-    it started is no dead end (the same command starts it over)."""
+    """Case 3 of the first hour: no server listening. `hdr train` and `hdr sft` say so in one
+    line at once (the default outage grace, minutes, is for a server that restarts mid-run,
+    not for one that was never started); nothing is written, so the same command runs again."""
     out, url = tmp_path / "run", f"http://127.0.0.1:{free_port()}"
-    overrides = tiny_overrides(
-        url, sft_policy, small_qa, out, "retrieval.max_retries=0", "retrieval.outage_grace_s=0"
-    )  # no grace period for a server that comes back: fail at once
-    command = [*HDR, "train", "--config", str(TINY_CPU), *overrides]
-    for _attempt in range(2):
+    overrides = tiny_overrides(url, sft_policy, small_qa, out)
+    train = [*HDR, "train", "--config", str(TINY_CPU), *overrides]
+    sft = [*HDR, "sft", "--config", str(TINY_CPU), *overrides, f"model.path={tmp_path / 'sft'}"]
+    for command in (train, train, sft):
+        started = time.monotonic()
         result = subprocess.run(command, env=env(), capture_output=True, text=True)
         assert result.returncode == 2, result.stderr
+        assert time.monotonic() - started < 120  # far inside the 300 s grace: it did not wait
         lines = result.stderr.strip().splitlines()
         errors = [x for x in lines if x.startswith("hdr: error: ")]
         assert errors == lines[-1:], result.stderr  # one error line, the last
-        assert url in errors[0]
+        assert f"no retrieval server answers at {url}" in errors[0]
         assert "Traceback" not in result.stderr
-    assert not list_checkpoints(out / "checkpoints")
+    assert not out.exists() and not (tmp_path / "sft").exists()

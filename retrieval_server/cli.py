@@ -309,7 +309,10 @@ def bind_port(host: str, port: int):
     from hdr.errors import UserError
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when
+    # the listener says TCP; without it a keep-alive response's body waits for the ACK of
+    # its headers (Nagle + delayed ACK: 40 ms on every request after a connection's first)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -37,7 +37,7 @@ class RunningServer:
 def bind_loopback(port: int = 0) -> socket.socket:
     """A listening-ready TCP socket on 127.0.0.1 (handed to uvicorn, so no race); port 0 is a
     free port, another number reuses a port (a restarted server at the same URL)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # see bind_port
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     return sock

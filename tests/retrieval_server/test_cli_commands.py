@@ -191,3 +191,31 @@ def test_build_checks_the_whole_corpus_before_encoding(tmp_path: Path) -> None:
         hdr("index", "build", "--corpus", str(corpus), "--out", str(out)), f"{corpus}:1001"
     )
     assert not out.exists()  # nothing half-made
+
+
+def test_served_connections_send_without_nagle_delay() -> None:
+    """The socket `hdr serve` binds before loading makes asyncio (hence uvicorn) set
+    TCP_NODELAY on each accepted connection; without it, a keep-alive response's body waited
+    for the client's delayed ACK of its headers (40 ms a request on Linux)."""
+    import asyncio
+
+    from retrieval_server.cli import bind_port
+
+    async def accepted_nodelay() -> int:
+        listener = bind_port("127.0.0.1", 0)
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        _, writer = await asyncio.open_connection(*listener.getsockname())
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) == 1

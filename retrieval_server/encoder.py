@@ -281,6 +281,9 @@ class Encoder:
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Idle intra-op threads sleep instead of spinning: in a server the spinning threads
+        # take the cores the event loop and FAISS need between two small batches.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.config.threads:
             options.intra_op_num_threads = self.config.threads
         session = onnxruntime.InferenceSession(

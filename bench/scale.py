@@ -9,6 +9,10 @@ and in one pass over the chunks:
 - adds them to an IVF-PQ index trained on a sample (`--ivf`, default IVF1024,PQ96);
 - keeps the exact top 10 of `--queries` held-out query vectors (ground truth for recall).
 
+A third point serves the IVF-PQ index re-ranked from the memory-mapped flat file
+(`--refine` k_factor, what `hdr index convert --refine` + `hdr serve` do): PQ codes propose
+k x k_factor candidates, their exact vectors (3 KiB each, read from the file) rank them.
+
 Then, for each index, a fresh process opens it exactly as `hdr serve` does
 (`retrieval_server.index.read_dense` + `set_search_parameters`: mmap for flat) and reports its
 start time (process start to ready), resident memory while searching (VmRSS, split into
@@ -163,10 +167,12 @@ import json, sys, time
 started = float(sys.argv[1])
 sys.path.insert(0, sys.argv[6])
 import numpy as np
-from retrieval_server.index import read_dense, set_search_parameters
+from retrieval_server.index import read_dense, set_search_parameters, with_refine
 from pathlib import Path
 index = read_dense(Path(sys.argv[2]), mmap=sys.argv[3] == "1")
 set_search_parameters(index, int(sys.argv[4]), 128)
+if sys.argv[8]:  # re-rank from the memory-mapped flat file, as `hdr serve` does
+    index = with_refine(index, read_dense(Path(sys.argv[8]), mmap=True), int(sys.argv[9]))
 ready = time.time() - started
 queries = np.load(sys.argv[5])
 budget = float(sys.argv[7])
@@ -192,10 +198,14 @@ print(json.dumps({
 """
 
 
-def serve_probe(path: Path, mmap: bool, nprobe: int, queries: Path, budget_s: float) -> dict:
+def serve_probe(
+    path: Path, mmap: bool, nprobe: int, queries: Path, budget_s: float,
+    refine: Path | None = None, k_factor: int = 0,
+) -> dict:  # fmt: skip
     """Open the index in a fresh process as the server does; time it, search, measure RSS."""
     command = [sys.executable, "-c", SERVE_PROBE, str(time.time()), str(path), "1" if mmap else "0",
-               str(nprobe), str(queries), str(ROOT), str(budget_s)]  # fmt: skip
+               str(nprobe), str(queries), str(ROOT), str(budget_s), str(refine or ""),
+               str(k_factor)]  # fmt: skip
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -222,6 +232,11 @@ def main(
     train: int = typer.Option(65_536, help="Training vectors for the IVF-PQ index."),
     queries: int = typer.Option(200, help="Held-out queries for recall and speed."),
     seconds: float = typer.Option(20.0, help="Search time budget per measurement."),
+    refine: int = typer.Option(
+        4,
+        help="k_factor of a third point: the IVF-PQ index re-ranked from the mmap'd flat"
+        " file (`hdr index convert --refine`); 0 leaves it out (so does a reduced flat point).",
+    ),
     workdir: Path = typer.Option(Path(tempfile.gettempdir()) / "hdr-scale", help="Scratch dir."),
     out: Path = typer.Option(Path("bench/results/scale.json"), help="JSON results file."),
     keep: bool = typer.Option(False, help="Keep the index files instead of deleting them."),
@@ -242,12 +257,19 @@ def main(
         build_s = time.perf_counter() - started
         query_file = workdir / "queries.npy"
         points = []
-        for name, path, mmap, count, truth in (
-            ("flat-mmap", workdir / "flat.faiss", True, flat_vectors, "truth_flat.npy"),
-            (ivf, workdir / "ivf.faiss", False, vectors, "truth_ivf.npy"),
-        ):
+        flat, compressed = workdir / "flat.faiss", workdir / "ivf.faiss"
+        cases = [
+            ("flat-mmap", flat, True, flat_vectors, "truth_flat.npy", None),
+            (ivf, compressed, False, vectors, "truth_ivf.npy", None),
+        ]
+        if refine and flat_vectors == vectors:
+            cases.append((f"{ivf} + refine x{refine} (flat mmap)", compressed, False, vectors,
+                          "truth_ivf.npy", flat))  # fmt: skip
+        for name, path, mmap, count, truth, refine_file in cases:
             drop_page_cache_hint(path)
-            probe = serve_probe(path, mmap, nprobe, query_file, seconds)
+            if refine_file is not None:
+                drop_page_cache_hint(refine_file)
+            probe = serve_probe(path, mmap, nprobe, query_file, seconds, refine_file, refine)
             recall = recall_at_10(probe.pop("rows"), np.load(workdir / truth))
             points.append(
                 {"index": name, "vectors": count, "size_bytes": path.stat().st_size,
@@ -259,6 +281,7 @@ def main(
             shutil.rmtree(workdir, ignore_errors=True)
 
     ivf_point = points[1]
+    served = points[-1]  # the refined point when there is one
     per_vector_rss = ivf_point["rss_anon_bytes"] / vectors
     extrapolated = {
         "passages": WIKI18_PASSAGES,
@@ -267,9 +290,7 @@ def main(
         "ivf_rss_anon_bytes": round(per_vector_rss * WIKI18_PASSAGES),
         "ivf_add_s": round(timings["ivf_add_s"] / vectors * WIKI18_PASSAGES),
     }
-    passed = ivf_point["rss_bytes"] < RSS_TARGET_BYTES and ivf_point["recall_at_10"] >= (
-        RECALL_TARGET
-    )
+    passed = served["rss_bytes"] < RSS_TARGET_BYTES and served["recall_at_10"] >= RECALL_TARGET
     report = {
         "build_seconds_total": round(build_s, 1),
         "build_timings": timings,
@@ -282,7 +303,7 @@ def main(
             "load_average_before": list(load_before),
             "load_average_after": list(os.getloadavg()),
         },
-        "target": {"ivf_rss_below_4gb_and_recall_0.9": passed},
+        "target": {"index": served["index"], "rss_below_4gb_and_recall_0.9": passed},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

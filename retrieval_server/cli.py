@@ -155,12 +155,18 @@ def convert_command(
     train_sample: int = typer.Option(
         262144, "--train-sample", min=1, help="Vectors to train IVF/PQ/SQ/OPQ indexes on."
     ),
+    refine: bool = typer.Option(
+        False,
+        "--refine",
+        help="Keep the Flat vectors (hard-linked) to re-rank the compressed index's candidates"
+        " exactly at serve time (memory-mapped; dense.refine_k_factor).",
+    ),
 ) -> None:
     """Remake an index's FAISS part as another index type from its stored vectors (no
     re-encoding): e.g. an imported wiki-18 Flat index into IVF-PQ."""
     from retrieval_server.index_build import convert_index
 
-    manifest = convert_index(source, out, index_type, train_sample)
+    manifest = convert_index(source, out, index_type, train_sample, refine=refine)
     size = manifest.files["dense.faiss"] / 2**30
     typer.echo(
         f"wrote {out}: {manifest.index_factory} over {manifest.documents} vectors, "

@@ -51,6 +51,13 @@ class DenseSearchConfig(StrictModel):
     ef_search: int = Field(
         default=128, ge=1, description="HNSW search breadth (HNSW indexes only)."
     )
+    refine_k_factor: int = Field(
+        default=4,
+        ge=0,
+        description="For an index converted with --refine (IVF-PQ, ...): fetch k x this many "
+        "candidates from the compressed index and rank them by exact inner product on the "
+        "memory-mapped flat vectors; 0 serves the compressed scores alone.",
+    )
     device: Literal["cpu", "cuda"] = Field(
         default="cpu",
         description="cuda: clone the index to every GPU (needs faiss built with GPU support; "

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.faiss"
+REFINE_FILE = "refine.faiss"  # the exact (Flat) vectors a compressed index re-ranks with
 OFFSETS_FILE = "offsets.npy"
 BM25_DIR = "bm25"
 BM25_STOPWORDS = "en"
@@ -78,6 +79,7 @@ class IndexManifest(BaseModel):
     files: dict[str, int]  # path relative to the index directory -> size in bytes
     build_seconds: float
     imported_from: str | None = None  # the FAISS file adopted by `hdr index import`, if any
+    refine: bool = False  # REFINE_FILE holds the flat vectors (`hdr index convert --refine`)
 
 
 def corpus_fingerprint(path: Path) -> str:
@@ -287,7 +289,24 @@ def open_dense(files: IndexFiles, config: DenseSearchConfig) -> faiss.Index:
     set_search_parameters(dense, config.nprobe, config.ef_search)
     if config.device == "cuda":
         dense = clone_to_gpus(dense)
+    if manifest.refine and config.refine_k_factor > 0:
+        flat = read_dense(index_dir / REFINE_FILE, mmap=True)
+        if flat.ntotal != manifest.documents or flat.d != manifest.dimension:
+            raise UserError(f"{index_dir / REFINE_FILE} does not match {index_dir / MANIFEST}")
+        dense = with_refine(dense, flat, config.refine_k_factor)
     return dense
+
+
+def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: int) -> faiss.Index:
+    """`approximate` (e.g. IVF-PQ) proposes k x `k_factor` candidates per query; `exact` (flat,
+    usually memory-mapped: only the candidates' rows are read) re-scores and re-ranks them.
+    PQ codes alone miss true neighbours (recall@10 ~0.6 on wiki-18-shaped vectors); re-ranking
+    40 candidates recovers most of them for 3 KB read per candidate."""
+    import faiss
+
+    refined = faiss.IndexRefine(approximate, exact)  # keeps Python references to both
+    refined.k_factor = k_factor
+    return refined
 
 
 @dataclass

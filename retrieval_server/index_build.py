@@ -50,6 +50,7 @@ from retrieval_server.index import (
     FORMAT_VERSION,
     MANIFEST,
     OFFSETS_FILE,
+    REFINE_FILE,
     IndexManifest,
     corpus_fingerprint,
     first_line,
@@ -259,6 +260,8 @@ def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManife
     files = [partial / OFFSETS_FILE]
     if manifest.index_factory is not None:
         files.append(partial / DENSE_FILE)
+    if manifest.refine:
+        files.append(partial / REFINE_FILE)
     if manifest.bm25:
         files += sorted(p for p in (partial / BM25_DIR).iterdir() if p.is_file())
     manifest.files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in files}
@@ -444,9 +447,12 @@ def convert_index(
     index_type: str,
     train_sample: int = DEFAULT_TRAIN_SAMPLE,
     show_progress: bool = True,
+    refine: bool = False,
 ) -> IndexManifest:
     """A copy of the index at `source_dir` with its dense index remade as `index_type`, from the
-    stored vectors (no re-encoding); BM25 and offsets are carried over (hard-linked if possible)."""
+    stored vectors (no re-encoding); BM25 and offsets are carried over (hard-linked if possible).
+    `refine` also links the source's Flat vectors as REFINE_FILE, which the server memory-maps
+    to re-rank the compressed index's candidates exactly."""
     from hdr.progress import progress as progress_bar
 
     started = time.perf_counter()
@@ -454,6 +460,11 @@ def convert_index(
     files = validate_index(source_dir)
     if files.manifest.index_factory is None:
         raise UserError(f"{source_dir} has no dense index to convert (built with --no-dense)")
+    if refine and files.manifest.index_factory != FLAT_FACTORY:
+        raise UserError(
+            f"--refine needs a Flat source index (the exact vectors); {source_dir} holds "
+            f"{files.manifest.index_factory}"
+        )
     factory = factory_string(index_type)
     new_faiss_index(factory, files.manifest.dimension)
     vectors = StoredVectors(read_dense(source_dir / DENSE_FILE, mmap=True))
@@ -470,6 +481,8 @@ def convert_index(
     link_or_copy(source_dir / OFFSETS_FILE, partial / OFFSETS_FILE)
     if files.manifest.bm25:
         shutil.copytree(source_dir / BM25_DIR, partial / BM25_DIR, copy_function=link_or_copy)
+    if refine:
+        link_or_copy(source_dir / DENSE_FILE, partial / REFINE_FILE)
     total = vectors.count
     with progress_bar(
         total=total, desc=f"index {factory}", unit="doc", enabled=show_progress
@@ -478,7 +491,7 @@ def convert_index(
     manifest = new_manifest(
         files.manifest.encoder, files.manifest.dimension, factory, files.corpus, out_dir,
         build_seconds=round(time.perf_counter() - started, 1),
-        imported_from=files.manifest.imported_from,
+        imported_from=files.manifest.imported_from, refine=refine,
     )  # fmt: skip
     return commit(partial, out_dir, manifest)
 

@@ -165,3 +165,26 @@ def test_serving_a_retriever_the_index_lacks_is_refused(small_index: Path, tmp_p
     config = ServerConfig(index_dir=out, retrievers=["bm25"])
     with pytest.raises(UserError, match="retriever 'bm25' is not available"):
         load_serving_state(config, ServerMetrics())
+
+
+def test_refine_reranks_a_lossy_index_exactly_from_the_mapped_flat_vectors(
+    small_index: Path, retrieval_url: str, tmp_path: Path
+) -> None:
+    """`convert --refine`: the compressed index proposes, the hard-linked Flat vectors
+    (memory-mapped) re-rank. With every passage a candidate (310 rows <= 5 x 62) the served
+    top 5 are exactly the Flat index's; without refinement an 8-byte PQ code is not."""
+    out = tmp_path / "pq-refined"
+    manifest = convert_index(small_index, out, "IVF4,PQ8", show_progress=False, refine=True)
+    assert manifest.refine and "refine.faiss" in manifest.files
+    assert (out / "refine.faiss").stat().st_ino == (small_index / "dense.faiss").stat().st_ino
+    queries = [q for q, _ in fixture_queries()]
+    exact = top_rows(retrieval_url, queries, topk=5)
+    with running_server(out, dense={"nprobe": 4, "refine_k_factor": 62}) as server:
+        refined = top_rows(server.url, queries, topk=5)
+    with running_server(out, dense={"nprobe": 4, "refine_k_factor": 0}) as server:
+        unrefined = top_rows(server.url, queries, topk=5)
+    assert refined == exact
+    assert unrefined != exact
+    with pytest.raises(UserError, match="--refine needs a Flat source index"):
+        convert_index(out, tmp_path / "again", "IVF4,PQ8", show_progress=False, refine=True)
+    assert not partial_dir(tmp_path / "again").exists()

@@ -74,11 +74,24 @@ BUILD_STATE = "build.json"
 INDEX_ALIASES = {"flat": FLAT_FACTORY, "hnsw": "HNSW32,Flat"}
 IMPORT_MIN_COSINE = 0.98  # re-encoded vs stored; fp16 GPU builds agree to ~0.999
 IMPORT_MIN_SELF_RECALL = 0.9  # lossy indexes: share of sampled passages found in their top 10
+# faiss-cpu 1.15's OPQ training corrupts the heap on small samples (310 and 1,000 vectors
+# aborted the process here; 4,000 trained), so OPQ needs FAISS's own recommended sample for
+# 256-centroid codebooks (39 x 256).
+OPQ_MIN_TRAIN = 39 * 256
 
 
 def factory_string(index_type: str) -> str:
     """A FAISS factory string from `--index-type` (the aliases flat and hnsw, or a factory)."""
     return INDEX_ALIASES.get(index_type, index_type)
+
+
+def check_trainable(factory: str, vectors: int, train_sample: int) -> None:
+    """Refuse, before any work, a factory string that cannot be trained on what there is."""
+    if "OPQ" in factory.upper() and min(vectors, train_sample) < OPQ_MIN_TRAIN:
+        raise UserError(
+            f"{factory!r} needs at least {OPQ_MIN_TRAIN:,} training vectors for its OPQ rotation"
+            f" ({min(vectors, train_sample):,} available): use IVF..,PQ.. without OPQ here"
+        )
 
 
 def new_faiss_index(factory: str, dimension: int) -> faiss.Index:
@@ -364,6 +377,7 @@ def build_index(
         return build_bm25_only(corpus, out_dir, spec, offsets, chunk_size, show_progress, started)
     encoder = Encoder(spec, encoder_config)
     new_faiss_index(factory, encoder.dimension)  # a bad factory string fails before encoding
+    check_trainable(factory, documents, train_sample)
 
     state = {
         "corpus_fingerprint": corpus_fingerprint(corpus),
@@ -467,6 +481,7 @@ def convert_index(
         )
     factory = factory_string(index_type)
     new_faiss_index(factory, files.manifest.dimension)
+    check_trainable(factory, files.manifest.documents, train_sample)
     vectors = StoredVectors(read_dense(source_dir / DENSE_FILE, mmap=True))
     try:
         vectors.rows(training_rows(vectors.count, 1))

@@ -261,14 +261,14 @@ def serve_command(
     from hdr.config import load_config
     from hdr.errors import UserError, warn
     from retrieval_server.config import API_TOKEN_ENV, ServerConfig
-    from retrieval_server.index import read_manifest, validate_index
+    from retrieval_server.index import validate_index
     from retrieval_server.retrievers import RETRIEVERS
 
     if retriever is None and retrievers:
         retriever = retrievers.split(",")[0].strip()
-    elif retriever is None:  # the index's own: dense, or bm25 for a --no-dense index
-        retriever = "dense" if read_manifest(index).index_factory is not None else "bm25"
-    settings = [f"index_dir={index}", f"default_retriever={retriever}"]
+    settings = [f"index_dir={index}"]
+    if retriever is not None:
+        settings.append(f"default_retriever={retriever}")
     if corpus is not None:
         settings.append(f"corpus={corpus}")
     options = {
@@ -286,6 +286,10 @@ def serve_command(
     for name in server_config.retrievers or []:
         RETRIEVERS.get(name)
     files = validate_index(server_config.index_dir, server_config.corpus)  # cheap: no loading
+    if "default_retriever" not in server_config.model_fields_set and (
+        files.manifest.index_factory is None
+    ):
+        server_config.default_retriever = "bm25"  # a --no-dense index's own retriever
     served = server_config.retrievers or RETRIEVERS.names()
     if server_config.default_retriever not in served:
         raise UserError(

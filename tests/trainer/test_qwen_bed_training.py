@@ -102,7 +102,7 @@ def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
     template, 4 turns x 500 tokens, 4,096 response tokens, bf16 autocast on fp32 master
     weights, k3 KL to a bf16 reference, gradient checkpointing), with only what the CPU
     forces substituted: the tiny model, the hf backend, the CPU, the test server and data,
-    2 steps of 2 prompts x 2 responses, and no periodic evaluation."""
+    2 steps of 2 prompts x 2 responses (so 2 rollout shards), and no periodic evaluation."""
     from transformers import AutoModelForCausalLM
 
     from trainer.loop import train
@@ -123,6 +123,7 @@ def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
         "grpo.warmup_steps=0",
         "grpo.batch_prompts=2",
         "grpo.group_size=2",
+        "distributed.rollout_shards=2",  # the file's 8 shards need 8 prompts or more
         "eval.every=0",
         "eval.at_start=false",
         "log.progress=false",

@@ -228,12 +228,12 @@ def main(
     vectors: int = typer.Option(10_000_000, help="Vectors in the IVF-PQ point (and flat)."),
     chunk: int = typer.Option(100_000, help="Vectors generated per chunk."),
     ivf: str = typer.Option("IVF1024,PQ96", help="FAISS factory string of the compressed point."),
-    nprobe: int = typer.Option(64, help="IVF lists searched per query."),
+    nprobe: int = typer.Option(128, help="IVF lists searched per query."),
     train: int = typer.Option(65_536, help="Training vectors for the IVF-PQ index."),
     queries: int = typer.Option(200, help="Held-out queries for recall and speed."),
     seconds: float = typer.Option(20.0, help="Search time budget per measurement."),
     refine: int = typer.Option(
-        4,
+        32,
         help="k_factor of a third point: the IVF-PQ index re-ranked from the mmap'd flat"
         " file (`hdr index convert --refine`); 0 leaves it out (so does a reduced flat point).",
     ),

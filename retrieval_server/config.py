@@ -52,7 +52,7 @@ class DenseSearchConfig(StrictModel):
         default=128, ge=1, description="HNSW search breadth (HNSW indexes only)."
     )
     refine_k_factor: int = Field(
-        default=4,
+        default=32,
         ge=0,
         description="For an index converted with --refine (IVF-PQ, ...): fetch k x this many "
         "candidates from the compressed index and rank them by exact inner product on the "

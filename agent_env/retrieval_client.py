@@ -381,6 +381,17 @@ class RetrievalClient:
         self.close()
 
 
+def connect(config: RetrievalConfig, seed: int | None = None) -> RetrievalClient:
+    """A client whose servers answer now (`require_reachable`); closed again if none does."""
+    client = RetrievalClient(config, seed=seed)
+    try:
+        client.require_reachable()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
 def _parse_result(response: httpx.Response, expected: int) -> list[list[Document]] | None:
     """Documents per query from a scored or plain answer; None if it does not parse or has
     the wrong number of results."""

@@ -250,7 +250,7 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
     """Build the run (fresh or from a checkpoint); returns it and the first step to run."""
     from agent_env.data import load_task
     from agent_env.generation import build_generator
-    from agent_env.retrieval_client import RetrievalClient
+    from agent_env.retrieval_client import connect
 
     dist, config = distributed.init_distributed(config)
     seed_everything(config.seed)
@@ -261,8 +261,7 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
         (run_dir / "config.yaml").write_text(dump_config(config))
         return run_dir
 
-    client = RetrievalClient(config.retrieval, seed=config.seed)
-    client.require_reachable()  # before anything is written or loaded
+    client = connect(config.retrieval, seed=config.seed)  # before anything is written or loaded
     run_dir = dist.on_main(make_run_dir)  # rank 0 alone writes the run directory
     model, tokenizer = load_policy(ckpt.model_dir if ckpt else config.model.path, config)
     policy = distributed.wrap_policy(model, dist, config.distributed.strategy)

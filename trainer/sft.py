@@ -124,13 +124,12 @@ def run_sft(config) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_env.data import load_task
-    from agent_env.retrieval_client import RetrievalClient
+    from agent_env.retrieval_client import connect
     from trainer.loop import heldout_subset, seed_everything
 
     sft, out = config.sft, Path(config.model.path)
     seed_everything(config.seed)
-    client = RetrievalClient(config.retrieval, seed=config.seed)
-    client.require_reachable()
+    client = connect(config.retrieval, seed=config.seed)  # no server: one line, at once
     init = Path(sft.init_model)
     ensure_init_model(init)
     tokenizer = AutoTokenizer.from_pretrained(str(init))

@@ -83,7 +83,7 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
     import torch
 
     from agent_env.data import load_task
-    from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
+    from agent_env.retrieval_client import RetrievalConfig, connect
     from agent_env.rollout import rollout_groups, summarize, trajectory_record
     from hdr.progress import progress
 
@@ -105,10 +105,9 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
     start = time.perf_counter()
     try:
         with (
-            RetrievalClient(client_config, seed=job.seed) as client,
+            connect(client_config, seed=job.seed) as client,
             progress(desc="rollout", total=len(examples), unit="q", leave=False) as bar,
         ):
-            client.require_reachable()
             for lo in range(0, len(examples), job.batch):
                 chunk = examples[lo : lo + job.batch]
                 result = rollout_groups(generator, client, tokenizer, chunk, job.group_size, config)

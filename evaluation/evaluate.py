@@ -546,7 +546,7 @@ def evaluate(
     `server_urls` override the config's. Writes `eval.json`, `eval.md` to `out_dir` if given.
     """
     from agent_env.generation import build_generator
-    from agent_env.retrieval_client import RetrievalClient
+    from agent_env.retrieval_client import connect
     from agent_env.runner import load_tokenizer
 
     config = (config or EvalConfig()).model_copy(deep=True)
@@ -566,8 +566,7 @@ def evaluate(
     generator = build_generator(
         config.generation, model_dir=model_dir, tokenizer=tokenizer, prompt=config.rollout.prompt
     )
-    with RetrievalClient(config.retrieval, seed=config.seed) as client:
-        client.require_reachable()
+    with connect(config.retrieval, seed=config.seed) as client:
         report = evaluate_policy(
             getattr(generator, "model", None),
             tokenizer,

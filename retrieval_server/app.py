@@ -385,6 +385,8 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         with_bm25=wanted is None or "bm25" in wanted,
     )
     names = available_retrievers(index)
+    if "default_retriever" not in config.model_fields_set and "dense" not in names and names:
+        config.default_retriever = names[0]  # none asked for: the index's own (--no-dense: bm25)
     missing = sorted(set(wanted or []) - set(names))
     if missing or config.default_retriever not in names:
         index.close()

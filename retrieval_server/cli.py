@@ -286,10 +286,6 @@ def serve_command(
     for name in server_config.retrievers or []:
         RETRIEVERS.get(name)
     files = validate_index(server_config.index_dir, server_config.corpus)  # cheap: no loading
-    if "default_retriever" not in server_config.model_fields_set and (
-        files.manifest.index_factory is None
-    ):
-        server_config.default_retriever = "bm25"  # a --no-dense index's own retriever
     served = server_config.retrievers or RETRIEVERS.names()
     if server_config.default_retriever not in served:
         raise UserError(

@@ -375,9 +375,9 @@ def build_index(
         if not with_bm25:
             raise UserError("--no-dense with --no-bm25 leaves nothing to build")
         return build_bm25_only(corpus, out_dir, spec, offsets, chunk_size, show_progress, started)
+    check_trainable(factory, documents, train_sample)
     encoder = Encoder(spec, encoder_config)
     new_faiss_index(factory, encoder.dimension)  # a bad factory string fails before encoding
-    check_trainable(factory, documents, train_sample)
 
     state = {
         "corpus_fingerprint": corpus_fingerprint(corpus),

@@ -89,21 +89,27 @@ def _head_logprobs(
 ):
     """Log-probs `[k]` of `targets` from `hidden` `[k, H]` through the output layer (and the
     entropy `[k]`, no grad, or None). `recompute`: checkpointed, the logits are recomputed in
-    backward, so a backward pass holds one slice of them at a time."""
+    backward, so a backward pass holds one slice of them at a time. Otherwise the logits are
+    computed once for both (on a large vocabulary the output layer is most of the cost)."""
 
-    def logprobs(h: Tensor, t: Tensor) -> Tensor:
-        logits = head(h).float() / temperature  # (k, V)
+    def logprobs(logits: Tensor, t: Tensor) -> Tensor:
         return torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
 
+    def head_logprobs(h: Tensor, t: Tensor) -> Tensor:
+        return logprobs(head(h).float() / temperature, t)  # (k, V) logits
+
     if recompute:
-        lp = torch.utils.checkpoint.checkpoint(logprobs, hidden, targets, use_reentrant=False)
-    else:
-        lp = logprobs(hidden, targets)
+        lp = torch.utils.checkpoint.checkpoint(head_logprobs, hidden, targets, use_reentrant=False)
+        if not with_entropy:
+            return lp, None
+        with torch.no_grad():
+            return lp, token_entropy(head(hidden).float() / temperature)
+    logits = head(hidden).float() / temperature
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = token_entropy(head(hidden).float() / temperature)
-    return lp, entropy
+            entropy = token_entropy(logits)
+    return logprobs(logits, targets), entropy
 
 
 def token_logprobs(

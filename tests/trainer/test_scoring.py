@@ -3,16 +3,19 @@ padding, target masks, and the drift of a stored group before and after an updat
 
 import torch
 
-from trainer.grpo import policy_loss
+from trainer.grpo import policy_loss, token_entropy
 from trainer.replay import SELECTORS, ReplayBuffer, SelectParams, make_group, policy_drift
 from trainer.scoring import align, left_pad, score_groups, token_logprobs
 
 
-def plain_logprobs(model, row: list[int]) -> torch.Tensor:
-    x = torch.tensor([row])
+def plain_logits(model, row: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(x).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)
+        return model(torch.tensor([row])).logits[0, :-1].float()
+
+
+def plain_logprobs(model, row: list[int]) -> torch.Tensor:
+    targets = torch.tensor(row[1:])
+    return torch.log_softmax(plain_logits(model, row), -1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def test_left_padded_chunked_scores_match_unpadded_forward(llama):
@@ -27,7 +30,8 @@ def test_left_padded_chunked_scores_match_unpadded_forward(llama):
         n = len(row) - 1
         torch.testing.assert_close(lp[i, -n:], plain_logprobs(llama, row), atol=1e-5, rtol=0)
         assert torch.all(lp[i, :-n] == 0)  # padding and the first token are never scored
-        assert torch.all(ent[i, -n:] > 0)
+        plain_entropy = token_entropy(plain_logits(llama, row))
+        torch.testing.assert_close(ent[i, -n:], plain_entropy, atol=1e-5, rtol=0)
 
 
 def test_only_targets_under_the_mask_are_scored(llama):

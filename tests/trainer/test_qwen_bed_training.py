@@ -94,7 +94,7 @@ def search_r1_parquet(small_qa, path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # a random model writes every turn to its 500-token limit
+@pytest.mark.timeout(3600)  # 26 min here: a random model writes every turn to its limit
 def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
     qwen_policy_dir, small_qa, retrieval_url, tmp_path
 ):
@@ -143,7 +143,14 @@ def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
     assert all(0 < r["logprob_gap_mean"] < 1 for r in rows)  # bf16: a real, small gap
     final = AutoModelForCausalLM.from_pretrained(str(run_dir / "final"), dtype=torch.float32)
     start = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    moved = sum(
-        int((a != b).sum()) for a, b in zip(final.parameters(), start.parameters(), strict=True)
-    )
-    assert moved > 0.5 * sum(p.numel() for p in start.parameters())  # lr 1e-6, fp32 master
+    moved = {
+        name: a != b
+        for (name, a), b in zip(final.named_parameters(), start.parameters(), strict=True)
+    }
+    # lr 1e-6 on fp32 master weights: every block tensor moves (on bf16 weights none would).
+    # The random model earns no reward, so the gradient is the KL term's alone (norm ~3e-4);
+    # embedding elements whose gradient is near AdamW's eps move less than fp32's spacing,
+    # so the embedding is checked by rows.
+    embedding = moved.pop("model.embed_tokens.weight")
+    assert all(m.float().mean() > 0.9 for m in moved.values())
+    assert embedding.any(dim=1).float().mean() > 0.9

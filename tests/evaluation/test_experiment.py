@@ -18,6 +18,7 @@ from evaluation.experiment import (
     MAIN_ARMS,
     RunResult,
     arm_train_config,
+    ensure_policy,
     experiment_config,
     results_markdown,
     run_costs,
@@ -233,6 +234,24 @@ def test_presets_and_errors():
         experiment_config(arms=["on_policy"], references=["replay_recency"])
     with pytest.raises(UserError, match="nope"):
         experiment_config(overrides=["nope=1"])
+
+
+def test_a_non_default_policy_is_built_once_under_its_own_name(tmp_path):
+    """The demo's smaller policy must not overwrite (or be mistaken for) the experiment's."""
+    from transformers import AutoConfig
+
+    demo = experiment_config(demo=True)
+    assert (demo.policy.hidden_size, demo.policy.intermediate_size) == (64, 256)
+    cfg = experiment_config(
+        data_dir=str(tmp_path), overrides=["policy.hidden_size=32", "policy.num_layers=1"]
+    )
+    path = ensure_policy(cfg)
+    assert path.parent == tmp_path and path.name.startswith("tiny-policy-")
+    built = AutoConfig.from_pretrained(path)
+    assert (built.hidden_size, built.num_hidden_layers, built.intermediate_size) == (32, 1, 512)
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert ensure_policy(cfg) == path and (path / "config.json").stat().st_mtime_ns == stamp
+    assert ensure_policy(experiment_config(data_dir=str(tmp_path))) == tmp_path / "tiny-policy"
 
 
 @pytest.mark.slow

@@ -119,6 +119,12 @@ class ReplayConfig(StrictModel):
     store_zero_advantage: bool = Field(
         False, description="Store groups whose advantages are all 0 (they carry no gradient)."
     )
+    reuse_scan_forward: bool = Field(
+        False,
+        description="Score replay candidates with grad and keep the admitted groups' graphs,"
+        " so the update's first pass backpropagates through the scan's forward instead of"
+        " repeating it (one process only; memory: the graphs of up to R groups at once).",
+    )
 
 
 class EvalConfig(StrictModel):

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hdr.config import dump_config, load_config
 from hdr.errors import RunInterrupted, UserError
@@ -119,16 +120,25 @@ class Run:
     )
 
     def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
-        """The replay `ScoreFn`: current-policy log-probs of stored groups, no grad; across
-        processes each rank scores its round-robin share and every rank gets all of them."""
+        """The replay `ScoreFn`: current-policy log-probs of stored groups; across processes
+        each rank scores its round-robin share and every rank gets all of them. With
+        `replay.reuse_scan_forward` (one process) the log-probs keep their graphs."""
         self.cost.scan_tf_tokens += distinct_tokens(groups)
         with self.autocast():
             return self.dist.split_map(
                 groups,
                 lambda part: score_groups(
-                    self.model, part, self.config.grpo.score_chunk, self.config.rollout.temperature
+                    self.model,
+                    part,
+                    self.config.grpo.score_chunk,
+                    self.config.rollout.temperature,
+                    with_grad=self.reuses_scan_forward,
                 ),
             )
+
+    @property
+    def reuses_scan_forward(self) -> bool:
+        return self.config.replay.reuse_scan_forward and self.dist.world == 1
 
     def autocast(self):
         """bf16 compute on the float32 master weights when `model.compute_dtype` asks."""
@@ -413,6 +423,7 @@ def update_policy(
     replayed: list[StoredGroup],
     weights: list[float] | None = None,
     fresh_weights: list[torch.Tensor] | None = None,
+    scanned: list[torch.Tensor] | None = None,
 ) -> UpdateStats:
     """`updates_per_step` optimizer passes over fresh + replayed rows, in chunks of
     `micro_batch` rows whose gradients add up to the token mean over the whole batch.
@@ -421,7 +432,9 @@ def update_policy(
     `fresh_weights` (truncated IS, one `[G, T_g]` per fresh group) scale the fresh tokens'
     surrogate; replayed tokens keep token weight 1. Across processes each trains on its
     round-robin share of the groups and the gradients are summed over processes, so the
-    update is the whole batch's (trainer/distributed.py)."""
+    update is the whole batch's (trainer/distributed.py). `scanned` (one process only): the
+    replayed groups' log-probs from the replay scan, with their graphs, under the same
+    parameters; the first pass backpropagates through them instead of a second forward."""
     cfg, groups = run.config.grpo, fresh + replayed
     if not groups:  # dynamic sampling kept nothing and nothing was replayed
         run.scheduler.step()
@@ -452,19 +465,32 @@ def update_policy(
         ]
         token_weights = concat_left_padded(per_group)  # (n, T)
         token_weights = torch.where(mask.bool(), token_weights, torch.ones_like(token_weights))
-    order = torch.argsort(attn.sum(dim=1), stable=True)
-    chunks = [order[lo : lo + cfg.micro_batch] for lo in range(0, len(order), cfg.micro_batch)]
+    chunks = micro_batches(attn, cfg.micro_batch)
+    reused = []  # the replayed rows and their scan log-probs, one chunk for the first pass
+    if scanned:
+        if len(scanned) != len(replayed):
+            raise ValueError(f"{len(scanned)} scanned log-probs for {len(replayed)} groups")
+        fresh_rows = sum(len(g.input_ids) for g in fresh)
+        chunks = micro_batches(attn[:fresh_rows], cfg.micro_batch)
+        # one chunk: the scan scored groups together, so their graphs share a forward that
+        # only one backward may run through
+        width = ids.shape[1]
+        padded = [F.pad(lp, (width - lp.shape[1], 0)) for lp in scanned]  # keeps the graphs
+        reused = [(torch.arange(fresh_rows, len(ids)), torch.cat(padded))]
     first_pass = torch.zeros_like(old)
     run.model.train()
     loss_sum = kl_sum = 0.0
     for p in range(cfg.updates_per_step):
         run.optimizer.zero_grad(set_to_none=True)
-        for c, rows in enumerate(chunks):
+        if p == 1 and reused:  # the parameters moved: every row is forwarded again
+            chunks, reused = micro_batches(attn, cfg.micro_batch), []
+        work = [(rows, None) for rows in chunks] + reused
+        for c, (rows, logprobs) in enumerate(work):
             part = share * float(mask[rows].sum() / total)
             w = None if token_weights is None else token_weights[rows]
-            with distributed.accumulate(run.policy, sync=c == len(chunks) - 1):
+            with distributed.accumulate(run.policy, sync=c == len(work) - 1):
                 loss, kl, lp = chunk_loss(
-                    run, ids[rows], attn[rows], mask[rows], old[rows], adv[rows], w
+                    run, ids[rows], attn[rows], mask[rows], old[rows], adv[rows], w, logprobs
                 )
                 (loss * mask[rows].sum() / total * share).backward()
             loss_sum += float(loss.detach()) * part / cfg.updates_per_step
@@ -499,17 +525,28 @@ def replay_telemetry(
     return [d for _, d, _ in found], [h for _, _, h in found]
 
 
+def micro_batches(attention_mask: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Row indices in chunks of `size`, shortest rows first (chunks pad little)."""
+    order = torch.argsort(attention_mask.sum(dim=1), stable=True)
+    return [order[lo : lo + size] for lo in range(0, len(order), size)]
+
+
 def chunk_loss(
-    run: Run, ids, attn, mask, old, adv, weights=None
+    run: Run, ids, attn, mask, old, adv, weights=None, logprobs=None
 ) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """Clipped policy loss (+ beta * k3 KL) of one chunk, its token mean; with grad."""
+    """Clipped policy loss (+ beta * k3 KL) of one chunk, its token mean; with grad.
+    `logprobs`: the chunk's `[n, T]` aligned log-probs with their graph, already computed
+    under the current parameters (the replay scan's), instead of a forward here."""
     cfg, device = run.config.grpo, next(run.model.parameters()).device
     ids, attn, mask, old, adv = (x.to(device) for x in (ids, attn, mask, old, adv))
     weights = None if weights is None else weights.to(device)
     temperature = run.config.rollout.temperature
-    with run.autocast():
-        lp, _ = run.policy(ids, attn, mask, temperature)
-    lp = align(lp).float()  # (n, T)
+    if logprobs is None:
+        with run.autocast():
+            lp, _ = run.policy(ids, attn, mask, temperature)
+        lp = align(lp).float()  # (n, T)
+    else:
+        lp = logprobs.to(device).float()
     loss = policy_loss(lp, old, adv, mask, cfg.eps_low, cfg.eps_high, weights)
     kl = 0.0
     if run.ref_model is not None:
@@ -612,7 +649,16 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     if is_weights is not None:
         is_weights = [w for k, w in enumerate(is_weights) if k not in swapped]
     with run.cost.cpu("update"):
-        update = update_policy(run, trained, selection.groups, selection.weights, is_weights)
+        scanned = None
+        if (
+            run.reuses_scan_forward
+            and selection.groups
+            and len(selection.scored) == len(selection.groups)
+        ):
+            scanned = selection.scored  # a selector that scored what it admitted
+        update = update_policy(
+            run, trained, selection.groups, selection.weights, is_weights, scanned
+        )
         run.generator.sync_weights(run.model)
     t3 = time.perf_counter()
     # 6. ingress after the update

@@ -196,8 +196,9 @@ class ReplayBuffer:
 # --- selection -----------------------------------------------------------------------------
 
 ScoreFn = Callable[[Sequence[StoredGroup]], list[Tensor]]
-"""Scores groups teacher-forced under the current policy, without grad: returns one
-`[G, T]` log-prob tensor per group, aligned with the group's `input_ids`."""
+"""Scores groups teacher-forced under the current policy: returns one `[G, T]` log-prob
+tensor per group, aligned with the group's `input_ids`. Selection uses their values only; a
+score may keep their graphs for the update to reuse (`replay.reuse_scan_forward`)."""
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,8 @@ class Selection:
     headroom_refreshed: list[float] = field(default_factory=list)  # admitted, after refresh
     weights: list[float] = field(default_factory=list)  # importance weight per group (1 if empty)
     swap_out: list[int] = field(default_factory=list)  # fresh groups left out of the update
-    scored: list[Tensor] = field(default_factory=list)  # admitted groups' scan log-probs
+    # admitted groups' scan log-probs, with their graphs if the score kept them
+    scored: list[Tensor] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -293,9 +295,10 @@ def scan(
         batch = candidates[i : i + size]
         i += size
         for group, logprobs in zip(batch, score(batch), strict=True):
-            drift = float(policy_drift(logprobs, group.gen_logprobs, group.loss_mask, norm))
+            values = logprobs.detach()  # a score may carry its graph (kept in `scored`)
+            drift = float(policy_drift(values, group.gen_logprobs, group.loss_mask, norm))
             stored = group.headroom
-            group.headroom = float(headroom(logprobs, group.loss_mask, group.advantages))
+            group.headroom = float(headroom(values, group.loss_mask, group.advantages))
             sel.scanned += 1
             sel.drift_scanned.append(drift)
             sel.headroom_scanned.append(group.headroom)

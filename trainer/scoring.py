@@ -204,16 +204,21 @@ def concat_left_padded(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def score_groups(
-    model, groups: Sequence, chunk_size: int = 16, temperature: float = 1.0
+    model,
+    groups: Sequence,
+    chunk_size: int = 16,
+    temperature: float = 1.0,
+    with_grad: bool = False,
 ) -> list[Tensor]:
-    """Current-policy log-probs of stored groups, no grad: one `[G, T_g]` tensor per group,
-    aligned with its `input_ids` (0 off its loss mask). Usable as a replay `ScoreFn`."""
+    """Current-policy log-probs of stored groups: one `[G, T_g]` tensor per group, aligned
+    with its `input_ids` (0 off its loss mask). Usable as a replay `ScoreFn`. `with_grad`
+    keeps each tensor's graph (for an update that reuses this forward)."""
     if not groups:
         return []
     ids = concat_left_padded([g.input_ids for g in groups])
     attn = concat_left_padded([g.attention_mask for g in groups])
     target = concat_left_padded([g.loss_mask for g in groups])
-    with torch.no_grad():
+    with torch.set_grad_enabled(with_grad):
         lp, _ = token_logprobs(model, ids, attn, target, chunk_size, temperature)
     lp = align(lp)
     out, row = [], 0

@@ -29,7 +29,7 @@ STEPS = 3
 TIMEOUT_S = 480  # a hang guard; a loaded 2-core machine needs minutes to start torch twice
 
 
-def small_config() -> TrainConfig:
+def small_config(reuse_scan_forward: bool = False) -> TrainConfig:
     return TrainConfig.model_validate(
         {
             "model": {"path": "unused"},
@@ -42,7 +42,13 @@ def small_config() -> TrainConfig:
                 "micro_batch": 4,
                 "score_chunk": 5,
             },
-            "replay": {"budget": 3, "capacity": 12, "tau": 0.05, "scan_chunk": 2},
+            "replay": {
+                "budget": 3,
+                "capacity": 12,
+                "tau": 0.05,
+                "scan_chunk": 2,
+                "reuse_scan_forward": reuse_scan_forward,
+            },
         }
     )
 
@@ -73,11 +79,16 @@ class _Rows:
         self.input_ids, self.attention_mask, self.loss_mask = ids, attn, mask
 
 
-def run_protocol(dist: distributed.Dist) -> dict:
+def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> dict:
     """STEPS steps of: make fresh groups, select (headroom_drift) with the split scorer,
-    update on fresh + replayed, ingest. Returns what a comparison needs."""
-    config = small_config()
+    update on fresh + replayed, ingest. Returns what a comparison needs, and the rows the
+    model forwarded in each update."""
+    config = small_config(reuse_scan_forward)
     model = tiny_llama(seed=0)
+    forwarded = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwarded.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
     policy = distributed.wrap_policy(model, dist, "ddp")
     optimizer, scheduler = build_optimizer(model, config)
     run = Run(
@@ -96,14 +107,17 @@ def run_protocol(dist: distributed.Dist) -> dict:
         dist=dist,
         policy=policy,
     )
-    selected, scanned, grad_norms, losses = [], [], [], []
+    selected, scanned, grad_norms, losses, update_rows = [], [], [], [], []
     for step in range(1, STEPS + 1):
         fresh = make_groups(model, step, count=4, seed=step)
         selection = SELECTORS.get("headroom_drift")(
             run.buffer, step, config.select_params, run.score
         )
         dist.agree([g.group_id for g in selection.groups], "selection")
-        update = update_policy(run, fresh, selection.groups)
+        forwarded.clear()
+        scan_graphs = selection.scored if run.reuses_scan_forward and selection.groups else None
+        update = update_policy(run, fresh, selection.groups, scanned=scan_graphs)
+        update_rows.append(sum(forwarded))
         for g in selection.groups:
             g.replay_count += 1
         run.buffer.ingest(fresh)
@@ -116,6 +130,7 @@ def run_protocol(dist: distributed.Dist) -> dict:
         "scanned": scanned,
         "grad_norms": grad_norms,
         "losses": losses,
+        "update_rows": update_rows,
         "weights": {k: v.tolist() for k, v in model.state_dict().items()},
         "buffer_headroom": [g.headroom for g in run.buffer],
     }
@@ -263,3 +278,20 @@ def test_resume_under_another_world_size(tmp_path):
     assert torch.equal(torch.get_rng_state(), other[0]["torch"])
     with pytest.raises(UserError, match="written by 2 processes whose random states differ"):
         ckpt.restore_rng(0, 1)
+
+
+def test_the_update_backpropagates_through_the_scan_forward_of_replayed_groups():
+    """replay.reuse_scan_forward: the same selections, losses and weights as forwarding the
+    admitted groups again, without that second forward."""
+    plain = run_protocol(distributed.Dist())
+    reused = run_protocol(distributed.Dist(), reuse_scan_forward=True)
+    assert reused["selected"] == plain["selected"] and any(plain["selected"][1:])
+    assert reused["losses"] == pytest.approx(plain["losses"], abs=1e-6)
+    assert reused["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-5)
+    for name, weight in plain["weights"].items():
+        torch.testing.assert_close(
+            torch.tensor(reused["weights"][name]), torch.tensor(weight), atol=1e-6, rtol=0
+        )
+    G = 3  # rows per group (make_groups)
+    assert plain["update_rows"] == [G * (4 + len(s)) for s in plain["selected"]]
+    assert reused["update_rows"] == [G * 4] * STEPS  # fresh rows only

@@ -566,21 +566,6 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     with log.open("a") as fh:
         fh.write(f"sft {sft_dir}: {time.perf_counter() - start:.0f}s\n")
     return sft_dir
-    extra = [
-        f"sft.init_model={data / 'tiny-policy'}",
-        f"sft.eval_questions={min(100, cfg.final_questions or 100)}",
-    ]
-    if cfg.sft_epochs:
-        extra.append(f"sft.epochs={cfg.sft_epochs}")
-    if cfg.sft_max_examples:
-        extra.append(f"sft.max_examples={cfg.sft_max_examples}")
-    config = base_train_config(cfg, url, sft_dir, Path(cfg.out_dir) / "sft", 0, extra)
-    print(f"experiment: SFT start -> {sft_dir} (once; cached)", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    run_sft(config)
-    with log.open("a") as fh:
-        fh.write(f"sft {sft_dir}: {time.perf_counter() - start:.0f}s\n")
-    return sft_dir
 
 
 def heldout_set(cfg: ExperimentConfig):

@@ -140,6 +140,15 @@ class Run:
     def reuses_scan_forward(self) -> bool:
         return self.config.replay.reuse_scan_forward and self.dist.world == 1
 
+    def scan_graphs(self, selection: Selection) -> list[torch.Tensor] | None:
+        """What `update_policy` takes as `scanned`: the admitted groups' scan log-probs with
+        their graphs, when this run reuses the scan's forward and the selector scored every
+        group it admitted (the sampling and recency selectors score none); else None."""
+        admitted = selection.groups
+        if self.reuses_scan_forward and admitted and len(selection.scored) == len(admitted):
+            return selection.scored
+        return None
+
     def autocast(self):
         """bf16 compute on the float32 master weights when `model.compute_dtype` asks."""
         if self.config.model.compute_dtype == "float32":
@@ -649,13 +658,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     if is_weights is not None:
         is_weights = [w for k, w in enumerate(is_weights) if k not in swapped]
     with run.cost.cpu("update"):
-        scanned = None
-        if (
-            run.reuses_scan_forward
-            and selection.groups
-            and len(selection.scored) == len(selection.groups)
-        ):
-            scanned = selection.scored  # a selector that scored what it admitted
+        scanned = run.scan_graphs(selection)
         update = update_policy(
             run, trained, selection.groups, selection.weights, is_weights, scanned
         )

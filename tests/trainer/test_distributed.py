@@ -115,8 +115,7 @@ def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> di
         )
         dist.agree([g.group_id for g in selection.groups], "selection")
         forwarded.clear()
-        scan_graphs = selection.scored if run.reuses_scan_forward and selection.groups else None
-        update = update_policy(run, fresh, selection.groups, scanned=scan_graphs)
+        update = update_policy(run, fresh, selection.groups, scanned=run.scan_graphs(selection))
         update_rows.append(sum(forwarded))
         for g in selection.groups:
             g.replay_count += 1

@@ -513,7 +513,15 @@ def arm_train_config(
 
 
 def short_hash(value: Any) -> str:
+    """8 hex digits naming a setting in a cache path ("" for an empty one: the default)."""
+    if not value:
+        return ""
     return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def policy_hash(cfg: ExperimentConfig) -> str:
+    """The hash of the policy's non-default sizes ("" for the default policy)."""
+    return short_hash(cfg.policy.model_dump(exclude_defaults=True))
 
 
 def ensure_policy(cfg: ExperimentConfig) -> Path:
@@ -521,9 +529,10 @@ def ensure_policy(cfg: ExperimentConfig) -> Path:
     non-default `policy`), built once."""
     from agent_env.policy import init_tiny_policy, vital_corpus_texts
 
-    changed = cfg.policy.model_dump(exclude_defaults=True)
-    path = Path(cfg.data_dir) / ("tiny-policy" + (f"-{short_hash(changed)}" if changed else ""))
+    tag = policy_hash(cfg)
+    path = Path(cfg.data_dir) / ("tiny-policy" + (f"-{tag}" if tag else ""))
     if not (path / "config.json").is_file():
+        changed = cfg.policy.model_dump(exclude_defaults=True)
         say(f"experiment: building the tiny policy {path} {changed or ''}".rstrip())
         init_tiny_policy(path, vital_corpus_texts(), cfg.policy)
     return path
@@ -535,15 +544,14 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     from trainer.sft import run_sft
 
     data = Path(cfg.data_dir)
-    changed = cfg.policy.model_dump(exclude_defaults=True)
     tag = "-".join(
         f"{k}{v}"
         for k, v in (
             ("e", cfg.sft_epochs),
             ("n", cfg.sft_max_examples),
             ("c", cfg.corpus_limit),
-            ("p", changed and short_hash(changed)),
-            ("s", cfg.sft_overrides and short_hash(cfg.sft_overrides)),
+            ("p", policy_hash(cfg)),
+            ("s", short_hash(cfg.sft_overrides)),
         )
         if v
     )

@@ -538,12 +538,10 @@ def ensure_policy(cfg: ExperimentConfig) -> Path:
     return path
 
 
-def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
-    """The shared SFT start under the data dir, trained once (`run_sft`) and then reused; its
-    name tells what it was trained with."""
-    from trainer.sft import run_sft
-
-    data = Path(cfg.data_dir)
+def sft_start_dir(cfg: ExperimentConfig) -> Path:
+    """Where the SFT start lives under the data dir; its name tells what it was trained on and
+    with (`tiny-sft` for the defaults), so starts of different tasks or settings never meet."""
+    task = cfg.task if cfg.task != ExperimentConfig.model_fields["task"].default else ""
     tag = "-".join(
         f"{k}{v}"
         for k, v in (
@@ -555,7 +553,15 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
         )
         if v
     )
-    sft_dir = data / (f"tiny-sft-{tag}" if tag else "tiny-sft")
+    name = "-".join(part for part in ("tiny-sft", task, tag) if part)
+    return Path(cfg.data_dir) / name
+
+
+def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
+    """The shared SFT start (`sft_start_dir`), trained once (`run_sft`) and then reused."""
+    from trainer.sft import run_sft
+
+    sft_dir = sft_start_dir(cfg)
     if (sft_dir / "config.json").is_file():
         return sft_dir
     extra = [

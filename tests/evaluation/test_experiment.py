@@ -23,6 +23,7 @@ from evaluation.experiment import (
     results_markdown,
     run_costs,
     run_order,
+    sft_start_dir,
     summarize,
 )
 from hdr.errors import UserError
@@ -252,6 +253,17 @@ def test_a_non_default_policy_is_built_once_under_its_own_name(tmp_path):
     stamp = (path / "config.json").stat().st_mtime_ns
     assert ensure_policy(cfg) == path and (path / "config.json").stat().st_mtime_ns == stamp
     assert ensure_policy(experiment_config(data_dir=str(tmp_path))) == tmp_path / "tiny-policy"
+
+
+def test_sft_starts_of_different_tasks_or_settings_get_different_names(tmp_path):
+    """A wiki-vital start must never be reused for the bridge task (or the other way round)."""
+    vital = experiment_config(data_dir=str(tmp_path))
+    assert sft_start_dir(vital) == tmp_path / "tiny-sft"
+    vital_12 = sft_start_dir(experiment_config(data_dir=str(tmp_path), sft_epochs=12))
+    bridge = sft_start_dir(experiment_config(bridge=True, data_dir=str(tmp_path)))
+    assert bridge.name == "tiny-sft-wiki-bridge-e12" and vital_12.name == "tiny-sft-e12"
+    demo = sft_start_dir(experiment_config(demo=True, data_dir=str(tmp_path)))
+    assert len({sft_start_dir(vital), vital_12, bridge, demo}) == 4
 
 
 @pytest.mark.slow

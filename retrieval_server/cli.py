@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -91,32 +92,64 @@ INDEX_TYPE_HELP = (
 BM25_HELP = "Also build BM25 (default: only for corpora of at most 1,000,000 passages)."
 
 
+# Options that mean the same in `index build`, `convert` and `import` (one definition each).
+def train_sample_option() -> Any:
+    from retrieval_server.index_build import DEFAULT_TRAIN_SAMPLE
+
+    return typer.Option(
+        DEFAULT_TRAIN_SAMPLE,
+        "--train-sample",
+        min=1,
+        help="Vectors to train IVF/PQ/SQ/OPQ indexes on.",
+    )
+
+
+def bm25_option() -> Any:
+    return typer.Option(None, "--bm25/--no-bm25", help=BM25_HELP)
+
+
+def pooling_option() -> Any:
+    return typer.Option(None, "--pooling", help="mean, cls or max (default: the model's).")
+
+
+def passage_prefix_option(help: str) -> Any:
+    return typer.Option(None, "--passage-prefix", help=help)
+
+
+def query_prefix_option(help: str) -> Any:
+    return typer.Option(None, "--query-prefix", help=help)
+
+
+def encoder_backend_option() -> Any:
+    return typer.Option("onnx", "--encoder-backend", help="onnx (CPU) or torch.")
+
+
+def encoder_device_option() -> Any:
+    return typer.Option("cpu", "--encoder-device", help="cpu or cuda (torch).")
+
+
 @index_app.command("build", epilog=BUILD_EXAMPLE)
 def build_command(
     corpus: Path = typer.Option(..., "--corpus", help="Search-R1 JSONL corpus."),
     out: Path = typer.Option(..., "--out", help="Index directory to write."),
     encoder: str = typer.Option("all-MiniLM-L6-v2", "--encoder", help=ENCODER_HELP),
     index_type: str = typer.Option("Flat", "--index-type", help=INDEX_TYPE_HELP),
-    bm25: bool | None = typer.Option(None, "--bm25/--no-bm25", help=BM25_HELP),
-    query_prefix: str | None = typer.Option(
-        None, "--query-prefix", help="Recorded for queries (default: guessed: e5, bge)."
+    bm25: bool | None = bm25_option(),
+    query_prefix: str | None = query_prefix_option(
+        "Recorded for queries (default: guessed: e5, bge)."
     ),
-    passage_prefix: str | None = typer.Option(
-        None, "--passage-prefix", help="Put before each passage (default: guessed: e5)."
+    passage_prefix: str | None = passage_prefix_option(
+        "Put before each passage (default: guessed: e5)."
     ),
-    pooling: str | None = typer.Option(
-        None, "--pooling", help="mean, cls or max (default: the model's)."
-    ),
-    backend: str = typer.Option("onnx", "--encoder-backend", help="onnx (CPU) or torch."),
-    device: str = typer.Option("cpu", "--encoder-device", help="cpu or cuda (torch)."),
+    pooling: str | None = pooling_option(),
+    backend: str = encoder_backend_option(),
+    device: str = encoder_device_option(),
     fp16: bool = typer.Option(False, "--fp16", help="Half precision (cuda only)."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Passages per forward pass."),
     chunk_size: int = typer.Option(
         8192, "--chunk-size", min=1, help="Passages per saved chunk (the unit of resuming)."
     ),
-    train_sample: int = typer.Option(
-        262144, "--train-sample", min=1, help="Vectors to train IVF/PQ/SQ/OPQ indexes on."
-    ),
+    train_sample: int = train_sample_option(),
     dense: bool = typer.Option(
         True,
         "--dense/--no-dense",
@@ -152,9 +185,7 @@ def convert_command(
     source: Path = typer.Option(..., "--from", help="Index directory with a Flat index."),
     out: Path = typer.Option(..., "--out", help="Index directory to write."),
     index_type: str = typer.Option(..., "--index-type", help=INDEX_TYPE_HELP),
-    train_sample: int = typer.Option(
-        262144, "--train-sample", min=1, help="Vectors to train IVF/PQ/SQ/OPQ indexes on."
-    ),
+    train_sample: int = train_sample_option(),
     refine: bool = typer.Option(
         False,
         "--refine",
@@ -180,24 +211,22 @@ def import_command(
     corpus: Path = typer.Option(..., "--corpus", help="Its JSONL corpus (row i = line i)."),
     encoder: str = typer.Option(..., "--encoder", help=ENCODER_HELP),
     out: Path = typer.Option(..., "--out", help="Index directory to write."),
-    query_prefix: str | None = typer.Option(
-        None, "--query-prefix", help="Put before queries (default: guessed: e5, bge)."
+    query_prefix: str | None = query_prefix_option(
+        "Put before queries (default: guessed: e5, bge)."
     ),
-    passage_prefix: str | None = typer.Option(
-        None, "--passage-prefix", help="The passages' prefix (default: guessed: e5)."
+    passage_prefix: str | None = passage_prefix_option(
+        "The passages' prefix (default: guessed: e5)."
     ),
-    pooling: str | None = typer.Option(
-        None, "--pooling", help="mean, cls or max (default: the model's)."
-    ),
-    bm25: bool | None = typer.Option(None, "--bm25/--no-bm25", help=BM25_HELP),
+    pooling: str | None = pooling_option(),
+    bm25: bool | None = bm25_option(),
     verify_sample: int = typer.Option(
         64, "--verify-sample", min=1, help="Passages re-encoded to check the stored vectors."
     ),
     copy: bool = typer.Option(
         False, "--copy", help="Copy the FAISS file (default: hard link, else symlink)."
     ),
-    backend: str = typer.Option("onnx", "--encoder-backend", help="onnx (CPU) or torch."),
-    device: str = typer.Option("cpu", "--encoder-device", help="cpu or cuda (torch)."),
+    backend: str = encoder_backend_option(),
+    device: str = encoder_device_option(),
 ) -> None:
     """Adopt an existing FAISS index and its corpus without re-encoding (e.g. Search-R1's
     e5_Flat.index + wiki-18.jsonl); refuses when re-encoded passages do not match it."""

@@ -23,6 +23,7 @@ from evaluation.experiment import (
     results_markdown,
     run_costs,
     run_order,
+    sft_prerequisite,
     sft_start_dir,
     summarize,
 )
@@ -261,9 +262,20 @@ def test_sft_starts_of_different_tasks_or_settings_get_different_names(tmp_path)
     assert sft_start_dir(vital) == tmp_path / "tiny-sft"
     vital_12 = sft_start_dir(experiment_config(data_dir=str(tmp_path), sft_epochs=12))
     bridge = sft_start_dir(experiment_config(bridge=True, data_dir=str(tmp_path)))
-    assert bridge.name == "tiny-sft-wiki-bridge-e12" and vital_12.name == "tiny-sft-e12"
+    assert bridge.name == "tiny-sft-wiki-bridge-e3-from-wiki-vital"
+    assert vital_12.name == "tiny-sft-e12"
     demo = sft_start_dir(experiment_config(demo=True, data_dir=str(tmp_path)))
     assert len({sft_start_dir(vital), vital_12, bridge, demo}) == 4
+
+
+def test_the_bridge_start_is_fine_tuned_from_the_default_wiki_vital_start(tmp_path):
+    """Its prerequisite is wiki-vital on the defaults: not the bridge's turns or prompt."""
+    bridge = experiment_config(bridge=True, data_dir=str(tmp_path), out_dir=str(tmp_path / "o"))
+    first = sft_prerequisite(bridge)
+    assert first is not None and sft_prerequisite(first) is None
+    assert sft_start_dir(first) == sft_start_dir(experiment_config(data_dir=str(tmp_path)))
+    assert first.train_overrides == [] and first.server_overrides == []
+    assert (first.policy, first.out_dir) == (bridge.policy, bridge.out_dir)
 
 
 @pytest.mark.slow

@@ -194,9 +194,9 @@ class ExperimentConfig(StrictModel):
     sft_from_task: str | None = Field(
         None,
         description="Fine-tune the SFT start from this task's default SFT start (built first"
-        " when missing) instead of from the bare policy: a curriculum. wiki-bridge has 1,008"
-        " questions, too few to learn copying from scratch; wiki-vital's start already copies"
-        " a description into a search and a title into an answer.",
+        " when missing) instead of from the bare policy: a curriculum. wiki-bridge has 972"
+        " training questions, too few to learn copying from scratch; wiki-vital's start"
+        " already copies a description into a search and a title into an answer.",
     )
     corpus_limit: int | None = Field(None, ge=1, description="Index only the first N articles.")
     retriever: str = Field("bm25", description="Retriever the server and rollouts use.")
@@ -284,7 +284,7 @@ BRIDGE = {
         'rollout.prompt.observation_suffix=""',
     ],
     # 12 epochs from the bare policy left greedy EM at 0.00 (it never learned to copy the
-    # description into the first search: 1,008 questions are too few); fine-tuned from the
+    # description into the first search: 972 questions are too few); fine-tuned from the
     # wiki-vital start it reached 0.03, 0.12, 0.08, 0.10, 0.09, 0.10 over 6 epochs while its
     # train loss fell to 0.01 (memorising), so 3 epochs
     "sft_from_task": "wiki-vital",
@@ -320,6 +320,7 @@ def experiment_config(
         quick_preset = dict(QUICK)
         if bridge:  # the bridge task's articles span the whole corpus: keep its index whole
             quick_preset.pop("corpus_limit")
+            quick_preset["sft_from_task"] = None  # a pipeline check: no 8-epoch wiki-vital start
             quick_preset["train_overrides"] = [
                 *BRIDGE["train_overrides"],
                 *QUICK["train_overrides"],

@@ -336,6 +336,7 @@ def test_bridge_preset_runs_the_multi_turn_task_against_an_emulated_api(tmp_path
     assert filtered.grpo.dynamic_sampling and not filtered.replays
     quick = experiment_config(bridge=True, quick=True)
     assert quick.corpus_limit is None and "rollout.max_turns=2" in quick.train_overrides
+    assert quick.sft_from_task is None  # the quick check does not first train a full start
 
 
 def test_runs_are_interleaved_so_every_arm_meets_the_same_machine():

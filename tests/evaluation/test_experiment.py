@@ -322,6 +322,59 @@ def test_quick_experiment_end_to_end(tmp_path):
         httpx.get(results["server_url"] + "/health", timeout=5)
 
 
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc: no psutil)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_an_interrupted_parallel_experiment_stops_its_runs_and_server_at_once(tmp_path):
+    """SIGTERM (or Ctrl-C) while runs train in worker processes: the workers are killed, not
+    asked to finish their step (which, with the server stopping, waited 300 s for retrieval
+    on a multi-turn task), and nothing is left behind."""
+    import signal
+    import time
+
+    out, log = tmp_path / "out", tmp_path / "experiment.log"
+    cmd = [sys.executable, "-m", "hdr.cli", "experiment", "--quick", "--data-dir",
+           str(tmp_path / "data"), "--out", str(out), "--config", str(BASE), "progress=false",
+           "jobs=2", "steps=500", "arms=[on_policy,replay_recency]", "references=[]",
+           "seeds=[1]"]  # fmt: skip
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 900
+        while not list(out.glob("runs/*/seed-1/metrics.jsonl")):  # a run is mid-training
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "no run started training"
+            time.sleep(1)
+        family = _children(proc.pid)
+        family += [grandchild for child in family for grandchild in _children(child)]
+        assert len(family) >= 3  # the server and two workers (and the pool's helpers)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        time.sleep(1)
+        assert [pid for pid in family if _alive(pid)] == []
+        assert "stopping after this step" not in log.read_text()  # no run tried to finish
+    finally:
+        proc.kill()
+
+
 def test_bridge_preset_runs_the_multi_turn_task_against_an_emulated_api(tmp_path):
     cfg = experiment_config(bridge=True, base_config=str(BASE))
     assert cfg.task == "wiki-bridge" and len(cfg.seeds) >= 5 and cfg.arms == list(MAIN_ARMS)

@@ -58,6 +58,7 @@ from evaluation.metrics import (
     markdown_table,
     mean_spread,
     paired_difference,
+    paired_verdict,
     seed_t_interval,
     write_json_atomic,
     write_text_atomic,
@@ -919,7 +920,7 @@ def _iv(interval) -> str:
 
 
 def paired_tables(summary: dict) -> list[str]:
-    """Paired differences with seed-level intervals; the verdict column follows the t-interval."""
+    """Paired differences with seed-level intervals and their verdict (`paired_verdict`)."""
     k, rows = summary["k"], []
     for name, a in summary["arms"].items():
         for ref, stats in a["seed_stats"].items():
@@ -928,12 +929,7 @@ def paired_tables(summary: dict) -> list[str]:
                 st = stats[metric]
                 boot = st["bootstrap"]
                 cells.append(f"{_iv(st['t'])}<br>boot [{boot.low:+.3f}, {boot.high:+.3f}]")
-                t = st["t"]
-                verdicts.append(
-                    "n/a"
-                    if math.isnan(t.low)
-                    else ("+" if t.low > 0 else "−" if t.high < 0 else "0")
-                )
+                verdicts.append(paired_verdict(st["t"], boot))
             rows.append([name, ref, len(stats["mean_at_k"]["seeds"]), *cells, " ".join(verdicts)])
     if not rows:
         return []
@@ -941,8 +937,8 @@ def paired_tables(summary: dict) -> list[str]:
         "\nPaired differences (arm − reference), seeds matched (same seed: same SFT start and "
         "prompt order). First line: mean over seeds of the per-seed difference with its 95% "
         "t-interval over seeds; `boot`: 95% bootstrap interval resampling seeds and questions. "
-        "Verdict per metric (Mean, Best, greedy) from the t-interval: + or − when it excludes "
-        "0, 0 when it does not (no difference shown), n/a with one seed.\n",
+        "Verdict per metric (Mean, Best, greedy): + or − when both intervals exclude 0 on the "
+        "same side, 0 when either does not (no difference shown), n/a with one seed.\n",
         markdown_table(
             ["arm", "vs", "seeds", f"Δ Mean@{k}", f"Δ Best@{k}", "Δ greedy EM", "verdict"], rows
         ),

@@ -343,6 +343,23 @@ def bootstrap_seeds_questions(
     return Interval(float(d.mean()), float(low), float(high), S * Q, level)
 
 
+def paired_verdict(t: Interval, boot: Interval) -> str:
+    """ "+" or "−" when both the seed t-interval and the seeds x questions bootstrap exclude 0
+    on the same side, "0" otherwise, "n/a" with one seed (no t-interval).
+
+    Both, because with few seeds the t-interval alone can mislead: held-out EM moves in steps
+    of 1/Q, so three seeds can give three identical differences and a zero-width interval,
+    while the bootstrap, which also resamples questions, still spans 0.
+    """
+    if math.isnan(t.low):
+        return "n/a"
+    if t.low > 0 and boot.low > 0:
+        return "+"
+    if t.high < 0 and boot.high < 0:
+        return "−"
+    return "0"
+
+
 # ----------------------------------------------------------------------------- writing
 
 

@@ -8,7 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from evaluation.metrics import bootstrap_seeds_questions, seed_t_interval
+from evaluation.metrics import (
+    Interval,
+    bootstrap_seeds_questions,
+    paired_verdict,
+    seed_t_interval,
+)
 
 
 def test_t_interval_hand_values():
@@ -40,3 +45,21 @@ def test_bootstrap_carries_the_variance_between_seeds():
     assert got.mean == pytest.approx(0.2)
     assert got.low == pytest.approx(0.1) and got.high == pytest.approx(0.3)
     assert bootstrap_seeds_questions(a, b, seed=1) == got  # seeded
+
+
+def test_a_verdict_needs_both_intervals_to_exclude_zero():
+    """Three seeds with the same difference give a zero-width t-interval; the bootstrap, which
+    also resamples questions, can still span 0, and then no difference is claimed."""
+    same = seed_t_interval([0.028, 0.028, 0.028])
+    assert (same.low, same.high) == pytest.approx((0.028, 0.028))
+    questions = np.array([[1, 0, 0, 0, 0] * 7] * 3, dtype=float)  # (S, Q): differences per question
+    spans_zero = bootstrap_seeds_questions(questions, np.full_like(questions, 0.172))
+    assert spans_zero.low < 0 < spans_zero.high
+    assert paired_verdict(same, spans_zero) == "0"
+    clear = bootstrap_seeds_questions(np.ones((3, 35)), np.zeros((3, 35)))
+    assert paired_verdict(same, clear) == "+"
+    below = Interval(-1.0, -1.2, -0.8, 105, 0.95)
+    assert paired_verdict(seed_t_interval([-0.1, -0.2, -0.15]), below) == "−"
+    assert paired_verdict(seed_t_interval([-0.1, -0.2, -0.15]), clear) == "0"  # opposite sides
+    assert paired_verdict(seed_t_interval([0.1]), clear) == "n/a"
+    assert paired_verdict(seed_t_interval([-0.1, 0.2, 0.05]), clear) == "0"

@@ -262,10 +262,11 @@ DEMO = {
 # The multi-turn, cost-dominated comparison (docs/results.md): bridge questions that need two
 # searches, max_turns 2, the environment made to cost what a hosted search API does. The
 # emulated cost (2 s a request + 40 ms a query) makes a step's environment wait (2 search
-# turns of 40 queries: 7.2 s) about twice its rollout CPU time on this bed (3.2 s measured at
-# b=8, G=5), so a fresh group costs over 10x its teacher-forced re-scoring (about 0.1 CPU s):
-# the regime of the paper's agentic-search claim. 5 seeds x 7 arms; each command is one seed
-# (`seeds=[n]`) so that it fits 120 minutes on 2 cores (see docs/results.md).
+# turns of 40 queries: 7.2 s) about three times its rollout CPU time on this bed (2.2 s
+# measured for on_policy at b=8, G=5), so a fresh group costs about 15x its teacher-forced
+# re-scoring in the scan (0.085 CPU s): the regime of the paper's agentic-search claim.
+# 5 seeds x 7 arms; a seed takes about 35 minutes on 2 cores, so a command runs one or two
+# (`seeds=[n]`, `seeds=[n,m]`) within 120 minutes (see docs/results.md).
 BRIDGE = {
     "task": "wiki-bridge",
     "seeds": [1, 2, 3, 4, 5],
@@ -275,9 +276,9 @@ BRIDGE = {
     "eval_every": 10,
     "eval_num_questions": 48,
     "final_questions": None,
-    # a run waits on the emulated API about two thirds of a step (7.2 s of 11 s measured for
-    # on_policy), so two runs per core keep the 2 cores busy; CPU seconds and token counts do
-    # not depend on it, wall times do (every arm meets the same load: runs are interleaved)
+    # a run waits on the emulated API about half of its wall time or more (7.2 s of a 13 s
+    # on_policy step), so two runs per core keep the 2 cores busy; token counts do not depend
+    # on it, wall times and (less) CPU seconds do, alike for every arm as runs are interleaved
     "jobs": 4,
     "server_overrides": [
         "emulated_cost.request_latency_ms=2000",

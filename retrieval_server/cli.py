@@ -15,6 +15,11 @@ from typing import Any
 import typer
 
 from hdr.options import all_overrides, overrides_argument, set_option
+from retrieval_server.build_defaults import (
+    BM25_AUTO_MAX_DOCUMENTS,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_TRAIN_SAMPLE,
+)
 
 PREPARE_EXAMPLE = """Example:
 
@@ -89,13 +94,13 @@ INDEX_TYPE_HELP = (
     "FAISS factory string (Flat, HNSW32,Flat, IVF1024,SQ8, IVF4096,PQ96, OPQ96,IVF4096,PQ96, "
     "...) or the aliases flat and hnsw."
 )
-BM25_HELP = "Also build BM25 (default: only for corpora of at most 1,000,000 passages)."
+BM25_HELP = (
+    f"Also build BM25 (default: only for corpora of at most {BM25_AUTO_MAX_DOCUMENTS:,} passages)."
+)
 
 
 # Options that mean the same in `index build`, `convert` and `import` (one definition each).
 def train_sample_option() -> Any:
-    from retrieval_server.index_build import DEFAULT_TRAIN_SAMPLE
-
     return typer.Option(
         DEFAULT_TRAIN_SAMPLE,
         "--train-sample",
@@ -147,7 +152,10 @@ def build_command(
     fp16: bool = typer.Option(False, "--fp16", help="Half precision (cuda only)."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Passages per forward pass."),
     chunk_size: int = typer.Option(
-        8192, "--chunk-size", min=1, help="Passages per saved chunk (the unit of resuming)."
+        DEFAULT_CHUNK_SIZE,
+        "--chunk-size",
+        min=1,
+        help="Passages per saved chunk (the unit of resuming).",
     ),
     train_sample: int = train_sample_option(),
     dense: bool = typer.Option(

@@ -34,6 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from hdr.errors import UserError
+from retrieval_server.build_defaults import (
+    BM25_AUTO_MAX_DOCUMENTS,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_TRAIN_SAMPLE,
+)
 from retrieval_server.corpus import read_contents, scan_corpus
 from retrieval_server.encoder import (
     DEFAULT_ENCODER,
@@ -66,9 +71,6 @@ if TYPE_CHECKING:
 
     from retrieval_server.config import EncoderConfig
 
-BM25_AUTO_MAX_DOCUMENTS = 1_000_000
-DEFAULT_CHUNK_SIZE = 8192
-DEFAULT_TRAIN_SAMPLE = 262_144  # faiss's k-means uses at most 256 points per centroid
 VECTORS_DIR = "vectors"
 BUILD_STATE = "build.json"
 INDEX_ALIASES = {"flat": FLAT_FACTORY, "hnsw": "HNSW32,Flat"}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import alive, children
 
 from evaluation.evaluate import DatasetResult, EvalReport
 from evaluation.experiment import (
@@ -322,27 +323,6 @@ def test_quick_experiment_end_to_end(tmp_path):
         httpx.get(results["server_url"] + "/health", timeout=5)
 
 
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is `pid` (from /proc: no psutil)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_an_interrupted_parallel_experiment_stops_its_runs_and_server_at_once(tmp_path):
     """SIGTERM (or Ctrl-C) while runs train in worker processes: the workers are killed, not
     asked to finish their step (which, with the server stopping, waited 300 s for retrieval
@@ -363,13 +343,13 @@ def test_an_interrupted_parallel_experiment_stops_its_runs_and_server_at_once(tm
             assert proc.poll() is None, log.read_text()[-2000:]
             assert time.monotonic() < deadline, "no run started training"
             time.sleep(1)
-        family = _children(proc.pid)
-        family += [grandchild for child in family for grandchild in _children(child)]
+        family = children(proc.pid)
+        family += [grandchild for child in family for grandchild in children(child)]
         assert len(family) >= 3  # the server and two workers (and the pool's helpers)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) != 0
         time.sleep(1)
-        assert [pid for pid in family if _alive(pid)] == []
+        assert [pid for pid in family if alive(pid)] == []
         assert "stopping after this step" not in log.read_text()  # no run tried to finish
     finally:
         proc.kill()

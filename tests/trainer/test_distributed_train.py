@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_CPU, tiny_overrides
+from processes import alive, children
 from safetensors.torch import load_file
 
 from trainer.checkpoint import list_checkpoints, open_checkpoint
@@ -87,28 +88,17 @@ def weights(run_dir: Path, step: int | None = None) -> dict[str, torch.Tensor]:
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
-    """rank -> pid of torchrun's worker processes (its children, read from /proc)."""
+    """rank -> pid of torchrun's worker processes (its children, with RANK in their env)."""
     out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in children(agent_pid):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
             continue
         for item in environ:
             if item.startswith(b"RANK="):
-                out[int(item[5:])] = int(stat.parent.name)
+                out[int(item[5:])] = pid
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -327,9 +329,6 @@ def test_an_interrupted_parallel_experiment_stops_its_runs_and_server_at_once(tm
     """SIGTERM (or Ctrl-C) while runs train in worker processes: the workers are killed, not
     asked to finish their step (which, with the server stopping, waited 300 s for retrieval
     on a multi-turn task), and nothing is left behind."""
-    import signal
-    import time
-
     out, log = tmp_path / "out", tmp_path / "experiment.log"
     cmd = [sys.executable, "-m", "hdr.cli", "experiment", "--quick", "--data-dir",
            str(tmp_path / "data"), "--out", str(out), "--config", str(BASE), "progress=false",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import all_overrides, overrides_argument, set_option
+from hdr.options import all_overrides, force_option, overrides_argument, set_option
 
 INIT_MODEL_EXAMPLE = """Example:
 
@@ -33,6 +33,7 @@ def init_model_command(
     ),
     overrides: list[str] = overrides_argument("TinyPolicyConfig", "hidden_size=256"),
     set_: list[str] = set_option(),
+    force: bool = force_option(),
 ) -> None:
     """Build a tiny policy and its tokenizer: a Llama on a BPE trained on the embedded corpus,
     or (--arch qwen2) a Qwen2 model on Qwen2.5's tokenizer."""
@@ -40,11 +41,13 @@ def init_model_command(
 
     from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
     from hdr.config import load_config
+    from hdr.paths import MODEL, check_output
 
     config = load_config(TinyPolicyConfig, None, [f"arch={arch}", *all_overrides(overrides, set_)])
+    check_output(out, MODEL, force=force)  # before the tokenizer's seconds of training
     start = time.perf_counter()
     texts = vital_corpus_texts() if config.arch == "llama" else []
-    init_tiny_policy(out, texts, config)
+    init_tiny_policy(out, texts, config, force=force)
     typer.echo(f"wrote tiny {config.arch} policy to {out} in {time.perf_counter() - start:.1f}s")
 
 
@@ -104,6 +107,7 @@ def rollout_command(
     out: Path = typer.Option(
         Path("runs/rollout/trajectories.jsonl"), "--out", help="Trajectories JSONL to write."
     ),
+    force: bool = force_option(),
 ) -> None:
     """Roll out a policy against a retrieval server; write trajectories, print a summary."""
     from agent_env.runner import RolloutJob, run_rollout_job
@@ -127,6 +131,7 @@ def rollout_command(
         seed=seed,
         threads=threads,
         out=out,
+        force=force,
     )
     run_rollout_job(job, rollout_config)
 

@@ -32,6 +32,7 @@ from agent_env.prompts import (
     TAGS,
 )
 from hdr.config import StrictModel
+from hdr.paths import MODEL, check_output, model_files_in, staging_dir, swap_in
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
@@ -135,9 +136,16 @@ def build_model(tokenizer, config: TinyPolicyConfig):
     return LlamaForCausalLM(model_config)
 
 
-def init_tiny_policy(out_dir: str | Path, corpus_texts: Iterable[str], config: TinyPolicyConfig):
+def init_tiny_policy(
+    out_dir: str | Path,
+    corpus_texts: Iterable[str],
+    config: TinyPolicyConfig,
+    force: bool = False,
+):
     """Build the tokenizer (llama: trained on `corpus_texts`; qwen2: Qwen2.5's, which ignores
-    them), initialise the model, save both to `out_dir`; returns the path."""
+    them), initialise the model, save both to `out_dir` (new, empty, or a model replaced with
+    `force`: `hdr.paths`); returns the path."""
+    out = check_output(out_dir, MODEL, force=force)
     if config.arch == "qwen2":
         from agent_env.qwen_bed import build_qwen2_model, build_qwen25_tokenizer
 
@@ -150,11 +158,10 @@ def init_tiny_policy(out_dir: str | Path, corpus_texts: Iterable[str], config: T
             texts = rng.sample(texts, config.max_texts)
         tokenizer = train_tokenizer(texts + prompt_texts() * 20, config.vocab_size)
         model = build_model(tokenizer, config)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
-    return out
+    staged = staging_dir(out)
+    tokenizer.save_pretrained(staged)
+    model.save_pretrained(staged)
+    return swap_in(staged, out, model_files_in(out) if out.is_dir() else [])
 
 
 def vital_corpus_texts(limit: int | None = None) -> list[str]:

@@ -5,6 +5,7 @@ write trajectories as JSONL; print a summary. The benchmark and the scripted ref
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hdr.errors import UserError, warn
+from hdr.paths import TRAJECTORIES, check_output, local_model, looks_like_hub_id
 
 
 @dataclass
@@ -32,9 +34,11 @@ class RolloutJob:
     seed: int = 0
     threads: int | None = None
     out: Path | None = None
+    force: bool = False  # replace an existing trajectories file at `out`
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+MODEL_HINT = "`hdr init-model --out DIR` builds a tiny policy, `hdr sft` trains one"
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -42,10 +46,8 @@ def load_tokenizer(model_dir: str | Path):
     (transformers would otherwise guess a tokenizer class and fail deep inside it)."""
     from transformers import AutoTokenizer
 
-    model_dir = Path(model_dir)
-    hub_id = not model_dir.exists() and str(model_dir).count("/") == 1 and str(model_dir)[0] != "."
-    if not model_dir.is_dir() and not hub_id:  # a Hub id (Org/name) is tried as such
-        raise UserError(f"model directory not found: {model_dir}")
+    hub_id = not Path(model_dir).exists() and looks_like_hub_id(str(model_dir))
+    model_dir = Path(local_model(model_dir, MODEL_HINT))  # a missing path: one line, no hub
     if not hub_id and not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(
             f"no tokenizer in {model_dir} (expected tokenizer.json or tokenizer_config.json,"
@@ -88,6 +90,8 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
     from hdr.progress import progress
 
     console = console or Console()
+    if job.out is not None:  # before any work: never over another file, never over the model
+        check_output(job.out, TRAJECTORIES, force=job.force, inputs=[job.model])
     torch.manual_seed(job.seed)
     if job.threads is not None:
         torch.set_num_threads(job.threads)
@@ -99,9 +103,11 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
     client_config = RetrievalConfig(urls=job.servers, topk=job.topk, retriever=job.retriever)
     totals = dict(gen_time=0.0, retrieval_time=0.0, wall_time=0.0, env_calls=0, retrieval_calls=0)
     trajectories, dropped = [], 0
-    if job.out is not None:
+    staged = None
+    if job.out is not None:  # written beside `out`, renamed into place when complete
         job.out.parent.mkdir(parents=True, exist_ok=True)
-    sink = job.out.open("w") if job.out is not None else None
+        staged = job.out.with_name(f".{job.out.name}.{os.getpid()}.tmp")
+    sink = staged.open("w") if staged is not None else None
     start = time.perf_counter()
     try:
         with (
@@ -121,9 +127,13 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
                             sink.write(json.dumps(trajectory_record(traj, tokenizer)) + "\n")
                 bar.update(len(chunk))
             in_flight = client.stats.max_in_flight
+        if sink is not None:
+            sink.close()
+            os.replace(staged, job.out)
     finally:
         if sink is not None:
             sink.close()
+            staged.unlink(missing_ok=True)
     total_time = time.perf_counter() - start
     summary = {
         **summarize(trajectories),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import all_overrides, overrides_argument, set_option
+from hdr.options import all_overrides, force_option, overrides_argument, set_option
 
 EVAL_EXAMPLES = """Examples (a retrieval server must be running, see `hdr serve`):
 
@@ -59,6 +59,7 @@ def eval_command(
     ),
     overrides: list[str] = overrides_argument("EvalConfig", "max_questions=200"),
     set_: list[str] = set_option(),
+    force: bool = force_option(),
 ) -> None:
     """Mean@k, Best@k and greedy EM per dataset, with plain and size-weighted averages,
     through the full rollout loop. Writes eval.json and eval.md; rerun to resume."""
@@ -66,7 +67,7 @@ def eval_command(
 
     cfg = eval_config_for(model, config, train_config, all_overrides(overrides, set_))
     out_dir = out or Path("eval") / (model.parent.name if model.name == "final" else model.name)
-    report = evaluate(model, data, k, server or None, cfg, out_dir)
+    report = evaluate(model, data, k, server or None, cfg, out_dir, force=force)
     typer.echo(report.markdown())
     typer.echo(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.md'}")
 
@@ -74,12 +75,14 @@ def eval_command(
 def plot_command(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories written by `hdr train`."),
     out: Path = typer.Option(Path("charts"), "--out", help="Directory for the PNG charts."),
+    force: bool = force_option(),
 ) -> None:
     """PNG charts from run dirs: held-out reward against env calls and wall time, replay age,
-    acceptance rate, replay count against stored headroom. One line per arm."""
+    acceptance rate, replay count against stored headroom. One line per run (arm and seed);
+    runs of one arm with different settings are labelled with them."""
     from evaluation.plots import plot_run_dirs
 
-    for path in plot_run_dirs(run_dirs, out):
+    for path in plot_run_dirs(run_dirs, out, force=force):
         typer.echo(str(path))
 
 

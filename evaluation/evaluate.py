@@ -56,6 +56,7 @@ from evaluation.metrics import (
 )
 from hdr.config import StrictModel
 from hdr.errors import UserError, warn
+from hdr.paths import EVAL, check_output, local_model
 
 __all__ = [
     "DatasetResult",
@@ -514,6 +515,20 @@ def evaluate_policy(
     return report
 
 
+def check_eval_output(out_dir: Path, fingerprint: str, force: bool, model_dir: Path) -> None:
+    """`out_dir` may take this evaluation: new or empty, this evaluation's unfinished chunks
+    (resumed), or another evaluation with `force`; one UserError line otherwise."""
+    check_output(out_dir, EVAL, force=force, reuse=True, inputs=[model_dir])
+    partial = out_dir / PARTIAL
+    first = partial.read_text(encoding="utf-8").split("\n", 1)[0] if partial.is_file() else ""
+    resumes = first == json.dumps({"fingerprint": fingerprint})
+    if EVAL.recognise(out_dir) and not (force or resumes):
+        raise UserError(
+            f"--out {out_dir} already holds an evaluation; pass --force to replace it, or choose"
+            " another --out"
+        )
+
+
 def write_report(report: EvalReport, out_dir: str | Path) -> tuple[Path, Path]:
     """`eval.json` and `eval.md` in `out_dir`, each written atomically."""
     out_dir = Path(out_dir)
@@ -539,11 +554,14 @@ def evaluate(
     server_urls: Sequence[str] | None = None,
     config: EvalConfig | None = None,
     out_dir: str | Path | None = None,
+    force: bool = False,
 ) -> EvalReport:
     """Evaluate the model saved in `model_dir` (from_pretrained layout, with tokenizer).
 
     `datasets`: specs (`wiki-vital`, `.jsonl`, `.parquet`) or loaded `EvalDataset`s. `k` and
-    `server_urls` override the config's. Writes `eval.json`, `eval.md` to `out_dir` if given.
+    `server_urls` override the config's. Writes `eval.json`, `eval.md` to `out_dir` if given:
+    a new or empty folder, the same evaluation's unfinished one (resumed), or with `force` an
+    earlier evaluation (replaced); checked before any work.
     """
     from agent_env.generation import build_generator
     from agent_env.retrieval_client import connect
@@ -555,13 +573,17 @@ def evaluate(
     if server_urls:
         config.retrieval.urls = list(server_urls)
     model_dir = Path(model_dir)
-    if config.generation.backend != "scripted" and not (model_dir / "config.json").is_file():
-        raise UserError(f"no model at {model_dir} (expected a from_pretrained directory)")
+    if config.generation.backend != "scripted":
+        local_model(model_dir, "`hdr sft` or `hdr train` writes one; `hdr init-model` a tiny one")
     if datasets and all(isinstance(d, EvalDataset) for d in datasets):
         n = config.max_questions
         loaded = [EvalDataset(d.name, d.examples[:n], d.sources) for d in datasets]
     else:
         loaded = load_eval_datasets(datasets, config.max_questions)
+    resume_key = weights_signature(model_dir) if model_dir.is_dir() else ""
+    if out_dir is not None:
+        fingerprint = _fingerprint(f"{model_dir}|{resume_key}", loaded, config)
+        check_eval_output(Path(out_dir), fingerprint, force, model_dir)
     tokenizer = load_tokenizer(model_dir)
     generator = build_generator(
         config.generation, model_dir=model_dir, tokenizer=tokenizer, prompt=config.rollout.prompt
@@ -576,7 +598,7 @@ def evaluate(
             out_dir,
             model_id=str(model_dir),
             generator=generator,
-            resume_key=weights_signature(model_dir),
+            resume_key=resume_key,
         )
     if report.env_calls == 0 and any(d.num_questions for d in report.datasets):
         warn(

@@ -1083,7 +1083,8 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     summary["total_wall_time"] = time.perf_counter() - started
     summary["sft_dir"] = str(sft_dir)
     summary["server_url"] = url  # stopped by now
-    charts = plot_runs([load_run(r.run_dir, label=r.arm) for r in results], out / "charts")
+    runs = [load_run(r.run_dir, label=r.arm) for r in results]
+    charts = plot_runs(runs, out / "charts", force=True)  # the experiment's own charts
     summary["charts"] = [str(p.relative_to(out)) for p in charts]
     write_json_atomic(out / "results.json", summary)
     md = results_markdown(summary, cfg)

@@ -1,8 +1,12 @@
 """PNG charts from run directories (`hdr plot`), the paper's mechanism views on our runs.
 
 Reads only the files a run dir holds (docs/contracts.md): `config.yaml`, `metrics.jsonl`,
-`eval.jsonl`, `groups.jsonl`. Charts, each one line (or bar set) per arm, seeds of an arm
-averaged (the mean line, with the min-max over seeds shaded, and a footnote saying so):
+`eval.jsonl`, `groups.jsonl`. Which lines a chart has (`line_groups`): `hdr plot` draws one
+line per run, labelled by arm and seed; the experiment's charts draw one line per arm, its
+seeds averaged (the mean, with the min-max over seeds shaded and a footnote saying so). Either
+way two runs of one arm with the same seed are never counted as two seeds (each keeps its own
+line, named by its folder), and runs of one arm whose configs differ (beyond seed and out_dir)
+carry the differing settings in their labels. The charts:
 
 - `heldout_vs_env_calls.png`, `heldout_vs_wall_time.png`: held-out Mean@k against cumulative
   environment cost and against wall time (the paper's cost axes). Environment cost is counted
@@ -24,9 +28,12 @@ averaged (the mean line, with the min-max over seeds shaded, and a footnote sayi
   stored headroom at entry (`groups.jsonl`), binned means.
 
 A chart whose data no run has (for example the replay charts for on-policy arms only) is
-skipped; a run dir without `metrics.jsonl` is a `UserError`. A run still being written may end
-in a half line; that last line is ignored. matplotlib is used through `Figure` objects with the
-Agg canvas, never pyplot, so no display or global figure state is involved.
+skipped; a run dir without `metrics.jsonl` is a `UserError`. `charts.json` beside the charts
+lists them and each line's run dirs; the charts are drawn into a staging folder and moved into
+the out dir (`hdr.paths`: a new or empty folder, or earlier charts with `--force`). A run
+still being written may end in a half line; that last line is ignored. matplotlib is used
+through `Figure` objects with the Agg canvas, never pyplot, so no display or global figure
+state is involved.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +52,7 @@ import numpy as np
 import yaml
 
 from hdr.errors import UserError
+from hdr.paths import CHARTS, check_output, staging_dir, swap_in
 
 # Fixed colours so an arm looks the same in every chart and every report.
 ARM_COLORS = {
@@ -164,14 +173,80 @@ def _with_rollouts(evals: list[dict[str, Any]], config: dict[str, Any]) -> list[
     return [{**row, "rollouts_total": int(row.get("step", 0)) * b * g} for row in evals]
 
 
-def _by_label(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
-    out: dict[str, list[RunData]] = defaultdict(list)
+NOT_SETTINGS = {"seed", "out_dir", "generation.seed"}  # what differs between seeds of one arm
+MARKERS = ("o", "s", "^", "v", "D", "P", "X")
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def distinct_settings(runs: Sequence[RunData]) -> list[str]:
+    """For each run, the settings in which the runs' configs differ (seed and out_dir aside),
+    as `key=value, ...` ("" when they all agree)."""
+    flat = [_flat(run.config) for run in runs]
+    keys = sorted({k for f in flat for k in f} - NOT_SETTINGS)
+    differ = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+    return [", ".join(f"{k}={f.get(k)}" for k in differ) for f in flat]
+
+
+def _folder_names(runs: Sequence[RunData]) -> list[str]:
+    """Short names that tell the runs' folders apart (the last one, two, ... parts)."""
+    for depth in range(1, 6):
+        names = ["/".join(run.path.parts[-depth:]) for run in runs]
+        if len(set(names)) == len(names):
+            return names
+    return [str(run.path) for run in runs]
+
+
+def line_groups(runs: Sequence[RunData], per_seed: bool) -> dict[str, list[RunData]]:
+    """The lines of a chart: display label -> the runs behind that line, arms in table order.
+
+    `per_seed`: one line per run (`hdr plot`), labelled `arm seed N`; else one line per arm
+    with its seeds averaged (the experiment). Runs of one arm whose configs differ get their
+    differing settings in the label; runs of one arm, settings and seed are never averaged as
+    seeds: each gets its own line, labelled with its folder."""
+    by_arm: dict[str, list[RunData]] = defaultdict(list)
     for run in runs:
-        out[run.label].append(run)
+        by_arm[run.label].append(run)
     order = list(ARM_COLORS)
-    return dict(
-        sorted(out.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else 99, kv[0]))
-    )
+    lines: dict[str, list[RunData]] = {}
+    for arm in sorted(by_arm, key=lambda a: (order.index(a) if a in order else 99, a)):
+        variants: dict[str, list[RunData]] = defaultdict(list)
+        for run, settings in zip(by_arm[arm], distinct_settings(by_arm[arm]), strict=True):
+            variants[settings].append(run)
+        for settings, members in variants.items():
+            base = f"{arm} ({settings})" if settings else arm
+            seeds = [run.seed for run in members]
+            repeated = len(set(seeds)) < len(seeds)
+            if not per_seed and not repeated:
+                lines[base] = members
+                continue
+            folders = _folder_names(members)
+            for run, folder in zip(members, folders, strict=True):
+                label = f"{base} seed {run.seed}" if per_seed else base
+                lines[f"{label} [{folder}]" if repeated else label] = [run]
+    return lines
+
+
+def _styles(groups: dict[str, list[RunData]]) -> dict[str, tuple[str, str]]:
+    """(colour, marker) per line: the arm's colour; lines of one arm differ in marker."""
+    styles, seen = {}, defaultdict(int)
+    for i, (label, runs) in enumerate(groups.items()):
+        arm = runs[0].label
+        styles[label] = (_color(arm, i), MARKERS[seen[arm] % len(MARKERS)])
+        seen[arm] += 1
+    return styles
+
+
+def _legend(label: str, runs: list[RunData]) -> str:
+    return f"{label} ({len(runs)} seeds)" if len(runs) > 1 else label
 
 
 def _color(label: str, index: int) -> str:
@@ -241,7 +316,8 @@ def _line_chart(
     `final_of(runs) -> float | None`, a diamond at the line's end for the final evaluation."""
     fig, ax = _figure(title, xlabel, ylabel)
     drawn = banded = finals = False
-    for i, (label, runs) in enumerate(groups.items()):
+    styles = _styles(groups)
+    for label, runs in groups.items():
         curve = _seed_curves(runs, rows_of, x_key, y_key)
         if curve is None:
             continue
@@ -250,17 +326,16 @@ def _line_chart(
             kernel = np.ones(smooth) / smooth
             y, lo, hi = (np.convolve(v, kernel, mode="valid") for v in (y, lo, hi))
             x = x[smooth - 1 :]
-        color = _color(label, i)
-        n_seeds = len(runs)
+        color, marker = styles[label]
         ax.plot(
             x * x_scale,
             y,
             color=color,
-            marker="o" if len(x) < 30 else None,
+            marker=marker if len(x) < 30 else None,
             ms=3,
-            label=f"{label} ({n_seeds} seed{'s' if n_seeds != 1 else ''})",
+            label=_legend(label, runs),
         )
-        if n_seeds > 1:
+        if len(runs) > 1:
             ax.fill_between(x * x_scale, lo, hi, color=color, alpha=0.15, linewidth=0)
             banded = True
         if final_of is not None:
@@ -369,7 +444,10 @@ def _with_cumulative_cost(run: RunData) -> list[dict[str, Any]]:
 def plot_quality_vs_cost(groups: dict[str, list[RunData]], out_dir: Path) -> list[Path]:
     """Held-out Mean@k and Best@k against each cumulative cost axis, one line per arm."""
     costed = {
-        label: [RunData(r.path, r.label, r.seed, r.metrics, _with_cumulative_cost(r)) for r in runs]
+        label: [
+            RunData(r.path, r.label, r.seed, r.metrics, _with_cumulative_cost(r), config=r.config)
+            for r in runs
+        ]
         for label, runs in groups.items()
     }
     k = next((r.get("k") for runs in groups.values() for run in runs for r in run.evals), "k")
@@ -383,15 +461,16 @@ def plot_quality_vs_cost(groups: dict[str, list[RunData]], out_dir: Path) -> lis
             "held-out score (band: min-max over seeds)",
         )
         drawn = False
-        for i, (label, runs) in enumerate(costed.items()):
+        styles = _styles(costed)
+        for label, runs in costed.items():
             for metric, style in (("mean_at_k", "-"), ("best_at_k", "--")):
                 curve = _seed_curves(runs, "evals", f"cum_{axis}", metric)
                 if curve is None:
                     continue
                 x, y, lo, hi = curve
-                color = _color(label, i)
-                ax.plot(x * scale, y, style, color=color, ms=3, marker="o",
-                        label=f"{label} ({len(runs)} seeds)" if style == "-" else None)  # fmt: skip
+                color, marker = styles[label]
+                ax.plot(x * scale, y, style, color=color, ms=3, marker=marker,
+                        label=_legend(label, runs) if style == "-" else None)  # fmt: skip
                 if len(runs) > 1:
                     ax.fill_between(x * scale, lo, hi, color=color, alpha=0.12, linewidth=0)
                 drawn = True
@@ -417,6 +496,7 @@ def plot_replay_age(groups: dict[str, list[RunData]], out_dir: Path) -> Path | N
     fig, ax = _figure(
         "Age of replayed groups", "age at replay (steps since entry)", "fraction of replayed groups"
     )
+    styles = _styles(groups)
     for i, (label, a) in enumerate(ages.items()):
         counts = np.array([a.count(b) for b in bins], dtype=float) / len(a)
         offset = (i - (len(ages) - 1) / 2) * width
@@ -425,7 +505,7 @@ def plot_replay_age(groups: dict[str, list[RunData]], out_dir: Path) -> Path | N
             bins + offset,
             counts,
             width=width,
-            color=_color(label, i),
+            color=styles[label][0],
             label=f"{label} (n={len(a)}, age>=3: {share3:.0%})",
         )
     ax.set_xticks(bins if len(bins) <= 20 else bins[:: math.ceil(len(bins) / 20)])
@@ -474,8 +554,9 @@ def plot_replay_count(
         "replay count (mean per bin)",
     )
     rng = np.random.default_rng(0)
-    for i, (label, d) in enumerate(data.items()):
-        color = _color(label, i)
+    styles = _styles(groups)
+    for label, d in data.items():
+        color = styles[label][0]
         jitter = rng.uniform(-0.12, 0.12, size=len(d))
         ax.scatter(d[:, 0], d[:, 1] + jitter, s=5, alpha=0.15, color=color)
         which = np.clip(np.digitize(d[:, 0], edges) - 1, 0, bins - 1)
@@ -490,27 +571,52 @@ def plot_replay_count(
     return _save(fig, out_dir / "replay_count_vs_headroom.png")
 
 
-def plot_runs(runs: Sequence[RunData], out_dir: str | Path) -> list[Path]:
-    """Write every chart the runs have data for into `out_dir`; return their paths."""
+CHARTS_INDEX = "charts.json"
+
+
+def plot_runs(
+    runs: Sequence[RunData], out_dir: str | Path, per_seed: bool = False, force: bool = False
+) -> list[Path]:
+    """Write every chart the runs have data for into `out_dir` (new, empty, or earlier charts
+    with `force`: `hdr.paths.check_output`), with `charts.json` listing the charts and each
+    line's run dirs; return the charts' paths. `per_seed`: see `line_groups`."""
     if not runs:
         raise UserError("no run dirs to plot")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    groups = _by_label(runs)
-    made = plot_heldout(groups, out_dir)
-    made += plot_quality_vs_cost(groups, out_dir)
-    for chart in (plot_replay_age, plot_acceptance, plot_replay_count):
-        path = chart(groups, out_dir)
-        if path is not None:
-            made.append(path)
-    if not made:
-        raise UserError(
-            "nothing to plot: the runs have no eval.jsonl rows, replay ages, acceptance rates "
-            "or replayed groups yet"
-        )
-    return made
+    out_dir = check_output(out_dir, CHARTS, force=force, inputs=[run.path for run in runs])
+    staged = staging_dir(out_dir)
+    try:
+        groups = line_groups(runs, per_seed)
+        made = plot_heldout(groups, staged)
+        made += plot_quality_vs_cost(groups, staged)
+        for chart in (plot_replay_age, plot_acceptance, plot_replay_count):
+            path = chart(groups, staged)
+            if path is not None:
+                made.append(path)
+        if not made:
+            raise UserError(
+                "nothing to plot: the runs have no eval.jsonl rows, replay ages, acceptance"
+                " rates or replayed groups yet"
+            )
+        index = {
+            "charts": [p.name for p in made],
+            "lines": {
+                label: [str(run.path) for run in members] for label, members in groups.items()
+            },
+        }
+        (staged / CHARTS_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    previous = []
+    if (out_dir / CHARTS_INDEX).is_file():
+        previous = [*json.loads((out_dir / CHARTS_INDEX).read_text())["charts"], CHARTS_INDEX]
+    swap_in(staged, out_dir, previous)
+    return [out_dir / p.name for p in made]
 
 
-def plot_run_dirs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
-    """`hdr plot`: load each run dir (labels from their layout or config) and chart them."""
-    return plot_runs([load_run(d) for d in run_dirs], out_dir)
+def plot_run_dirs(
+    run_dirs: Sequence[str | Path], out_dir: str | Path, force: bool = False
+) -> list[Path]:
+    """`hdr plot`: load each run dir (labels from their layout or config) and chart them,
+    one line per run (arm and seed)."""
+    return plot_runs([load_run(d) for d in run_dirs], out_dir, per_seed=True, force=force)

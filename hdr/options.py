@@ -32,3 +32,10 @@ def set_option() -> Any:
 def all_overrides(positional: list[str] | None, via_set: list[str] | None) -> list[str]:
     """`--set` ones first, then the positional ones (later wins on the same key)."""
     return [*(via_set or []), *(positional or [])]
+
+
+def force_option() -> Any:
+    """`--force`: replace an existing output of the same kind (hdr.paths' rule)."""
+    from hdr.paths import FORCE_HELP
+
+    return typer.Option(False, "--force", help=FORCE_HELP)

@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from hdr.options import all_overrides, overrides_argument, set_option
+from hdr.options import all_overrides, force_option, overrides_argument, set_option
 from retrieval_server.build_defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
@@ -56,11 +56,12 @@ def prepare_wiki_command(
     limit: int | None = typer.Option(
         None, "--limit", min=1, help="Only the first N articles (file order)."
     ),
+    force: bool = force_option(),
 ) -> None:
     """Write the embedded corpus (~10,000 Wikipedia vital-article summaries) as Search-R1 JSONL."""
     from retrieval_server.corpus import prepare_wiki
 
-    count = prepare_wiki(out, limit)
+    count = prepare_wiki(out, limit, force=force)
     typer.echo(f"wrote {count} passages to {out}")
 
 
@@ -164,6 +165,7 @@ def build_command(
         help="Build the dense index (--no-dense: BM25 only, nothing encoded: seconds, not"
         " minutes, on a CPU).",
     ),
+    force: bool = force_option(),
 ) -> None:
     """Encode the corpus into a FAISS index (+ BM25) with a manifest; resumes when rerun."""
     from retrieval_server.index_build import build_index
@@ -178,6 +180,7 @@ def build_command(
         chunk_size=chunk_size,
         train_sample=train_sample,
         dense=dense,
+        force=force,
     )
     manifest = result.manifest
     resumed = f", resumed after {result.chunks_reused} chunks" if result.chunks_reused else ""
@@ -200,12 +203,13 @@ def convert_command(
         help="Keep the Flat vectors (hard-linked) to re-rank the compressed index's candidates"
         " exactly at serve time (memory-mapped; dense.refine_k_factor).",
     ),
+    force: bool = force_option(),
 ) -> None:
     """Remake an index's FAISS part as another index type from its stored vectors (no
     re-encoding): e.g. an imported wiki-18 Flat index into IVF-PQ."""
     from retrieval_server.index_build import convert_index
 
-    manifest = convert_index(source, out, index_type, train_sample, refine=refine)
+    manifest = convert_index(source, out, index_type, train_sample, refine=refine, force=force)
     size = manifest.files["dense.faiss"] / 2**30
     typer.echo(
         f"wrote {out}: {manifest.index_factory} over {manifest.documents} vectors, "
@@ -235,6 +239,7 @@ def import_command(
     ),
     backend: str = encoder_backend_option(),
     device: str = encoder_device_option(),
+    force: bool = force_option(),
 ) -> None:
     """Adopt an existing FAISS index and its corpus without re-encoding (e.g. Search-R1's
     e5_Flat.index + wiki-18.jsonl); refuses when re-encoded passages do not match it."""
@@ -249,6 +254,7 @@ def import_command(
         bm25=bm25,
         verify_sample=verify_sample,
         copy=copy,
+        force=force,
     )
     typer.echo(
         f"imported {manifest.documents} vectors ({manifest.index_factory}, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hdr.errors import UserError
+from hdr.paths import CORPUS, check_output
 
 if TYPE_CHECKING:
     import numpy as np
@@ -89,17 +91,25 @@ def article_contents(article: VitalArticle) -> str:
 
 
 def write_corpus(path: Path, contents: Iterable[str]) -> int:
-    """Write passages as Search-R1 JSONL, line `i` with id `str(i)`; returns the line count."""
+    """Write passages as Search-R1 JSONL, line `i` with id `str(i)`; returns the line count.
+    The file appears whole or not at all (written beside it, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     count = 0
-    with path.open("w", encoding="utf-8") as file:
-        for count, text in enumerate(contents, start=1):
-            file.write(json.dumps({"id": str(count - 1), "contents": text}) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as file:
+            for count, text in enumerate(contents, start=1):
+                file.write(json.dumps({"id": str(count - 1), "contents": text}) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return count
 
 
-def prepare_wiki(path: Path, limit: int | None = None) -> int:
-    """Write the embedded corpus (optionally its first `limit` articles) to `path`."""
+def prepare_wiki(path: Path, limit: int | None = None, force: bool = False) -> int:
+    """Write the embedded corpus (optionally its first `limit` articles) to `path`: a new
+    file, or an existing corpus with `force` (`hdr.paths.check_output`)."""
+    check_output(path, CORPUS, force=force)
     articles = itertools.islice(iter_vital_articles(), limit)
     return write_corpus(path, (article_contents(article) for article in articles))
 

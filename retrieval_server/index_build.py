@@ -1,9 +1,11 @@
 """Writing index directories: build from a corpus, convert to another FAISS index, import one.
 
-Every writer follows the same steps: check all its input first (the whole corpus, the factory
-string, the encoder), then work in `DIR.partial/`, then write the manifest and rename
-`DIR.partial` to `DIR`. An interrupted or failed run never leaves a directory that looks like an
-index; `DIR.partial` is only ever read by the next build of the same `DIR`.
+Every writer follows the same steps: check where it writes (`DIR` new, empty, or an index it
+may replace with `force`; never one of its inputs: `hdr.paths`) and all its input (the whole
+corpus, the factory string, the encoder), then work in `DIR.partial/`, then write the manifest
+and move the new index into `DIR`, replacing only an older index's own files. An interrupted
+or failed run never leaves a directory that looks like an index; `DIR.partial` (marked as
+hdr's) is only ever read by the next build of the same `DIR`.
 
 - `build_index`: passages are encoded in chunks of `chunk_size`, each saved as
   `DIR.partial/vectors/NNNNNN.npy` as soon as it is done, so a rerun with the same corpus and
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from hdr.errors import UserError
+from hdr.paths import INDEX, check_output, swap_in
 from retrieval_server.build_defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
@@ -73,6 +76,7 @@ if TYPE_CHECKING:
 
 VECTORS_DIR = "vectors"
 BUILD_STATE = "build.json"
+STAGING_MARK = ".hdr-partial"  # marks DIR.partial as hdr's own unfinished build
 INDEX_ALIASES = {"flat": FLAT_FACTORY, "hnsw": "HNSW32,Flat"}
 IMPORT_MIN_COSINE = 0.98  # re-encoded vs stored; fp16 GPU builds agree to ~0.999
 IMPORT_MIN_SELF_RECALL = 0.9  # lossy indexes: share of sampled passages found in their top 10
@@ -269,9 +273,42 @@ def partial_dir(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".partial")
 
 
+def check_index_output(out_dir: Path, force: bool, inputs: list[Path]) -> None:
+    """`out_dir` may receive an index (new, empty, or an index with `force`; never an input),
+    and `DIR.partial` beside it is absent or an earlier build's: one UserError line otherwise,
+    before any work."""
+    check_output(out_dir, INDEX, force=force, inputs=inputs)
+    partial = partial_dir(out_dir)
+    if partial.exists() and not is_unfinished_build(partial):
+        raise UserError(
+            f"{partial} exists and is not an unfinished hdr build; move it away (hdr builds the"
+            f" index there before it becomes {out_dir})"
+        )
+
+
+def is_unfinished_build(partial: Path) -> bool:
+    """Whether `partial` is hdr's own unfinished build (marked, or an older build's state)."""
+    return (partial / STAGING_MARK).is_file() or (partial / BUILD_STATE).is_file()
+
+
+def fresh_partial(out_dir: Path) -> Path:
+    """An empty `DIR.partial`, marked as hdr's; an unfinished earlier build's is removed."""
+    partial = partial_dir(out_dir)
+    if partial.exists():
+        if not is_unfinished_build(partial):
+            raise UserError(f"{partial} exists and is not an unfinished hdr build; move it away")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    (partial / STAGING_MARK).write_text("an unfinished hdr index build; safe to delete\n")
+    return partial
+
+
 def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManifest:
-    """Record the files' sizes in the manifest, write it, and rename `partial` to `out_dir`
-    (replacing an older index there only once the new one is whole)."""
+    """Record the files' sizes in the manifest, write it, and move the new index into
+    `out_dir`: a new or empty folder is renamed into place; over an older index only the old
+    index's own files are replaced or removed (`hdr.paths.swap_in`), the manifest last, and
+    nothing else in the folder is touched."""
+    (partial / STAGING_MARK).unlink(missing_ok=True)
     files = [partial / OFFSETS_FILE]
     if manifest.index_factory is not None:
         files.append(partial / DENSE_FILE)
@@ -281,14 +318,12 @@ def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManife
         files += sorted(p for p in (partial / BM25_DIR).iterdir() if p.is_file())
     manifest.files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in files}
     (partial / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(partial, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(partial, out_dir)
+    previous = (
+        [*json.loads((out_dir / MANIFEST).read_text())["files"], MANIFEST]
+        if (INDEX.recognise(out_dir))
+        else []
+    )
+    swap_in(partial, out_dir, previous, last=MANIFEST)
     return manifest
 
 
@@ -331,15 +366,15 @@ def start_partial(out_dir: Path, state: dict[str, object]) -> Path:
     """`DIR.partial` for a build with `state`: kept if an earlier run had the same state."""
     partial = partial_dir(out_dir)
     state_file = partial / BUILD_STATE
-    if partial.exists():
+    if is_unfinished_build(partial):
         try:
             same = json.loads(state_file.read_text()) == state
         except (OSError, ValueError):
             same = False
         if same:
             return partial
-        shutil.rmtree(partial)
-    (partial / VECTORS_DIR).mkdir(parents=True)
+    partial = fresh_partial(out_dir)
+    (partial / VECTORS_DIR).mkdir()
     state_file.write_text(json.dumps(state, indent=2) + "\n")
     return partial
 
@@ -355,6 +390,7 @@ def build_index(
     train_sample: int = DEFAULT_TRAIN_SAMPLE,
     show_progress: bool = True,
     dense: bool = True,
+    force: bool = False,
 ) -> BuildResult:
     """Encode every passage of `corpus` and write the index directory `out_dir` (see module).
 
@@ -367,6 +403,7 @@ def build_index(
     from hdr.progress import progress as progress_bar
 
     corpus, out_dir = Path(corpus), Path(out_dir)
+    check_index_output(out_dir, force, [corpus])
     started = time.perf_counter()
     factory = factory_string(index_type)
     offsets = scan_corpus(corpus)  # the whole corpus is checked before anything is encoded
@@ -443,9 +480,7 @@ def build_bm25_only(
     from transformers import AutoConfig
 
     dimension = AutoConfig.from_pretrained(resolve_encoder(spec.name)).hidden_size
-    partial = partial_dir(out_dir)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = fresh_partial(out_dir)
     np.save(partial / OFFSETS_FILE, offsets, allow_pickle=False)
     write_bm25(corpus, offsets, partial / BM25_DIR, chunk_size, show_progress)
     manifest = new_manifest(
@@ -464,6 +499,7 @@ def convert_index(
     train_sample: int = DEFAULT_TRAIN_SAMPLE,
     show_progress: bool = True,
     refine: bool = False,
+    force: bool = False,
 ) -> IndexManifest:
     """A copy of the index at `source_dir` with its dense index remade as `index_type`, from the
     stored vectors (no re-encoding); BM25 and offsets are carried over (hard-linked if possible).
@@ -474,6 +510,7 @@ def convert_index(
     started = time.perf_counter()
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     files = validate_index(source_dir)
+    check_index_output(out_dir, force, [source_dir, files.corpus])
     if files.manifest.index_factory is None:
         raise UserError(f"{source_dir} has no dense index to convert (built with --no-dense)")
     if refine and files.manifest.index_factory != FLAT_FACTORY:
@@ -492,9 +529,7 @@ def convert_index(
             f"{source_dir} has a {files.manifest.index_factory} index, whose vectors cannot be "
             "read back; convert from a Flat (or HNSW..Flat) index"
         ) from None
-    partial = partial_dir(out_dir)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = fresh_partial(out_dir)
     link_or_copy(source_dir / OFFSETS_FILE, partial / OFFSETS_FILE)
     if files.manifest.bm25:
         shutil.copytree(source_dir / BM25_DIR, partial / BM25_DIR, copy_function=link_or_copy)
@@ -573,6 +608,7 @@ def import_index(
     verify_sample: int = 64,
     copy: bool = False,
     show_progress: bool = True,
+    force: bool = False,
 ) -> tuple[IndexManifest, str]:
     """Adopt an existing FAISS inner-product index of `corpus` (row i = line i) as `out_dir`.
 
@@ -587,6 +623,7 @@ def import_index(
     faiss_file, corpus, out_dir = Path(faiss_file), Path(corpus), Path(out_dir)
     if not faiss_file.is_file():
         raise UserError(f"FAISS file not found: {faiss_file}")
+    check_index_output(out_dir, force, [faiss_file, corpus])
     offsets = scan_corpus(corpus)
     documents = len(offsets) - 1
     dense = read_dense(faiss_file, mmap=True)
@@ -605,9 +642,7 @@ def import_index(
         )
     summary = verify_imported_vectors(dense, encoder, corpus, offsets, verify_sample)
 
-    partial = partial_dir(out_dir)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = fresh_partial(out_dir)
     if copy:
         shutil.copyfile(faiss_file, partial / DENSE_FILE)
     else:

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hdr.errors import UserError
+from hdr.paths import MODEL, model_files_in, staging_dir, swap_in
 from trainer.replay import ReplayBuffer
 
 MANIFEST = "manifest.json"
@@ -299,17 +300,16 @@ def save_model(
     state_dict: dict | None = None,
 ) -> Path:
     """`save_pretrained` (model and tokenizer) and `extra_files` (name -> text, e.g. the
-    rollout settings) into a temporary directory beside `out`, then rename it into place:
-    `out` is either the old model or the whole new one. `state_dict`: weights gathered
-    elsewhere (FSDP), instead of the module's own."""
+    rollout settings) into a staging folder beside `out`, then moved in: a new `out` is one
+    rename; an older model there has only its own files replaced (`hdr.paths.swap_in`), so
+    nothing else in the folder is touched. The caller has checked `out` (`check_output`).
+    `state_dict`: weights gathered elsewhere (FSDP), instead of the module's own."""
     out = Path(out)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    if out.exists() and any(out.iterdir()) and not MODEL.recognise(out):
+        raise UserError(f"{out} holds other files, not a model; not writing a model there")
+    staged = staging_dir(out)
+    model.save_pretrained(staged, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(staged)
     for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+        (staged / name).write_text(text)
+    return swap_in(staged, out, model_files_in(out) if out.is_dir() else [])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import all_overrides, overrides_argument, set_option
+from hdr.options import all_overrides, force_option, overrides_argument, set_option
 
 TRAIN_EXAMPLES = """Examples:
 
@@ -34,13 +34,16 @@ def train_command(
         None, "--resume", help="Continue from a run directory or one of its checkpoints."
     ),
     set_: list[str] = set_option(),
+    force: bool = typer.Option(
+        False, "--force", help="Start over a run in out_dir that has checkpoints or a final model."
+    ),
 ) -> None:
     """GRPO with Headroom-Drift Replay (or another arm): writes a run directory. Ctrl-C (or
     SIGTERM) stops after the current step with a checkpoint that --resume continues."""
     from trainer.loop import load_train_config, train
 
     cfg = load_train_config(config, all_overrides(overrides, set_), resume)
-    run_dir = train(cfg, resume=resume)
+    run_dir = train(cfg, resume=resume, force=force)
     typer.echo(str(run_dir))
 
 
@@ -48,6 +51,7 @@ def sft_command(
     overrides: list[str] = overrides_argument("training config", "sft.epochs=4"),
     config: Path = typer.Option(..., "--config", "-c", help="Training config YAML (sft section)."),
     set_: list[str] = set_option(),
+    force: bool = force_option(),
 ) -> None:
     """Supervised warm start on scripted trajectories (search, then the gold title when
     retrieved, else Doc 1's), through the real rollout loop; saves with save_pretrained,
@@ -56,7 +60,7 @@ def sft_command(
     from trainer.config import TrainConfig
     from trainer.sft import run_sft
 
-    out = run_sft(load_config(TrainConfig, config, all_overrides(overrides, set_)))
+    out = run_sft(load_config(TrainConfig, config, all_overrides(overrides, set_)), force=force)
     typer.echo(str(out))
 
 

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from hdr.config import dump_config, load_config
 from hdr.errors import RunInterrupted, UserError
+from hdr.paths import RUN, check_output, local_model
 from hdr.progress import progress, say
 from trainer import distributed
 from trainer.checkpoint import (
@@ -236,37 +237,55 @@ def build_optimizer(model, config: TrainConfig):
     return optimizer, scheduler
 
 
-def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None) -> Path:
-    """The run directory: the checkpoint's on resume; else `out_dir`, which may already hold
-    the start of a run that never reached a checkpoint (stopped by a missing server, a
-    crash): then the same command simply starts it over."""
-    from trainer.checkpoint import list_checkpoints
+RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "groups.jsonl")
+RUN_DIRS = ("tb", "checkpoints", "final")
+"""What `hdr train` writes into a run directory (what starting over removes, and only that)."""
 
+
+def clear_run(run_dir: Path) -> None:
+    """Remove a run's own files and folders from `run_dir`; anything else stays."""
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
+def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = False) -> Path:
+    """The run directory: the checkpoint's on resume; else `out_dir`, which must be new,
+    empty or an earlier run. A run that never reached a checkpoint (stopped by a missing
+    server, a crash) is simply started over; one with checkpoints or a final model only with
+    `force`, which removes that run's own files and nothing else."""
     if ckpt is not None:
         run_dir = ckpt.run_dir
         # a step-0 checkpoint (stopped before the first step) evaluates step 0 again
         RunLogs.truncate_after(run_dir, ckpt.step if ckpt.step > 0 else -1)
         return run_dir
-    run_dir = Path(config.out_dir)
+    run_dir = check_output(config.out_dir, RUN, reuse=True, option="out_dir")
     found = list_checkpoints(run_dir / "checkpoints")
-    if found:
+    if found and not force:
         raise UserError(
             f"run directory {run_dir} already holds a run (checkpoint at step {found[-1][0]});"
-            f" continue it with `hdr train --resume {run_dir}` or choose another out_dir"
+            f" continue it with `hdr train --resume {run_dir}`, start it over with --force, or"
+            " choose another out_dir"
         )
-    if (run_dir / "final").exists():
-        raise UserError(f"run directory {run_dir} holds a finished run; choose another out_dir")
-    if (run_dir / "metrics.jsonl").exists():
-        say(f"hdr train: {run_dir} holds a run that never reached a checkpoint; starting over")
-        for name in ("metrics.jsonl", "eval.jsonl", "groups.jsonl"):
-            (run_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "tb", ignore_errors=True)
+    if (run_dir / "final").exists() and not force:
+        raise UserError(
+            f"run directory {run_dir} holds a finished run; start it over with --force or"
+            " choose another out_dir"
+        )
+    if RUN.recognise(run_dir):
+        if not (found or (run_dir / "final").exists()):
+            say(f"hdr train: {run_dir} holds a run that never reached a checkpoint; starting over")
+        clear_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
-def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Run, int]:
-    """Build the run (fresh or from a checkpoint); returns it and the first step to run."""
+def setup_run(
+    config: TrainConfig, resume: str | Path | None = None, force: bool = False
+) -> tuple[Run, int]:
+    """Build the run (fresh or from a checkpoint); returns it and the first step to run.
+    Nothing is written before the model, the output folder and the server are checked."""
     from agent_env.data import load_task
     from agent_env.generation import build_generator
     from agent_env.retrieval_client import connect
@@ -275,8 +294,15 @@ def setup_run(config: TrainConfig, resume: str | Path | None = None) -> tuple[Ru
     seed_everything(config.seed)
     ckpt = open_checkpoint(resume) if resume is not None else None
 
+    if ckpt is None:  # a missing local model is one line now, before any hub is asked
+        local_model(
+            config.model.path,
+            f"`hdr sft --config FILE` writes it ({config.sft.epochs}"
+            " epochs of supervised warm start from sft.init_model)",
+        )
+
     def make_run_dir() -> Path:
-        run_dir = prepare_run_dir(config, ckpt)
+        run_dir = prepare_run_dir(config, ckpt, force)
         (run_dir / "config.yaml").write_text(dump_config(config))
         return run_dir
 
@@ -773,15 +799,16 @@ def replay_metrics(
 # --- the run -----------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, resume: str | Path | None = None) -> Path:
+def train(config: TrainConfig, resume: str | Path | None = None, force: bool = False) -> Path:
     """Run (or continue) training; returns the run directory. Under torchrun every process
-    runs this; rank 0 alone logs, evaluates and writes checkpoints.
+    runs this; rank 0 alone logs, evaluates and writes checkpoints. `force` starts a run
+    with checkpoints or a final model in `out_dir` over (`prepare_run_dir`).
 
     SIGINT or SIGTERM (Ctrl-C, `kill`, a scheduler's preemption) stops the run after the
     current step, with a checkpoint of that step (step 0 when it comes before the first), and
     raises RunInterrupted saying how to continue; a second signal stops at once."""
     with StopSignals() as stop:
-        run, start = setup_run(config, resume)
+        run, start = setup_run(config, resume, force)
         try:
             train_steps(run, start, stop)
         finally:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from hdr.errors import UserError
+from hdr.paths import MODEL, check_output, local_model
 from hdr.progress import progress, say
 from trainer.checkpoint import save_model
 
@@ -111,7 +112,10 @@ def greedy_em(model, tokenizer, client, examples, rollout) -> float:
 
 
 def ensure_init_model(path: Path) -> None:
+    """The starting model at `path`: a model folder there, or the tiny policy built there
+    when nothing is (a folder of other files is refused by `local_model`)."""
     if path.exists():
+        local_model(path)
         return
     from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
 
@@ -119,8 +123,9 @@ def ensure_init_model(path: Path) -> None:
     init_tiny_policy(path, vital_corpus_texts(), TinyPolicyConfig())
 
 
-def run_sft(config) -> Path:
-    """Run `hdr sft` for a TrainConfig; returns the output directory (`model.path`)."""
+def run_sft(config, force: bool = False) -> Path:
+    """Run `hdr sft` for a TrainConfig; returns the output directory (`model.path`): new,
+    empty, or a model replaced with `force` (checked before any work: `hdr.paths`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_env.data import load_task
@@ -128,6 +133,7 @@ def run_sft(config) -> Path:
     from trainer.loop import heldout_subset, seed_everything
 
     sft, out = config.sft, Path(config.model.path)
+    check_output(out, MODEL, force=force, inputs=[sft.init_model], option="model.path")
     seed_everything(config.seed)
     client = connect(config.retrieval, seed=config.seed)  # no server: one line, at once
     init = Path(sft.init_model)

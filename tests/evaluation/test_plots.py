@@ -92,8 +92,10 @@ def test_plots_from_run_dirs_are_valid_pngs(tmp_path):
     for path in made:
         width, height = _png_size(path)
         assert width > 300 and height > 200
-    # nothing but the charts is left in the out dir (no temp files)
-    assert sorted(p.name for p in (tmp_path / "charts").iterdir()) == names
+    # nothing but the charts and their index is left in the out dir (no temp files)
+    assert sorted(p.name for p in (tmp_path / "charts").iterdir()) == sorted(
+        [*names, "charts.json"]
+    )
 
 
 def test_on_policy_only_runs_skip_replay_charts(tmp_path):

@@ -1,0 +1,272 @@
+"""Paths a command reads and writes, checked before any work so that hdr never loses a file.
+
+The rule every writing command follows (docs/mistakes.md lists what each mistake gets):
+
+- An output that does not exist yet is created; its nearest existing parent must be a
+  writable folder, which is probed (a temporary file, gone at once) before any work.
+- An output that exists must be an artifact of the same kind (an index with its manifest, a
+  model with its config.json, a run with its config.yaml, ...). Replacing it needs `--force`;
+  a folder holding anything else, a file where a folder is wanted (or the reverse), is refused
+  in one line. An empty folder is used as it is.
+- An output equal to, inside or holding one of the command's inputs is refused, with or
+  without `--force`.
+- Builds write into a staging folder beside the output and `swap_in` moves in only what they
+  made: files of the replaced artifact are removed only when hdr made them, and nothing else
+  in the folder is touched.
+
+Model arguments are resolved locally first (`local_model`): a path that does not exist is one
+line naming the command that writes it, without asking any model hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hdr.errors import UserError
+
+FORCE_HELP = "Replace an existing output of the same kind (never other files, never inputs)."
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A kind of output: what it is called, whether it is a folder, and how one is recognised."""
+
+    name: str  # "an index", "a model", ... as it reads in a sentence
+    is_dir: bool
+    recognise: Callable[[Path], bool]
+    made_by: str  # the command that writes one, for messages
+
+
+def _json_file(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _first_json_line(path: Path) -> dict | None:
+    try:
+        with path.open() as f:
+            line = f.readline()
+        data = json.loads(line)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_index(path: Path) -> bool:
+    manifest = _json_file(path / "manifest.json")
+    return manifest is not None and "corpus_fingerprint" in manifest
+
+
+def _is_model(path: Path) -> bool:
+    config = _json_file(path / "config.json")
+    return config is not None and ("model_type" in config or "architectures" in config)
+
+
+def _is_run(path: Path) -> bool:
+    """A folder `hdr train` wrote: its config.yaml is a training config (arm, grpo, ...)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(config, dict) and {"arm", "grpo", "replay"} <= set(config)
+
+
+def _is_corpus(path: Path) -> bool:
+    first = _first_json_line(path)
+    return first is not None and "contents" in first
+
+
+def _is_trajectories(path: Path) -> bool:
+    first = _first_json_line(path)
+    return first is not None and "response_ids" in first and "loss_mask" in first
+
+
+INDEX = Artifact("an index", True, _is_index, "hdr index build")
+MODEL = Artifact("a model", True, _is_model, "hdr init-model or hdr sft")
+RUN = Artifact("a training run", True, _is_run, "hdr train")
+EVAL = Artifact(
+    "an evaluation",
+    True,
+    lambda p: (p / "eval.json").is_file() or (p / "partial.jsonl").is_file(),
+    "hdr eval",
+)
+CHARTS = Artifact(
+    "charts",
+    True,
+    lambda p: (p / "charts.json").is_file() or all(f.suffix == ".png" for f in p.iterdir()),
+    "hdr plot",
+)
+CALIBRATION = Artifact(
+    "a calibration", True, lambda p: (p / "calibrate.json").is_file(), "hdr calibrate"
+)
+EXPERIMENT = Artifact(
+    "an experiment", True, lambda p: (p / "experiment_config.json").is_file(), "hdr experiment"
+)
+CORPUS = Artifact("a corpus", False, _is_corpus, "hdr index prepare-wiki")
+TRAJECTORIES = Artifact("trajectories", False, _is_trajectories, "hdr rollout")
+
+
+def _overlap(out: Path, inputs: Iterable[str | Path], option: str) -> None:
+    for given in inputs:
+        source = Path(given).resolve()
+        if out == source:
+            raise UserError(f"{option} {out} is the command's input; write somewhere else")
+        if source in out.parents:
+            raise UserError(f"{option} {out} is inside the input {source}; write somewhere else")
+        if out in source.parents:
+            raise UserError(f"{option} {out} holds the input {source}; write somewhere else")
+
+
+def _listing(path: Path, limit: int = 3) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_writable(path: Path, option: str = "--out") -> None:
+    """The nearest existing ancestor of `path` is a folder this process can write into
+    (probed with a nameless temporary file); else one UserError line."""
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{option} {path}: {ancestor} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as err:
+        raise UserError(f"{option} {path}: cannot write in {ancestor} ({err.strerror})") from None
+
+
+def check_output(
+    path: str | Path,
+    artifact: Artifact,
+    *,
+    force: bool = False,
+    inputs: Sequence[str | Path] = (),
+    option: str = "--out",
+    reuse: bool = False,
+) -> Path:
+    """Refuse, in one UserError line and before any work, an output path that would lose a
+    file (see the module's rule). `reuse`: an existing artifact of the same kind is
+    continued rather than replaced (a resumable evaluation or experiment), so it needs no
+    `--force`. Returns the path, resolved."""
+    out = Path(path).expanduser().resolve()
+    _overlap(out, inputs, option)
+    if not out.exists():
+        check_writable(out, option)
+        return out
+    kind = "folder" if artifact.is_dir else "file"
+    if artifact.is_dir and not out.is_dir():
+        raise UserError(f"{option} {out} is a file; {option} takes a folder for {artifact.name}")
+    if not artifact.is_dir and out.is_dir():
+        raise UserError(f"{option} {out} is a folder; {option} takes a file for {artifact.name}")
+    if artifact.is_dir and not any(out.iterdir()):
+        check_writable(out / "x", option)
+        return out
+    if not artifact.recognise(out):
+        what = f"holds other files ({_listing(out)})" if artifact.is_dir else "is another file"
+        raise UserError(
+            f"{option} {out} {what}, not {artifact.name}; hdr writes {artifact.name} only into a"
+            f" new {'or empty ' if artifact.is_dir else ''}{kind} (or over {artifact.name} with"
+            " --force)"
+        )
+    if not (force or reuse):
+        raise UserError(
+            f"{option} {out} already holds {artifact.name} (from {artifact.made_by}); pass --force"
+            " to replace it, or choose another path"
+        )
+    check_writable(out / "x" if artifact.is_dir else out, option)
+    return out
+
+
+def staging_dir(out: Path) -> Path:
+    """A new empty folder beside `out` that a build writes into before `swap_in`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".staging", dir=out.parent))
+
+
+def swap_in(staged: Path, out: Path, previous: Iterable[str] = (), last: str | None = None) -> Path:
+    """Move the artifact built in `staged` into `out`, replacing only what hdr made.
+
+    `out` new or an empty folder: one rename. Otherwise every file of `staged` replaces its
+    namesake in `out` (renames on one filesystem: each file is whole, old or new), the files
+    of the replaced artifact listed in `previous` (paths relative to `out`) that the new one
+    lacks are removed, and nothing else in `out` is touched. `last` (e.g. a manifest, whose
+    presence means "complete") is removed first and moved in last. `staged` is gone after."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        os.replace(staged, out)
+        return out
+    made = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
+    if last is not None:
+        (out / last).unlink(missing_ok=True)
+    for name in set(previous) - set(made):
+        target = out / name
+        if target.is_file() or target.is_symlink():
+            target.unlink()
+    for name in sorted(made, key=lambda n: n == last):
+        target = out / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged / name, target)
+    shutil.rmtree(staged)
+    emptied = {(out / name).parent for name in previous}
+    for folder in sorted(emptied, key=lambda p: len(p.parts), reverse=True):
+        if folder != out and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # a folder of the replaced artifact, now empty
+    return out
+
+
+# --- models ----------------------------------------------------------------------------------
+
+# A relative name with one slash is a Hub id (Org/name) unless it starts in a local folder, or
+# in one of the folders hdr itself writes into (data/, runs/) where a model is a path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+LOCAL_ROOTS = ("data", "runs")
+
+MODEL_FILES = re.compile(
+    r"^(config\.json|generation_config\.json|.*\.safetensors|model\.safetensors\.index\.json"
+    r"|tokenizer(_config)?\.json|special_tokens_map\.json|vocab\.json|merges\.txt"
+    r"|added_tokens\.json|chat_template\.(jinja|json)|hdr_rollout\.yaml)$"
+)
+"""Files `save_pretrained` (model and tokenizer) and hdr write into a model folder."""
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """Whether `spec` names a model on a hub (Org/name) rather than a local path."""
+    if not _HUB_ID.match(spec):
+        return False  # absolute, ./, ../, ~, several folders deep, a trailing slash
+    first = spec.split("/", 1)[0]
+    return first not in LOCAL_ROOTS and not Path(first).exists()
+
+
+def local_model(spec: str | Path, hint: str = "") -> str:
+    """`spec` if it is a model folder or a Hub id; else one UserError line, at once and
+    without any network call. `hint` says which command writes the missing model."""
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a model folder (no config.json)")
+        return str(path)
+    if path.exists():
+        raise UserError(f"{path} is a file, not a model folder")
+    if looks_like_hub_id(text):
+        return text
+    raise UserError(f"no model at {text}" + (f"; {hint}" if hint else ""))
+
+
+def model_files_in(path: Path) -> list[str]:
+    """The files of a model folder that hdr or save_pretrained made (what `--force` replaces)."""
+    return [p.name for p in path.iterdir() if p.is_file() and MODEL_FILES.match(p.name)]

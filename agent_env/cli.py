@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import all_overrides, force_option, overrides_argument, set_option
+from hdr.options import all_overrides, force_option, overrides_argument, register_config, set_option
 
 INIT_MODEL_EXAMPLE = """Example:
 
@@ -140,3 +140,5 @@ def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
     app.command("init-model", epilog=INIT_MODEL_EXAMPLE)(init_model_command)
     app.command("rollout", epilog=ROLLOUT_EXAMPLES)(rollout_command)
+    register_config("init-model", "agent_env.policy:TinyPolicyConfig")
+    register_config("rollout", "agent_env.rollout:RolloutConfig")

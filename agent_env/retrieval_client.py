@@ -42,10 +42,10 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from hdr.config import StrictModel
 from hdr.errors import UserError
@@ -70,7 +70,10 @@ class RetrievalConfig(StrictModel):
     """Where and how to call the retrieval server."""
 
     urls: list[str] = Field(
-        ["http://127.0.0.1:8000"], min_length=1, description="Server base URLs; batches rotate."
+        ["http://127.0.0.1:8000"],
+        min_length=1,
+        description="Server base URLs (http://host:port; a bare URL is a list of one, and a"
+        " trailing /retrieve, as Search-R1's configs write it, is dropped); batches rotate.",
     )
     topk: int = Field(3, ge=1, description="Documents per query.")
     retriever: Literal["dense", "bm25"] | None = Field(
@@ -116,6 +119,29 @@ class RetrievalConfig(StrictModel):
         "HDR_API_TOKEN", description="Env variable whose value, if set, is sent as Bearer token."
     )
     max_connections: int = Field(32, ge=1, description="Connection pool size.")
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _one_url_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("urls")
+    @classmethod
+    def _base_urls(cls, urls: list[str]) -> list[str]:
+        return [base_url(url) for url in urls]
+
+
+def base_url(url: str) -> str:
+    """A server's base URL from what a user writes: `http://host:port`, with or without a
+    trailing slash or `/retrieve`. A URL without a scheme is refused, naming the fix (httpx
+    would otherwise fail as if no server answered)."""
+    url = url.strip()
+    if "://" not in url:
+        raise ValueError(f"retrieval URL {url!r} has no scheme: write http://{url}")
+    scheme = url.split("://", 1)[0]
+    if scheme not in ("http", "https"):
+        raise ValueError(f"retrieval URL {url!r}: the scheme must be http or https")
+    return url.rstrip("/").removesuffix("/retrieve")
 
 
 @dataclass

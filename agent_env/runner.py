@@ -87,20 +87,23 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
     from agent_env.data import load_task
     from agent_env.retrieval_client import RetrievalConfig, connect
     from agent_env.rollout import rollout_groups, summarize, trajectory_record
+    from hdr.config import build_config
     from hdr.progress import progress
 
     console = console or Console()
-    if job.out is not None:  # before any work: never over another file, never over the model
-        check_output(job.out, TRAJECTORIES, force=job.force, inputs=[job.model])
     torch.manual_seed(job.seed)
     if job.threads is not None:
         torch.set_num_threads(job.threads)
     tokenizer = load_tokenizer(job.model)
+    if job.out is not None:  # before any work: never over another file, never over the model
+        check_output(job.out, TRAJECTORIES, force=job.force, inputs=[job.model])
     examples = load_task(job.task, job.split)[: job.n]
     if not examples:
         raise UserError(f"task {job.task!r} ({job.split}) has no questions")
     generator = make_generator(job, tokenizer, config, examples)
-    client_config = RetrievalConfig(urls=job.servers, topk=job.topk, retriever=job.retriever)
+    client_config = build_config(
+        RetrievalConfig, {"urls": job.servers, "topk": job.topk, "retriever": job.retriever}
+    )
     totals = dict(gen_time=0.0, retrieval_time=0.0, wall_time=0.0, env_calls=0, retrieval_calls=0)
     trajectories, dropped = [], 0
     staged = None

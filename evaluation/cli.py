@@ -10,7 +10,15 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import all_overrides, force_option, overrides_argument, set_option
+from hdr.options import (
+    all_overrides,
+    force_option,
+    overrides_argument,
+    register_config,
+    server_option,
+    server_overrides,
+    set_option,
+)
 
 EVAL_EXAMPLES = """Examples (a retrieval server must be running, see `hdr serve`):
 
@@ -43,9 +51,7 @@ def eval_command(
         ..., "--data", help="wiki-vital, a FlashRAG .jsonl or a Search-R1 .parquet (repeatable)."
     ),
     k: int = typer.Option(None, "--k", min=1, help="Samples per question (default: config, 8)."),
-    server: list[str] = typer.Option(
-        None, "--server", help="Retrieval server URL (repeatable; default: the config's)."
-    ),
+    server: list[str] = server_option(),
     out: Path = typer.Option(
         None, "--out", help="Directory for eval.json / eval.md (default: eval/<model dir name>)."
     ),
@@ -65,9 +71,10 @@ def eval_command(
     through the full rollout loop. Writes eval.json and eval.md; rerun to resume."""
     from evaluation.evaluate import eval_config_for, evaluate
 
-    cfg = eval_config_for(model, config, train_config, all_overrides(overrides, set_))
+    settings = [*server_overrides(server), *all_overrides(overrides, set_)]
+    cfg = eval_config_for(model, config, train_config, settings)
     out_dir = out or Path("eval") / (model.parent.name if model.name == "final" else model.name)
-    report = evaluate(model, data, k, server or None, cfg, out_dir, force=force)
+    report = evaluate(model, data, k, None, cfg, out_dir, force=force)
     typer.echo(report.markdown())
     typer.echo(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.md'}")
 
@@ -159,3 +166,6 @@ def register(app: typer.Typer) -> None:
     app.command("plot", epilog=PLOT_EXAMPLE)(plot_command)
     app.command("experiment", epilog=EXPERIMENT_EXAMPLES)(experiment_command)
     app.command("demo", epilog=DEMO_EXAMPLE)(demo_command)
+    register_config("eval", "evaluation.evaluate:EvalConfig")
+    for command in ("experiment", "demo"):
+        register_config(command, "evaluation.experiment:ExperimentConfig")

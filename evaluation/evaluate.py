@@ -51,12 +51,10 @@ from evaluation.metrics import (
     per_question_mean,
     recognize_dataset,
     score_dataset,
-    write_json_atomic,
-    write_text_atomic,
 )
 from hdr.config import StrictModel
 from hdr.errors import UserError, warn
-from hdr.paths import EVAL, check_output, local_model
+from hdr.paths import EVAL, check_output, local_model, write_json_atomic, write_text_atomic
 
 __all__ = [
     "DatasetResult",
@@ -580,11 +578,11 @@ def evaluate(
         loaded = [EvalDataset(d.name, d.examples[:n], d.sources) for d in datasets]
     else:
         loaded = load_eval_datasets(datasets, config.max_questions)
+    tokenizer = load_tokenizer(model_dir)
     resume_key = weights_signature(model_dir) if model_dir.is_dir() else ""
-    if out_dir is not None:
+    if out_dir is not None:  # the inputs are checked; now where the results go
         fingerprint = _fingerprint(f"{model_dir}|{resume_key}", loaded, config)
         check_eval_output(Path(out_dir), fingerprint, force, model_dir)
-    tokenizer = load_tokenizer(model_dir)
     generator = build_generator(
         config.generation, model_dir=model_dir, tokenizer=tokenizer, prompt=config.rollout.prompt
     )

@@ -60,11 +60,16 @@ from evaluation.metrics import (
     paired_difference,
     paired_verdict,
     seed_t_interval,
-    write_json_atomic,
-    write_text_atomic,
 )
 from hdr.config import StrictModel
 from hdr.errors import RunInterrupted, UserError
+from hdr.paths import (
+    EXPERIMENT,
+    check_folder,
+    check_output,
+    write_json_atomic,
+    write_text_atomic,
+)
 from hdr.progress import say
 from hdr.registry import Registry
 from trainer.telemetry import cost_totals
@@ -372,12 +377,10 @@ def ensure_index(cfg: ExperimentConfig, log: Path) -> Path:
         if (index / "manifest.json").is_file():
             return index
     data.mkdir(parents=True, exist_ok=True)
-    if not corpus.is_file():
+    if not corpus.is_file():  # prepare-wiki writes it whole or not at all
         print(f"experiment: preparing the corpus {corpus}", file=sys.stderr, flush=True)
-        tmp = corpus.with_name(corpus.name + ".partial")
         limit = ["--limit", str(cfg.corpus_limit)] if cfg.corpus_limit else []
-        _hdr("index", "prepare-wiki", "--out", str(tmp), *limit, log=log)
-        os.replace(tmp, corpus)
+        _hdr("index", "prepare-wiki", "--out", str(corpus), *limit, log=log)
     print(f"experiment: building the index {index}", file=sys.stderr, flush=True)
     dense = ["--no-dense"] if bm25_only else []
     _hdr("index", "build", "--corpus", str(corpus), "--out", str(index), *dense, log=log)
@@ -1052,7 +1055,9 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     """Everything above, in order; returns the out dir (results.json, results.md, charts/)."""
     from evaluation.plots import load_run, plot_runs
 
-    out = Path(cfg.out_dir)
+    # an earlier run of the experiment is continued; anything else in the way is refused
+    out = check_output(cfg.out_dir, EXPERIMENT, reuse=True, option="--out")
+    check_folder(cfg.data_dir, "--data-dir")  # hdr only adds its own, newly named files there
     out.mkdir(parents=True, exist_ok=True)
     log = out / "experiment.log"
     write_json_atomic(out / "experiment_config.json", cfg)

@@ -20,13 +20,10 @@ and the embedded wiki-vital split by name, a Markdown table writer, and atomic f
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -392,52 +389,3 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits
     ]
     lines += ["| " + " | ".join(_fmt(c, digits) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` so that `path` holds either its old content or all of the new, never part.
-
-    The temp file sits in the same directory (so `os.replace` is a rename on one filesystem)
-    and is fsynced before the rename; on any failure it is removed.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _jsonable(obj: Any) -> Any:
-    if hasattr(obj, "__dataclass_fields__"):
-        return _jsonable(asdict(obj))
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump(mode="json")
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None  # JSON has no NaN; a missing number reads as null
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """`obj` (dicts, lists, dataclasses, pydantic models, numpy values) as indented JSON.
-
-    NaN and infinities become null, so the file is strict JSON.
-    """
-    return write_text_atomic(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")

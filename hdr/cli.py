@@ -30,6 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -87,12 +88,37 @@ def usage_message(err: Exception) -> str:
     command = ctx.command_path if ctx is not None and ctx.command_path else "hdr"
     if command.split()[0] != "hdr":  # the program name as invoked, e.g. a path
         command = " ".join(["hdr", *command.split()[1:]])
+    if type(err).__name__ == "NoSuchOption" and ctx is not None:
+        message = no_such_option(err.option_name, ctx)
     if message.startswith("No such command") and "Did you mean" not in message and ctx:
         wanted = message.split("'")[1] if "'" in message else ""
         names = ctx.command.list_commands(ctx) if hasattr(ctx.command, "list_commands") else []
         close = difflib.get_close_matches(wanted, names, n=1)
         message += f" Did you mean '{close[0]}'?" if close else f" Commands: {', '.join(names)}."
     return f"{message} (see `{command} --help`)"
+
+
+def no_such_option(option: str, ctx) -> str:
+    """An unknown option, with the option it probably meant (`--confg`: `--config`) or else
+    the KEY=VALUE setting (settings are not options: `hdr train steps=4`, not `--steps 4`).
+    Hidden synonyms (`--set`) are never suggested."""
+    from hdr.options import keys_like_option
+
+    visible = [
+        name
+        for param in ctx.command.params
+        if not getattr(param, "hidden", False)
+        for name in getattr(param, "opts", [])
+        if name.startswith("-")
+    ]
+    close = difflib.get_close_matches(option, visible, n=1, cutoff=0.75)
+    if close:
+        return f"No such option: {option}. Did you mean {close[0]}?"
+    keys = keys_like_option(ctx.info_name or "", option)
+    if not keys:
+        return f"No such option: {option}."
+    meant = " or ".join(f"{key}=VALUE" for key in keys)
+    return f"No such option: {option}. Settings are KEY=VALUE arguments: did you mean {meant}?"
 
 
 def fail(message: str, code: int = 2, label: str = "error") -> None:

@@ -78,7 +78,10 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] | None 
     if first["type"] == "extra_forbidden":
         hint = unknown_key_hint(model, first["loc"]) if model is not None else ""
         return f"unknown config key {where}{hint}{more}"
-    return f"config key {where}: {first['msg']}{more}"
+    message = first["msg"].removeprefix("Value error, ")  # our validators' own sentences
+    if not first["loc"]:  # a check across keys: its message names them and the fix
+        return f"config: {message}{more}"
+    return f"config key {where}: {message}{more}"
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

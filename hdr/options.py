@@ -9,6 +9,7 @@ the documentation shows the positional form only.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import typer
@@ -39,3 +40,60 @@ def force_option() -> Any:
     from hdr.paths import FORCE_HELP
 
     return typer.Option(False, "--force", help=FORCE_HELP)
+
+
+def server_option() -> Any:
+    """`--server URL` (repeatable): the retrieval server(s), in every command that talks to one."""
+    return typer.Option(
+        None,
+        "--server",
+        help="Retrieval server URL, e.g. http://127.0.0.1:8000 (repeatable; default: the"
+        " config's retrieval.urls).",
+    )
+
+
+def server_overrides(servers: list[str] | None) -> list[str]:
+    """`--server` values as the override of the config's `retrieval.urls` (none if unset)."""
+    return [f"retrieval.urls={json.dumps(servers)}"] if servers else []
+
+
+CONFIG_MODELS: dict[str, str] = {}
+"""Subcommand -> "module:ConfigClass" whose keys its KEY=VALUE arguments set; each package
+registers its own, and a mistyped option (`hdr train --steps 4`) is answered with the key."""
+
+
+def register_config(command: str, model: str) -> None:
+    CONFIG_MODELS[command] = model
+
+
+def config_keys(model: type) -> list[str]:
+    """Every dotted key of a pydantic config model, sections expanded."""
+    from pydantic import BaseModel
+
+    keys = []
+    for name, field in model.model_fields.items():
+        nested = [
+            t
+            for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
+            if isinstance(t, type) and issubclass(t, BaseModel)
+        ]
+        keys += [f"{name}.{k}" for k in config_keys(nested[0])] if nested else [name]
+    return keys
+
+
+def keys_like_option(command: str, option: str) -> list[str]:
+    """The config keys of `command` that `--option` most likely meant: same last part
+    (`--lr` -> grpo.lr, sft.lr), else a close name (`--out` -> out_dir)."""
+    import difflib
+    import importlib
+
+    if command not in CONFIG_MODELS:
+        return []
+    module, _, name = CONFIG_MODELS[command].partition(":")
+    keys = config_keys(getattr(importlib.import_module(module), name))
+    wanted = option.lstrip("-").replace("-", "_")
+    same = [k for k in keys if k.split(".")[-1] == wanted or k == wanted]
+    if same:
+        return same[:3]
+    close = difflib.get_close_matches(wanted, [k.split(".")[-1] for k in keys], n=2, cutoff=0.6)
+    return [k for k in keys if k.split(".")[-1] in close][:3]

@@ -21,13 +21,15 @@ line naming the command that writes it, without asking any model hub.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hdr.errors import UserError
 
@@ -150,6 +152,16 @@ def check_writable(path: Path, option: str = "--out") -> None:
         raise UserError(f"{option} {path}: cannot write in {ancestor} ({err.strerror})") from None
 
 
+def check_folder(path: str | Path, option: str) -> Path:
+    """A folder that hdr only adds its own, newly named files to (a data or cache folder): it
+    may hold anything else. It must be a folder, or not exist yet, and be writable."""
+    folder = Path(path).expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{option} {folder} is a file; {option} takes a folder")
+    check_writable(folder / "x", option)
+    return folder
+
+
 def check_output(
     path: str | Path,
     artifact: Artifact,
@@ -228,6 +240,60 @@ def swap_in(staged: Path, out: Path, previous: Iterable[str] = (), last: str | N
     return out
 
 
+# --- files written whole ---------------------------------------------------------------------
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` so that `path` holds either its old content or all of the new, never part.
+
+    The temp file sits in the same directory (so `os.replace` is a rename on one filesystem)
+    and is fsynced before the rename; on any failure it is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    import numpy as np
+
+    if hasattr(obj, "__dataclass_fields__"):
+        return _jsonable(asdict(obj))
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None  # JSON has no NaN; a missing number reads as null
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """`obj` (dicts, lists, dataclasses, pydantic models, numpy values) as indented JSON.
+
+    NaN and infinities become null, so the file is strict JSON.
+    """
+    return write_text_atomic(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
+
+
 # --- models ----------------------------------------------------------------------------------
 
 # A relative name with one slash is a Hub id (Org/name) unless it starts in a local folder, or
@@ -258,7 +324,7 @@ def local_model(spec: str | Path, hint: str = "") -> str:
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UserError(f"{path} is not a model folder (no config.json)")
+            raise UserError(f"no model at {path}: the folder has no config.json")
         return str(path)
     if path.exists():
         raise UserError(f"{path} is a file, not a model folder")

@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from hdr.options import all_overrides, force_option, overrides_argument, set_option
+from hdr.options import all_overrides, force_option, overrides_argument, register_config, set_option
 from retrieval_server.build_defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
@@ -46,7 +46,10 @@ SERVE_EXAMPLES = """Examples:
 """
 
 index_app = typer.Typer(
-    help="Build the retrieval corpus and index.", no_args_is_help=True, add_completion=False
+    help="Build the retrieval corpus and index.",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -434,3 +437,4 @@ def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
     app.add_typer(index_app, name="index")
     app.command("serve", epilog=SERVE_EXAMPLES)(serve_command)
+    register_config("serve", "retrieval_server.config:ServerConfig")

@@ -403,6 +403,8 @@ def build_index(
     from hdr.progress import progress as progress_bar
 
     corpus, out_dir = Path(corpus), Path(out_dir)
+    if not corpus.is_file():  # the input first: a missing corpus is the mistake to name
+        raise UserError(f"corpus file not found: {corpus}")
     check_index_output(out_dir, force, [corpus])
     started = time.perf_counter()
     factory = factory_string(index_type)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hdr.errors import UserError
+from hdr.paths import CALIBRATION, check_output, write_json_atomic
 from trainer.config import TrainConfig
 
 GATED_ARMS = ("headroom_drift", "headroom_drift_l1", "drift_only")
@@ -94,11 +94,17 @@ def recommend(points: list[CalibrationPoint]) -> tuple[float, bool]:
 
 
 def calibrate(
-    config: TrainConfig, out: Path, steps: int = 10, taus: list[float] | None = None
+    config: TrainConfig,
+    out: Path,
+    steps: int = 10,
+    taus: list[float] | None = None,
+    force: bool = False,
 ) -> CalibrationReport:
-    """Run one short training per tau under `out/`, report and write `out/calibrate.json`."""
+    """Run one short training per tau under `out/` (new, empty, or an earlier calibration
+    with `force`: `hdr.paths`), report and write `out/calibrate.json`."""
     from trainer.loop import train
 
+    out = check_output(out, CALIBRATION, force=force)
     taus = taus or log_spaced(config.replay.tau)
     if len(taus) < 2:
         raise UserError("calibrate needs at least two taus")
@@ -106,7 +112,6 @@ def calibrate(
     points = []
     for tau in taus:
         point_dir = out / f"tau-{tau:.3g}"
-        shutil.rmtree(point_dir, ignore_errors=True)  # calibrate owns its point directories
         point_cfg = config.model_copy(
             update={
                 "arm": arm,
@@ -120,8 +125,8 @@ def calibrate(
                 "checkpoint": config.checkpoint.model_copy(update={"save_every": 0}),
             }
         )
-        points.append(read_point(train(point_cfg), tau))
+        points.append(read_point(train(point_cfg, force=True), tau))  # an earlier point's run
     tau, selective = recommend(points)
     report = CalibrationReport(points, tau, selective)
-    (out / "calibrate.json").write_text(json.dumps(asdict(report), indent=1))
+    write_json_atomic(out / "calibrate.json", asdict(report))
     return report

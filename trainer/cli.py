@@ -7,7 +7,15 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import all_overrides, force_option, overrides_argument, set_option
+from hdr.options import (
+    all_overrides,
+    force_option,
+    overrides_argument,
+    register_config,
+    server_option,
+    server_overrides,
+    set_option,
+)
 
 TRAIN_EXAMPLES = """Examples:
 
@@ -33,6 +41,7 @@ def train_command(
     resume: Path = typer.Option(
         None, "--resume", help="Continue from a run directory or one of its checkpoints."
     ),
+    server: list[str] = server_option(),
     set_: list[str] = set_option(),
     force: bool = typer.Option(
         False, "--force", help="Start over a run in out_dir that has checkpoints or a final model."
@@ -42,7 +51,9 @@ def train_command(
     SIGTERM) stops after the current step with a checkpoint that --resume continues."""
     from trainer.loop import load_train_config, train
 
-    cfg = load_train_config(config, all_overrides(overrides, set_), resume)
+    cfg = load_train_config(
+        config, [*server_overrides(server), *all_overrides(overrides, set_)], resume
+    )
     run_dir = train(cfg, resume=resume, force=force)
     typer.echo(str(run_dir))
 
@@ -50,6 +61,7 @@ def train_command(
 def sft_command(
     overrides: list[str] = overrides_argument("training config", "sft.epochs=4"),
     config: Path = typer.Option(..., "--config", "-c", help="Training config YAML (sft section)."),
+    server: list[str] = server_option(),
     set_: list[str] = set_option(),
     force: bool = force_option(),
 ) -> None:
@@ -60,7 +72,8 @@ def sft_command(
     from trainer.config import TrainConfig
     from trainer.sft import run_sft
 
-    out = run_sft(load_config(TrainConfig, config, all_overrides(overrides, set_)), force=force)
+    settings = [*server_overrides(server), *all_overrides(overrides, set_)]
+    out = run_sft(load_config(TrainConfig, config, settings), force=force)
     typer.echo(str(out))
 
 
@@ -72,7 +85,9 @@ def calibrate_command(
     ),
     steps: int = typer.Option(6, "--steps", min=1, help="Training steps per point."),
     out: Path = typer.Option(Path("runs/calibrate"), "--out", help="Directory for the runs."),
+    server: list[str] = server_option(),
     set_: list[str] = set_option(),
+    force: bool = force_option(),
 ) -> None:
     """Three-point log-spaced tau sweep: acceptance rate per point and a recommendation."""
     from hdr.config import load_config
@@ -80,12 +95,14 @@ def calibrate_command(
     from trainer.calibrate import calibrate
     from trainer.config import TrainConfig
 
-    cfg = load_config(TrainConfig, config, all_overrides(overrides, set_))
+    cfg = load_config(
+        TrainConfig, config, [*server_overrides(server), *all_overrides(overrides, set_)]
+    )
     try:
         tau_list = [float(t) for t in taus.split(",")] if taus else None
     except ValueError:
         raise UserError(f"--taus must be comma-separated numbers, not {taus!r}") from None
-    report = calibrate(cfg, out, steps=steps, taus=tau_list)
+    report = calibrate(cfg, out, steps=steps, taus=tau_list, force=force)
     typer.echo(report.table())
 
 
@@ -94,3 +111,5 @@ def register(app: typer.Typer) -> None:
     app.command("sft", epilog=SFT_EXAMPLE)(sft_command)
     app.command("train", epilog=TRAIN_EXAMPLES)(train_command)
     app.command("calibrate", epilog=CALIBRATE_EXAMPLE)(calibrate_command)
+    for command in ("sft", "train", "calibrate"):
+        register_config(command, "trainer.config:TrainConfig")

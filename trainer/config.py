@@ -236,7 +236,11 @@ class TrainConfig(StrictModel):
     @model_validator(mode="after")
     def _steps_cover_warmup(self) -> TrainConfig:
         if self.grpo.warmup_steps >= self.steps and self.steps > 1:
-            raise ValueError("grpo.warmup_steps must be smaller than steps")
+            warmup = self.grpo.warmup_steps
+            raise ValueError(
+                f"steps={self.steps} leaves no step after grpo.warmup_steps={warmup} of warmup:"
+                f" add grpo.warmup_steps={self.steps - 1} (or fewer), or more steps"
+            )
         return self
 
     @model_validator(mode="after")
@@ -244,11 +248,14 @@ class TrainConfig(StrictModel):
         # teacher-forced log-probs divide by the temperature and nothing else: greedy or
         # nucleus samples would be scored under a distribution they were not drawn from
         if self.rollout.temperature <= 0:
-            raise ValueError("training samples: rollout.temperature must be > 0 (0 is greedy)")
+            raise ValueError(
+                "training samples, so rollout.temperature must be > 0 (0 is greedy): add"
+                " rollout.temperature=1.0"
+            )
         if self.rollout.top_p < 1:
             raise ValueError(
-                "training scores the full distribution: rollout.top_p must be 1 (the"
-                " teacher-forced log-probs apply temperature only)"
+                "training scores the full distribution, so rollout.top_p must be 1 (the"
+                " teacher-forced log-probs apply temperature only): add rollout.top_p=1"
             )
         return self
 
@@ -262,8 +269,9 @@ class TrainConfig(StrictModel):
     def _shards_hold_prompts(self) -> TrainConfig:
         if self.distributed.rollout_shards > self.grpo.batch_prompts:
             raise ValueError(
-                "distributed.rollout_shards must not exceed grpo.batch_prompts (a shard holds"
-                " at least one prompt)"
+                f"distributed.rollout_shards={self.distributed.rollout_shards} exceeds"
+                f" grpo.batch_prompts={self.grpo.batch_prompts} (a shard holds at least one"
+                f" prompt): add distributed.rollout_shards={self.grpo.batch_prompts} or fewer"
             )
         return self
 

@@ -24,9 +24,8 @@ from evaluation.metrics import (
     per_question_mean,
     recognize_dataset,
     score_dataset,
-    write_json_atomic,
-    write_text_atomic,
 )
+from hdr.paths import write_json_atomic, write_text_atomic
 
 
 def test_mean_and_best_at_k_by_hand():

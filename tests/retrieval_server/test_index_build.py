@@ -73,7 +73,9 @@ def test_a_changed_encoder_spec_does_not_reuse_chunks(tmp_path: Path) -> None:
     np.save(partial / VECTORS_DIR / "000000.npy", plain[:4])
     (partial / "build.json").write_text("{}")
     spec = encoder_spec("all-MiniLM-L6-v2", query_prefix="query: ", passage_prefix="passage: ")
-    result = build_index(corpus, out, spec=spec, chunk_size=4, bm25=False, show_progress=False)
+    result = build_index(
+        corpus, out, spec=spec, chunk_size=4, bm25=False, show_progress=False, force=True
+    )
     assert (result.chunks_reused, result.chunks_encoded) == (0, 3)
     assert not np.allclose(stored_vectors(out)[:4], plain[:4], atol=1e-3)
 

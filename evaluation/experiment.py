@@ -1056,7 +1056,9 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     from evaluation.plots import load_run, plot_runs
 
     # an earlier run of the experiment is continued; anything else in the way is refused
-    out = check_output(cfg.out_dir, EXPERIMENT, reuse=True, option="--out")
+    out = check_output(
+        cfg.out_dir, EXPERIMENT, reuse=True, inputs=[cfg.data_dir, cfg.base_config], option="--out"
+    )
     check_folder(cfg.data_dir, "--data-dir")  # hdr only adds its own, newly named files there
     out.mkdir(parents=True, exist_ok=True)
     log = out / "experiment.log"

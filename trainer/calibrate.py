@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hdr.errors import UserError
-from hdr.paths import CALIBRATION, check_output, write_json_atomic
+from hdr.paths import CALIBRATION, check_output, local_model, write_json_atomic
 from trainer.config import TrainConfig
 
 GATED_ARMS = ("headroom_drift", "headroom_drift_l1", "drift_only")
@@ -104,7 +104,8 @@ def calibrate(
     with `force`: `hdr.paths`), report and write `out/calibrate.json`."""
     from trainer.loop import train
 
-    out = check_output(out, CALIBRATION, force=force)
+    local_model(config.model.path)
+    out = check_output(out, CALIBRATION, force=force, inputs=[config.model.path])
     taus = taus or log_spaced(config.replay.tau)
     if len(taus) < 2:
         raise UserError("calibrate needs at least two taus")

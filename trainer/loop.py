@@ -250,17 +250,14 @@ def clear_run(run_dir: Path) -> None:
         shutil.rmtree(run_dir / name, ignore_errors=True)
 
 
-def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = False) -> Path:
-    """The run directory: the checkpoint's on resume; else `out_dir`, which must be new,
-    empty or an earlier run. A run that never reached a checkpoint (stopped by a missing
-    server, a crash) is simply started over; one with checkpoints or a final model only with
-    `force`, which removes that run's own files and nothing else."""
-    if ckpt is not None:
-        run_dir = ckpt.run_dir
-        # a step-0 checkpoint (stopped before the first step) evaluates step 0 again
-        RunLogs.truncate_after(run_dir, ckpt.step if ckpt.step > 0 else -1)
-        return run_dir
-    run_dir = check_output(config.out_dir, RUN, reuse=True, option="out_dir")
+def check_run_dir(config: TrainConfig, force: bool = False) -> Path:
+    """`out_dir` may take a new run (writes nothing): it is new, empty or an earlier run, and
+    never the model it trains. An earlier run with checkpoints or a final model is started over
+    only with `force`; one that never reached a checkpoint (stopped by a missing server, a
+    crash) is simply started over. One UserError line otherwise."""
+    run_dir = check_output(
+        config.out_dir, RUN, reuse=True, inputs=[config.model.path], option="out_dir"
+    )
     found = list_checkpoints(run_dir / "checkpoints")
     if found and not force:
         raise UserError(
@@ -273,8 +270,20 @@ def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = 
             f"run directory {run_dir} holds a finished run; start it over with --force or"
             " choose another out_dir"
         )
+    return run_dir
+
+
+def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = False) -> Path:
+    """The run directory: the checkpoint's on resume; else `out_dir` as `check_run_dir` allows
+    it, an earlier run's own files removed (and nothing else)."""
+    if ckpt is not None:
+        run_dir = ckpt.run_dir
+        # a step-0 checkpoint (stopped before the first step) evaluates step 0 again
+        RunLogs.truncate_after(run_dir, ckpt.step if ckpt.step > 0 else -1)
+        return run_dir
+    run_dir = check_run_dir(config, force)
     if RUN.recognise(run_dir):
-        if not (found or (run_dir / "final").exists()):
+        if not list_checkpoints(run_dir / "checkpoints") and not (run_dir / "final").exists():
             say(f"hdr train: {run_dir} holds a run that never reached a checkpoint; starting over")
         clear_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -294,12 +303,13 @@ def setup_run(
     seed_everything(config.seed)
     ckpt = open_checkpoint(resume) if resume is not None else None
 
-    if ckpt is None:  # a missing local model is one line now, before any hub is asked
+    if ckpt is None:  # the model, then the run dir: one line, before any hub is asked
         local_model(
             config.model.path,
             f"`hdr sft --config FILE` writes it ({config.sft.epochs}"
             " epochs of supervised warm start from sft.init_model)",
         )
+        dist.on_main(lambda: check_run_dir(config, force))
 
     def make_run_dir() -> Path:
         run_dir = prepare_run_dir(config, ckpt, force)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields as dataclass_fields
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -15,7 +16,7 @@ from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
 from hdr.config import StrictModel
-from trainer.replay import SELECTORS, SelectParams
+from trainer.replay import SELECTORS
 
 
 class ModelConfig(StrictModel):
@@ -281,15 +282,18 @@ class TrainConfig(StrictModel):
         return self.arm != "on_policy" and self.replay.budget > 0 and self.replay.capacity > 0
 
     @property
-    def select_params(self) -> SelectParams:
-        """The selector's parameters; `headroom_only` and `replay_recency` ignore `tau`."""
-        return SelectParams(
-            budget=self.replay.budget if self.replays else 0,
-            tau=self.replay.tau,
-            norm=self.replay.drift_norm,
-            chunk=self.replay.scan_chunk,
-            seed=self.seed,
-            total_steps=self.steps,
-            tau_age=self.replay.tau_age,
-            is_beta_start=self.replay.is_beta_start,
-        )
+    def select_params(self):
+        """The arm's knobs, as its rule's own params dataclass (`ScanParams`,
+        `FreshnessParams`, `SwapParams`) filled from `replay` and the run."""
+        knobs = {
+            "budget": self.replay.budget if self.replays else 0,
+            "tau": self.replay.tau,
+            "norm": self.replay.drift_norm,
+            "chunk": self.replay.scan_chunk,
+            "seed": self.seed,
+            "total_steps": self.steps,
+            "tau_age": self.replay.tau_age,
+            "is_beta_start": self.replay.is_beta_start,
+        }
+        params_type = SELECTORS.get(self.arm).params_type
+        return params_type(**{f.name: knobs[f.name] for f in dataclass_fields(params_type)})

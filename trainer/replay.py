@@ -15,10 +15,15 @@ to token `input_ids[i, t]`; column 0 is never a policy token).
   callable, compute `D`, refresh the stored headroom from the same log-probs, admit when
   `D <= tau`, stop at the budget `R` or when the buffer is exhausted.
 
-The arms share that scan and are registered by name in `SELECTORS`: `on_policy` (no replay),
-`replay_recency` (the R newest groups, no gate, no scoring), `headroom_only` (headroom order,
-no gate), `drift_only` (recency order, gated), `headroom_drift` (headroom order, gated, norm
-from the config, L2 by default), `headroom_drift_l1` (the same with the L1 gate).
+The comparison arms are one table, `ORDERED_ARMS`, each an `OrderedReplay`: ordering x
+re-scoring x gate x norm, all sharing that scan: `on_policy` (no replay), `replay_recency`
+(the R newest groups, no scoring, no gate), `headroom_only` (headroom order, no gate),
+`drift_only` (recency order, gated), `headroom_drift` (headroom order, gated, norm from the
+config, L2 by default), `headroom_drift_l1` (the same with the L1 gate). Two published GRPO
+replay rules are `SampledReplay`s (random draws by a score, no re-scoring):
+`replay_freshness_per` and `replay_zero_variance_swap`. Every rule is registered by name in
+`SELECTORS` and reads its own small params dataclass (`ScanParams`, `FreshnessParams`,
+`SwapParams`).
 
 Departures from the paper: the scan's chunk is never larger than the number of slots still
 open, so the scan never scores a candidate it could not admit; candidates that entered at or
@@ -34,7 +39,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -202,23 +207,40 @@ score may keep their graphs for the update to reuse (`replay.reuse_scan_forward`
 
 
 @dataclass(frozen=True)
-class SelectParams:
-    """What a selector needs to know: budget `R`, gate `tau`, drift norm, scan chunk (groups);
-    for the sampling selectors a seed, the run length and the age scale `tau_age` (steps)."""
+class ScanParams:
+    """The Headroom-Drift family's knobs: budget `R`, drift gate `tau`, drift norm, and the
+    most candidates scored at once (groups)."""
 
     budget: int
     tau: float = math.inf
     norm: str = "l2"
     chunk: int = 8
-    seed: int = 0
-    total_steps: int = 1
+
+
+@dataclass(frozen=True)
+class FreshnessParams:
+    """Freshness-aware prioritized replay: budget `R`, the age scale `tau_age` (steps) of the
+    priority's decay, the importance exponent at step 0 (annealed to 1 over the run's
+    `total_steps`), and the seed its draws depend on."""
+
+    budget: int
     tau_age: float = 500.0
     is_beta_start: float = 0.4
+    total_steps: int = 1
+    seed: int = 0
 
-    def generator(self, step: int) -> torch.Generator:
-        """A torch RNG for `step` that depends only on (seed, step), so a resumed run draws
-        what the original would have."""
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+
+@dataclass(frozen=True)
+class SwapParams:
+    """Zero-variance swap: the seed its draws depend on (as many swaps as flat fresh groups)."""
+
+    seed: int = 0
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """A torch RNG for `step` that depends only on (seed, step), so a resumed run draws what
+    the original would have."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
 @dataclass
@@ -244,14 +266,17 @@ class Selection:
 
 
 class Selector(Protocol):
-    """Picks stored groups for `step`. `fresh` are the step's own groups (not yet stored);
-    only `replay_zero_variance_swap` looks at them."""
+    """Picks stored groups for `step`. `params` is an instance of the rule's `params_type`;
+    `fresh` are the step's own groups (not yet stored): only the zero-variance swap looks at
+    them."""
+
+    params_type: type
 
     def __call__(
         self,
         buffer: ReplayBuffer,
         step: int,
-        params: SelectParams,
+        params,
         score: ScoreFn,
         fresh: Sequence[StoredGroup] = (),
     ) -> Selection: ...
@@ -311,78 +336,46 @@ def scan(
     return sel
 
 
-@SELECTORS.register("on_policy")
-def on_policy(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
-) -> Selection:
-    """No replay: the step trains on its fresh groups only."""
-    return Selection()
+@dataclass(frozen=True)
+class OrderedReplay:
+    """An arm of the Headroom-Drift family, as ordering x re-scoring x gate x norm.
+
+    The stored groups that entered before the step, in `order` (None: replay nothing). With
+    `rescore`, candidates are scanned (`scan`): scored under the current policy, their
+    headroom refreshed, and, when `gated`, admitted only if `D(g) <= tau` in `norm` (None: the
+    configured norm). Without it the first `R` are taken as stored (no scoring)."""
+
+    order: Callable[[Sequence[StoredGroup]], list[StoredGroup]] | None
+    rescore: bool = True
+    gated: bool = True
+    norm: str | None = None
+    params_type: ClassVar[type] = ScanParams
+
+    def __call__(
+        self, buffer: ReplayBuffer, step: int, params: ScanParams, score: ScoreFn, fresh=()
+    ) -> Selection:
+        if self.order is None:
+            return Selection()
+        candidates = self.order(eligible(buffer, step))
+        if not self.rescore:
+            groups = candidates[: params.budget]
+            return Selection(groups=groups, headroom_stored=[g.headroom for g in groups])
+        tau = params.tau if self.gated else math.inf
+        return scan(candidates, params.budget, tau, self.norm or params.norm, score, params.chunk)
 
 
-@SELECTORS.register("replay_recency")
-def replay_recency(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
-) -> Selection:
-    """Naive replay: the `R` most recent groups, no gate and no re-scoring."""
-    groups = by_recency(eligible(buffer, step))[: params.budget]
-    sel = Selection(groups=groups)
-    sel.headroom_stored = [g.headroom for g in groups]
-    return sel
-
-
-@SELECTORS.register("headroom_only")
-def headroom_only(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
-) -> Selection:
-    """Headroom order, no drift gate (the PER-style priority analogue); headroom refreshed."""
-    return scan(
-        by_headroom(eligible(buffer, step)),
-        params.budget,
-        math.inf,
-        params.norm,
-        score,
-        params.chunk,
-    )
-
-
-@SELECTORS.register("drift_only")
-def drift_only(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
-) -> Selection:
-    """Recency order, gated by `D(g) <= tau`."""
-    return scan(
-        by_recency(eligible(buffer, step)),
-        params.budget,
-        params.tau,
-        params.norm,
-        score,
-        params.chunk,
-    )
-
-
-@SELECTORS.register("headroom_drift")
-def headroom_drift(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
-) -> Selection:
-    """Headroom order, gated by `D(g) <= tau` with the configured norm (L2 by default)."""
-    return scan(
-        by_headroom(eligible(buffer, step)),
-        params.budget,
-        params.tau,
-        params.norm,
-        score,
-        params.chunk,
-    )
-
-
-@SELECTORS.register("headroom_drift_l1")
-def headroom_drift_l1(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
-) -> Selection:
-    """Headroom order, gated by the L1 drift `mean |logprob - gen_logprob| <= tau`."""
-    return scan(
-        by_headroom(eligible(buffer, step)), params.budget, params.tau, "l1", score, params.chunk
-    )
+# The comparison arms of the paper, in one table (docs/design.md):
+#              ordering     re-scored  gated   norm
+ORDERED_ARMS = {
+    "on_policy": OrderedReplay(None, rescore=False, gated=False),
+    "replay_recency": OrderedReplay(by_recency, rescore=False, gated=False),
+    "headroom_only": OrderedReplay(by_headroom, rescore=True, gated=False),
+    "drift_only": OrderedReplay(by_recency, rescore=True, gated=True),
+    "headroom_drift": OrderedReplay(by_headroom, rescore=True, gated=True),
+    "headroom_drift_l1": OrderedReplay(by_headroom, rescore=True, gated=True, norm="l1"),
+}
+for _name, _arm in ORDERED_ARMS.items():
+    SELECTORS.register(_name)(_arm)
 
 
 # --- published replay rules for GRPO (no re-scoring, stored behaviour log-probs) -----------
@@ -423,20 +416,31 @@ def sample_proportional(scores: Tensor, k: int, rng: torch.Generator) -> Tensor:
     return torch.multinomial(scores.double(), k, replacement=False, generator=rng)
 
 
-@SELECTORS.register("replay_freshness_per")
-def replay_freshness_per(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
+@dataclass(frozen=True)
+class SampledReplay:
+    """A published GRPO replay rule: stored groups drawn at random by a score of their own,
+    replayed with their stored log-probs (no re-scoring, no gate). `draw(groups, step,
+    params, fresh)` sees the groups that entered before the step, oldest first."""
+
+    draw: Callable[..., Selection]
+    params_type: type
+
+    def __call__(self, buffer: ReplayBuffer, step: int, params, score: ScoreFn, fresh=()):
+        return self.draw(eligible(buffer, step), step, params, fresh)
+
+
+def draw_by_freshness(
+    groups: list[StoredGroup], step: int, params: FreshnessParams, fresh=()
 ) -> Selection:
     """Freshness-aware prioritized replay: `R` groups sampled without replacement in proportion
     to `freshness_priority`, importance weights with exponent annealed linearly from
-    `is_beta_start` to 1 over the run; stored behaviour log-probs, no re-scoring, no gate."""
-    groups = eligible(buffer, step)
+    `is_beta_start` to 1 over the run."""
     if not groups or params.budget == 0:
         return Selection()
     rewards = torch.stack([g.rewards for g in groups])  # (n, G)
     age = torch.tensor([step - g.entered_step for g in groups])  # (n,)
     priority = freshness_priority(rewards, age, params.tau_age)
-    picked = sample_proportional(priority, params.budget, params.generator(step))
+    picked = sample_proportional(priority, params.budget, step_generator(params.seed, step))
     if len(picked) == 0:
         return Selection()
     progress = min(1.0, step / max(1, params.total_steps))
@@ -450,25 +454,27 @@ def replay_freshness_per(
     )
 
 
-@SELECTORS.register("replay_zero_variance_swap")
-def replay_zero_variance_swap(
-    buffer: ReplayBuffer, step: int, params: SelectParams, score: ScoreFn, fresh=()
+def draw_for_flat_groups(
+    groups: list[StoredGroup], step: int, params: SwapParams, fresh=()
 ) -> Selection:
     """Zero-variance swap: each fresh group whose rewards are all equal (no gradient) is
     replaced by a stored group, drawn without replacement in proportion to
-    `zero_variance_swap_score`; as many swaps as there are such groups and stored groups
-    with a positive score (the budget `R` does not apply); stored log-probs, no re-scoring."""
+    `zero_variance_swap_score`; as many swaps as there are such groups and stored groups with
+    a positive score (the budget `R` does not apply)."""
     flat = [k for k, g in enumerate(fresh) if g.all_zero_advantage]
-    groups = eligible(buffer, step)
     if not flat or not groups:
         return Selection()
     scores = zero_variance_swap_score(
         torch.stack([g.rewards for g in groups]), torch.stack([g.advantages for g in groups])
     )
-    picked = sample_proportional(scores, len(flat), params.generator(step))
+    picked = sample_proportional(scores, len(flat), step_generator(params.seed, step))
     chosen = [groups[int(i)] for i in picked]
     return Selection(
         groups=chosen,
         headroom_stored=[g.headroom for g in chosen],
         swap_out=flat[: len(chosen)],
     )
+
+
+SELECTORS.register("replay_freshness_per")(SampledReplay(draw_by_freshness, FreshnessParams))
+SELECTORS.register("replay_zero_variance_swap")(SampledReplay(draw_for_flat_groups, SwapParams))

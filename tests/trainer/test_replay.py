@@ -8,9 +8,11 @@ import torch
 from hdr.errors import UserError
 from trainer.replay import (
     SELECTORS,
+    FreshnessParams,
     ReplayBuffer,
-    SelectParams,
+    ScanParams,
     StoredGroup,
+    SwapParams,
     freshness_priority,
     headroom,
     importance_weights,
@@ -104,7 +106,7 @@ def buffer_of(*groups, capacity=10) -> ReplayBuffer:
 
 
 def select(arm, buf, step, policy, **params):
-    return SELECTORS.get(arm)(buf, step, SelectParams(**params), policy)
+    return SELECTORS.get(arm)(buf, step, ScanParams(**params), policy)
 
 
 def test_headroom_drift_ranks_by_stored_headroom():
@@ -292,7 +294,7 @@ def test_freshness_per_samples_by_priority_and_weights_without_rescoring():
         rewarded("zero", [0.0, 0.0], 5),
         rewarded("new", [1.0, 0.0], 5),
     )
-    params = SelectParams(budget=2, seed=3, total_steps=10, tau_age=2.0)
+    params = FreshnessParams(budget=2, seed=3, total_steps=10, tau_age=2.0)
 
     def no_scoring(groups):
         raise AssertionError("freshness PER must not re-score")
@@ -316,11 +318,11 @@ def test_zero_variance_swap_replaces_only_flat_fresh_groups():
     score = zero_variance_swap_score(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.7, -0.7]]))
     assert score.item() == pytest.approx(1.4 * math.sqrt(0.5))
     sel = SELECTORS.get("replay_zero_variance_swap")(
-        stored, 1, SelectParams(budget=0), lambda gs: [], fresh=fresh
+        stored, 1, SwapParams(), lambda gs: [], fresh=fresh
     )
     # two flat fresh groups, but only one stored group has a positive score
     assert [g.group_id for g in sel.groups] == ["a"] and sel.swap_out == [1]
     none_flat = SELECTORS.get("replay_zero_variance_swap")(
-        stored, 1, SelectParams(budget=4), lambda gs: [], fresh=fresh[:1]
+        stored, 1, SwapParams(seed=4), lambda gs: [], fresh=fresh[:1]
     )
     assert none_flat.groups == [] and none_flat.swap_out == []

@@ -4,7 +4,7 @@ padding, target masks, and the drift of a stored group before and after an updat
 import torch
 
 from trainer.grpo import policy_loss, token_entropy
-from trainer.replay import SELECTORS, ReplayBuffer, SelectParams, make_group, policy_drift
+from trainer.replay import SELECTORS, ReplayBuffer, ScanParams, make_group, policy_drift
 from trainer.scoring import align, left_pad, score_groups, token_logprobs
 
 
@@ -97,10 +97,10 @@ def test_drift_zero_after_ingress_and_grows_after_update(llama):
     assert all(d > 1e-4 for d in drifts), drifts
 
     # and the gate now sees it: a tau below the drift admits nothing, above it admits both
-    params = SelectParams(budget=2, tau=min(drifts) / 2)
+    params = ScanParams(budget=2, tau=min(drifts) / 2)
     score = lambda gs: score_groups(llama, gs)  # noqa: E731
     assert SELECTORS.get("headroom_drift")(buffer, 1, params, score).groups == []
-    params = SelectParams(budget=2, tau=max(drifts) * 2)
+    params = ScanParams(budget=2, tau=max(drifts) * 2)
     assert len(SELECTORS.get("headroom_drift")(buffer, 1, params, score).groups) == 2
 
 

@@ -85,5 +85,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('HDR_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["retrieval-entrypoint.sh"]
-COPY docker/retrieval-entrypoint.sh /usr/local/bin/retrieval-entrypoint.sh
+COPY docker/retrieval-entrypoint.sh docker/entrypoint-signals.sh /usr/local/bin/
 COPY --from=venv /opt/venv /opt/venv

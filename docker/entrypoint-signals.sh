@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by docker/retrieval-entrypoint.sh and docker/trainer-entrypoint.sh (each image copies
 # it beside its entrypoint). Lets a signal stop an entrypoint at once, whichever step it is in.
 #

@@ -44,6 +44,7 @@ MANIFEST="$HDR_INDEX_DIR/manifest.json"
 
 log() { echo "retrieval-entrypoint: $*" >&2; }
 
+# shellcheck source=docker/entrypoint-signals.sh
 source "$(dirname "${BASH_SOURCE[0]}")/entrypoint-signals.sh"
 
 build_index() {

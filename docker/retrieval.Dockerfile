@@ -1,12 +1,13 @@
 # The hdr retrieval server: CPU only, slim Python base, runs as a non-root user.
 #
 #   docker build -f docker/retrieval.Dockerfile -t hdr-retrieval .
-#   docker run --rm -p 127.0.0.1:8000:8000 -v hdr-data:/data hdr-retrieval
+#   docker run --rm --init -p 127.0.0.1:8000:8000 -v hdr-data:/data hdr-retrieval
 #
 # On first start with an empty /data the entrypoint prepares the embedded corpus
 # (Wikipedia vital-article summaries) and builds its index; later starts serve it
 # at once. Settings are environment variables: see docker/retrieval-entrypoint.sh
-# and docs/stack.md.
+# and docs/stack.md. `--init` (compose: `init: true`) lets `docker stop` reach the server while
+# it is still loading (docs/stack.md).
 #
 # Build arguments (defaults are the normal path of a machine with registry access):
 #   BASE_IMAGE       python:3.11-slim    any Debian-like image with python3 (3.10+), pip, venv

@@ -42,6 +42,7 @@ RUN_DIR="$HDR_RUNS_DIR/$HDR_RUN_NAME"
 
 log() { echo "trainer-entrypoint: $*" >&2; }
 
+# shellcheck source=docker/entrypoint-signals.sh
 source "$(dirname "${BASH_SOURCE[0]}")/entrypoint-signals.sh"
 
 # "http://a:8000, http://b:8000" -> retrieval.urls=["http://a:8000","http://b:8000"]

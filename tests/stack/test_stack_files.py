@@ -202,6 +202,14 @@ def test_trainers_get_time_to_checkpoint_when_stopped(compose):
     assert "stop_grace_period" not in compose["services"]["retrieval"]
 
 
+def test_every_service_runs_under_an_init_that_passes_signals_on(compose, replicas):
+    """As PID 1, `hdr serve` or `hdr train` would not get a SIGTERM sent before it installs
+    its handler (the kernel drops it); docker's init passes it on to a normal process."""
+    for service in (*compose["services"], "retrieval-2", "retrieval-3"):
+        merged = {**compose["services"].get(service, {}), **replicas["services"].get(service, {})}
+        assert merged["init"] is True, service
+
+
 def test_replicas_override_adds_healthy_replicas_and_gives_the_trainers_their_urls(
     compose, replicas
 ):

@@ -9,6 +9,8 @@
 #    Concurrent replicas on one volume take a lock, so only one of them builds.
 # 2. exec `hdr serve` on the index (the server process replaces this shell, so it
 #    receives the container's SIGTERM directly).
+# A SIGTERM or SIGINT during step 1 stops the running command at once and exits 143; the next
+# start prepares and builds again (docker/entrypoint-signals.sh).
 #
 # Settings (environment variable: default):
 #   HDR_DATA_DIR      data                       root of the defaults below (/data in the image)
@@ -42,6 +44,9 @@ MANIFEST="$HDR_INDEX_DIR/manifest.json"
 
 log() { echo "retrieval-entrypoint: $*" >&2; }
 
+# shellcheck source=docker/entrypoint-signals.sh
+source "$(dirname "${BASH_SOURCE[0]}")/entrypoint-signals.sh"
+
 build_index() {
     if [[ ! -f "$HDR_CORPUS" ]]; then
         log "no corpus at $HDR_CORPUS: preparing the embedded wiki corpus"
@@ -50,7 +55,8 @@ build_index() {
         if [[ -n "$HDR_CORPUS_LIMIT" ]]; then
             prepare+=(--limit "$HDR_CORPUS_LIMIT")
         fi
-        "${prepare[@]}"
+        rm -f "$HDR_CORPUS.partial" # this script's own, left by a stopped start
+        run_step "${prepare[@]}"
         mv "$HDR_CORPUS.partial" "$HDR_CORPUS"
     fi
     log "no index at $HDR_INDEX_DIR: building it from $HDR_CORPUS"
@@ -62,7 +68,7 @@ build_index() {
     if [[ "$HDR_BM25" == 0 ]]; then
         build+=(--no-bm25)
     fi
-    "${build[@]}"
+    run_step "${build[@]}"
 }
 
 if [[ ! -f "$MANIFEST" ]]; then
@@ -71,13 +77,16 @@ if [[ ! -f "$MANIFEST" ]]; then
         # One builder per volume; the others wait here, then find the manifest.
         exec 9>"$HDR_INDEX_DIR.lock"
         log "taking the index build lock $HDR_INDEX_DIR.lock"
-        flock 9
+        run_step flock 9
     fi
-    [[ -f "$MANIFEST" ]] || build_index
+    if [[ ! -f "$MANIFEST" ]]; then
+        build_index # not on the right of `||`, where bash would ignore a failing step's status
+    fi
     [[ -f "$MANIFEST" ]] || { log "index build finished without $MANIFEST"; exit 1; }
     exec 9>&- # release the lock; the server must not inherit it
 fi
 
+exit_if_stopped
 log "serving $HDR_INDEX_DIR ($HDR_RETRIEVER) on $HDR_HOST:$HDR_PORT"
 exec "$HDR_BIN" serve --index "$HDR_INDEX_DIR" --host "$HDR_HOST" --port "$HDR_PORT" \
     --retriever "$HDR_RETRIEVER" "$@"

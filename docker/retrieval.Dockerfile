@@ -1,12 +1,13 @@
 # The hdr retrieval server: CPU only, slim Python base, runs as a non-root user.
 #
 #   docker build -f docker/retrieval.Dockerfile -t hdr-retrieval .
-#   docker run --rm -p 127.0.0.1:8000:8000 -v hdr-data:/data hdr-retrieval
+#   docker run --rm --init -p 127.0.0.1:8000:8000 -v hdr-data:/data hdr-retrieval
 #
 # On first start with an empty /data the entrypoint prepares the embedded corpus
 # (Wikipedia vital-article summaries) and builds its index; later starts serve it
 # at once. Settings are environment variables: see docker/retrieval-entrypoint.sh
-# and docs/stack.md.
+# and docs/stack.md. `--init` (compose: `init: true`) lets `docker stop` reach the server while
+# it is still loading (docs/stack.md).
 #
 # Build arguments (defaults are the normal path of a machine with registry access):
 #   BASE_IMAGE       python:3.11-slim    any Debian-like image with python3 (3.10+), pip, venv
@@ -85,5 +86,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('HDR_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["retrieval-entrypoint.sh"]
-COPY docker/retrieval-entrypoint.sh /usr/local/bin/retrieval-entrypoint.sh
+COPY docker/retrieval-entrypoint.sh docker/entrypoint-signals.sh /usr/local/bin/
 COPY --from=venv /opt/venv /opt/venv

@@ -33,7 +33,7 @@ RUN /opt/venv/bin/pip install "/tmp/src[gpu]" \
 # ------------------------------------------------------- app (the files of /app, not an image)
 FROM scratch AS app
 COPY configs /app/configs
-COPY docker/trainer-entrypoint.sh /app/docker/trainer-entrypoint.sh
+COPY docker/trainer-entrypoint.sh docker/entrypoint-signals.sh /app/docker/
 
 # ------------------------------------------------------------------------ gpu (final)
 FROM ${CUDA_IMAGE} AS gpu

@@ -53,7 +53,7 @@ RUN /opt/venv/bin/pip install --no-deps --force-reinstall /tmp/src \
 # ------------------------------------------------------- app (the files of /app, not an image)
 FROM scratch AS app
 COPY configs /app/configs
-COPY docker/trainer-entrypoint.sh /app/docker/trainer-entrypoint.sh
+COPY docker/trainer-entrypoint.sh docker/entrypoint-signals.sh /app/docker/
 
 # ------------------------------------------------------------------------ cpu (final)
 # Metadata first and the venv last: on a copy-on-write-less storage driver (vfs) every

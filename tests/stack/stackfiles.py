@@ -25,6 +25,26 @@ ENTRYPOINTS = {
     "retrieval": ROOT / "docker" / "retrieval-entrypoint.sh",
     "trainer": ROOT / "docker" / "trainer-entrypoint.sh",
 }
+# Sourced by both entrypoints and copied beside each in its image.
+SIGNALS_LIB = ROOT / "docker" / "entrypoint-signals.sh"
+# Dotted overrides (as `docker compose run trainer key=value ...` passes them) that shrink
+# configs/tiny-cpu.yaml's run and its SFT to a single small step.
+SMALL_RUN = [
+    "steps=1",
+    "grpo.batch_prompts=2",
+    "grpo.group_size=2",
+    "grpo.warmup_steps=0",
+    "eval.every=0",
+    "eval.at_start=false",
+    "checkpoint.save_every=0",
+    "sft.max_examples=4",
+    "sft.batch_size=4",
+    "sft.epochs=1",
+    "sft.eval_questions=0",
+    "rollout.max_turns=1",
+    "rollout.max_tokens_per_turn=16",
+]
+TRAIN_TIMEOUT = 420  # s: tiny policy + SFT + one step on a loaded 2-core CPU
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}, as compose writes them.
 INTERPOLATION = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
@@ -77,6 +97,53 @@ def base_env() -> dict[str, str]:
         HDR_API_TOKEN="",  # compose passes an empty token when none is set
     )
     return env
+
+
+def trainer_env(runs_dir: Path, retrieval_url: str, **settings: str) -> dict[str, str]:
+    """What compose gives the trainer container, on the host: the repository's
+    configs/tiny-cpu.yaml, one retrieval server, runs under `runs_dir`; `settings` on top."""
+    env = base_env()
+    env.update(
+        HDR_CONFIG=str(ROOT / "configs" / "tiny-cpu.yaml"),
+        HDR_RETRIEVAL_URLS=retrieval_url,
+        HDR_RUNS_DIR=str(runs_dir),
+        **settings,
+    )
+    return env
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """The live children of process `pid`: pid -> command line (from /proc)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # ended while we looked
+        if parent == pid:
+            children[int(stat.parent.name)] = cmdline.replace(b"\0", b" ").decode().strip()
+    return children
+
+
+def wait_for_child(proc: subprocess.Popen, marker: str, timeout: float = START_TIMEOUT) -> int:
+    """The pid of the first child of `proc` whose command line holds `marker`, once it runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited {proc.returncode} before running {marker!r}"
+        for child, cmdline in child_processes(proc.pid).items():
+            if marker in cmdline:
+                return child
+        time.sleep(0.02)
+    pytest.fail(f"no child running {marker!r} within {timeout:.0f}s")
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def container_env(data_dir: Path, port: int) -> dict[str, str]:

@@ -16,7 +16,15 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
-from stackfiles import COMPOSE, ENTRYPOINTS, INTERPOLATION, REPLICAS, ROOT, interpolate
+from stackfiles import (
+    COMPOSE,
+    ENTRYPOINTS,
+    INTERPOLATION,
+    REPLICAS,
+    ROOT,
+    SIGNALS_LIB,
+    interpolate,
+)
 
 DOCKERFILES = {
     "retrieval": ROOT / "docker" / "retrieval.Dockerfile",
@@ -28,8 +36,8 @@ RUNS = {"retrieval": "retrieval", "trainer": "trainer", "trainer-gpu": "trainer"
 DOCS = ROOT / "docs" / "stack.md"
 
 
-def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+def logical_lines(path: Path) -> list[str]:
+    """The file's lines, continuation lines joined, comments and blank lines dropped."""
     lines, current = [], ""
     for raw in path.read_text().splitlines():
         line = raw.strip()
@@ -39,7 +47,14 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
         if not line.endswith("\\"):
             lines.append(current.strip())
             current = ""
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+    return lines
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in logical_lines(path)
+    ]
 
 
 def stage_names(path: Path) -> list[str]:
@@ -162,6 +177,39 @@ def test_gpu_profile_reserves_gpus_and_switches_config(compose):
     assert "hdr-runs:/runs" in gpu["volumes"]
 
 
+def duration_s(value: str) -> float:
+    """A compose duration ("90s", "2m", "1m30s", "1h") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", value)
+    assert parts and "".join(a + b for a, b in parts) == value, value
+    return sum(float(number) * units[unit] for number, unit in parts if unit != "ms")
+
+
+def test_trainers_get_time_to_checkpoint_when_stopped(compose):
+    """`docker stop` (and Ctrl-C under `up`) sends SIGTERM, then SIGKILL after the grace
+    period; `hdr train` needs it to finish its step (and a periodic evaluation) and write a
+    checkpoint. docs/stack.md gives each value and where it comes from."""
+    docs = DOCS.read_text()
+    grace = {}
+    for name in ("trainer", "trainer-gpu"):
+        value = compose["services"][name]["stop_grace_period"]
+        assert f"`stop_grace_period: {value}`" in docs, name
+        grace[name] = duration_s(value)
+    # tiny-cpu.yaml on a loaded 2-core CPU (docs/stack.md): a step, then the held-out
+    # evaluation due at it, then the checkpoint took up to about 110 s.
+    assert grace["trainer"] >= 2 * 110
+    assert grace["trainer-gpu"] >= grace["trainer"]
+    assert "stop_grace_period" not in compose["services"]["retrieval"]
+
+
+def test_every_service_runs_under_an_init_that_passes_signals_on(compose, replicas):
+    """As PID 1, `hdr serve` or `hdr train` would not get a SIGTERM sent before it installs
+    its handler (the kernel drops it); docker's init passes it on to a normal process."""
+    for service in (*compose["services"], "retrieval-2", "retrieval-3"):
+        merged = {**compose["services"].get(service, {}), **replicas["services"].get(service, {})}
+        assert merged["init"] is True, service
+
+
 def test_replicas_override_adds_healthy_replicas_and_gives_the_trainers_their_urls(
     compose, replicas
 ):
@@ -256,6 +304,54 @@ def test_images_run_as_non_root_and_start_their_entrypoint_script():
             assert PurePosixPath(entrypoint).name == script.name, (name, entrypoint)
         assert f"docker/{script.name}" in copy_sources(dockerfile), name
         assert git_mode(script) == "100755", f"{script} is not executable in git"
+
+
+def test_images_copy_the_signal_helper_beside_the_entrypoint():
+    """Each entrypoint sources docker/entrypoint-signals.sh from its own directory."""
+    for name, dockerfile in DOCKERFILES.items():
+        script = ENTRYPOINTS[RUNS[name]]
+        copies = [
+            shlex.split(args)
+            for op, args in dockerfile_instructions(dockerfile)
+            if op == "COPY" and f"docker/{script.name}" in shlex.split(args)
+        ]
+        assert len(copies) == 1, name
+        assert copies[0][:-1] == [f"docker/{script.name}", "docker/entrypoint-signals.sh"], name
+        assert copies[0][-1].endswith("/"), name  # both land in one directory
+    for script in ENTRYPOINTS.values():
+        text = script.read_text()
+        assert 'source "$(dirname "${BASH_SOURCE[0]}")/entrypoint-signals.sh"' in text, script
+
+
+def test_entrypoints_run_every_long_command_so_that_signals_reach_it():
+    """The last command is `exec`ed (it becomes the container's main process); every earlier
+    `hdr` command, and the wait for the index lock, goes through `run_step`, which passes a
+    SIGTERM on to it. A plain foreground command would hold the signal until it ended."""
+    for script in ENTRYPOINTS.values():
+        commands = logical_lines(script)
+        assert commands[-1].startswith('exec "$HDR_BIN" '), (script.name, commands[-1])
+        arrays = set()
+        for command in commands:
+            if '"$HDR_BIN"' in command:
+                array = re.match(r"local (\w+)=\(\"\$HDR_BIN\" ", command)
+                if array:
+                    arrays.add(array[1])  # run later as "${name[@]}"
+                else:
+                    assert command.startswith(('exec "$HDR_BIN" ', 'run_step "$HDR_BIN" ')), (
+                        script.name,
+                        command,
+                    )
+            # an array of a command run in the foreground
+            assert not re.match(r'"\$\{\w+\[@\]\}"', command), (script.name, command)
+            assert not command.startswith("flock "), (script.name, command)
+        for name in arrays:
+            assert f'run_step "${{{name}[@]}}"' in commands, (script.name, name)
+    # The trainer's resume and fresh starts are both `exec`s of `hdr train`.
+    trainer = logical_lines(ENTRYPOINTS["trainer"])
+    execs = [command for command in trainer if command.startswith("exec ")]
+    assert [command.split()[2] for command in execs] == ["train", "train"]
+    assert "--resume" in execs[0] and "--config" in execs[1]
+    assert SIGNALS_LIB.is_file()
 
 
 def stage_text(path: Path, name: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ from stackfiles import (
     Entrypoint,
     container_env,
     free_port,
+    process_exists,
+    wait_for_child,
 )
 
 
@@ -112,3 +115,22 @@ def test_a_failed_build_exits_non_zero_and_serves_nothing(tmp_path):
     assert "no-such-encoder" in entrypoint.output()
     assert not (tmp_path / "data" / "index" / "manifest.json").exists()
     assert "serving" not in entrypoint.output()
+
+
+def test_sigterm_during_the_first_start_build_stops_it_at_once(tmp_path):
+    """`docker stop` while the index is being built: the entrypoint passes SIGTERM on to
+    `hdr index build` (it runs before the final `exec`) and exits 143 without serving."""
+    data = tmp_path / "data"
+    entrypoint = Entrypoint(container_env(data, free_port()), tmp_path / "stopped.log")
+    try:
+        builder = wait_for_child(entrypoint.proc, "index build")
+        entrypoint.proc.send_signal(signal.SIGTERM)
+        status = entrypoint.proc.wait(timeout=START_TIMEOUT)
+    finally:
+        entrypoint.kill()
+    output = entrypoint.output()
+    assert status == 128 + signal.SIGTERM, output
+    assert not process_exists(builder), "hdr index build outlived the entrypoint"
+    assert output.strip().splitlines()[-1] == "retrieval-entrypoint: stopped by a signal"
+    assert not (data / "index" / "manifest.json").exists()
+    assert "serving" not in output

@@ -15,24 +15,15 @@ import subprocess
 
 import pytest
 import yaml
-from stackfiles import ENTRYPOINTS, ROOT, Entrypoint, base_env, container_env, free_port
-
-SMALL_RUN = [
-    "steps=1",
-    "grpo.batch_prompts=2",
-    "grpo.group_size=2",
-    "grpo.warmup_steps=0",
-    "eval.every=0",
-    "eval.at_start=false",
-    "checkpoint.save_every=0",
-    "sft.max_examples=4",
-    "sft.batch_size=4",
-    "sft.epochs=1",
-    "sft.eval_questions=0",
-    "rollout.max_turns=1",
-    "rollout.max_tokens_per_turn=16",
-]
-TRAIN_TIMEOUT = 420  # seconds: tiny policy + SFT + one step on a 2-core CPU
+from stackfiles import (
+    ENTRYPOINTS,
+    SMALL_RUN,
+    TRAIN_TIMEOUT,
+    Entrypoint,
+    container_env,
+    free_port,
+    trainer_env,
+)
 
 
 @pytest.mark.slow
@@ -42,13 +33,7 @@ def test_trainer_entrypoint_builds_the_tiny_policy_and_trains_against_the_server
         server.wait_healthy()
         url = server.url("")
         runs = tmp_path / "runs"
-        env = base_env()
-        env.update(
-            HDR_CONFIG=str(ROOT / "configs" / "tiny-cpu.yaml"),
-            HDR_RETRIEVAL_URLS=url,
-            HDR_RUNS_DIR=str(runs),
-            HDR_RUN_NAME="smoke",
-        )
+        env = trainer_env(runs, url, HDR_RUN_NAME="smoke")
         done = subprocess.run(
             ["bash", str(ENTRYPOINTS["trainer"]), *SMALL_RUN],
             env=env,

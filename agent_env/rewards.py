@@ -1,5 +1,9 @@
 """Answer extraction and rewards, as Search-R1 scores its QA tasks.
 
+The aggregates over `k` sampled responses per question live here too, so the trainer's
+periodic evaluation and `evaluation` compute them alike: Mean@k (the mean correctness of the
+samples) and Best@k (whether any sample is correct), averaged over questions.
+
 `normalize_answer` is SQuAD's normalisation (lowercase, strip punctuation, drop the articles
 a/an/the, collapse whitespace), which Search-R1 uses unchanged. `exact_match` and `f1_score`
 take the best match over the golden answers and return floats in [0, 1]; a single string is
@@ -15,9 +19,13 @@ appended (a correction message mentioning the tags) cannot be read as an answer 
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
+from typing import Any
+
+import numpy as np
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -119,3 +127,42 @@ def format_reward(response_text: str) -> float:
             last_closed = name
             answers += name == "answer"
     return float(open_tag is None and answers == 1 and last_closed == "answer")
+
+
+# --- aggregates over k samples per question ------------------------------------------------
+
+
+def as_correct(correct: Any) -> np.ndarray:
+    """`correct` as a `[Q, k]` float array of 0/1 (k >= 1 samples per question)."""
+    arr = np.asarray(correct, dtype=np.float64)
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise ValueError(f"correct must be [questions, k] with k >= 1, got shape {arr.shape}")
+    return arr
+
+
+def per_question_mean(correct: Any) -> np.ndarray:
+    """`[Q, k]` -> `[Q]`: fraction of each question's k samples that are correct."""
+    return as_correct(correct).mean(axis=1)
+
+
+def per_question_best(correct: Any) -> np.ndarray:
+    """`[Q, k]` -> `[Q]`: 1.0 where any of the k samples is correct."""
+    return (as_correct(correct) > 0).any(axis=1).astype(np.float64)
+
+
+def mean_at_k(correct: Any) -> float:
+    """Mean@k of a `[Q, k]` 0/1 array: `mean_q mean_j correct[q, j]`. NaN with no questions."""
+    arr = as_correct(correct)
+    return float(arr.mean()) if arr.shape[0] else math.nan
+
+
+def best_at_k(correct: Any) -> float:
+    """Best@k of a `[Q, k]` 0/1 array: `mean_q max_j correct[q, j]`. NaN with no questions."""
+    arr = as_correct(correct)
+    return float(per_question_best(arr).mean()) if arr.shape[0] else math.nan
+
+
+def greedy_em(correct: Any) -> float:
+    """Exact match of one greedy response per question: `[Q]` 0/1 -> mean. NaN when empty."""
+    arr = np.asarray(correct, dtype=np.float64).reshape(-1)
+    return float(arr.mean()) if arr.size else math.nan

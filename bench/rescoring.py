@@ -37,8 +37,9 @@ from agent_env.retrieval_client import RetrievalClient
 from agent_env.rollout import rollout_groups
 from hdr.config import load_config
 from trainer.config import TrainConfig
-from trainer.loop import Run, behaviour_groups, load_policy, sample_prompts
-from trainer.scoring import score_groups, unique_rows
+from trainer.loop import sample_prompts
+from trainer.run import load_policy
+from trainer.scoring import behaviour_groups, score_groups, unique_rows
 
 TARGET = 0.2
 
@@ -64,13 +65,13 @@ def main() -> None:
     b, G, chunk = cfg.grpo.batch_prompts, cfg.grpo.group_size, cfg.replay.scan_chunk
     rows = []
     with RetrievalClient(cfg.retrieval, seed=cfg.seed) as client:
-        run = Run(
-            cfg, Path("."), model, tokenizer, None, None, None, generator, client, [], [], None
-        )
         for r in range(args.rounds + 1):  # round 0 warms up
             batch = sample_prompts(examples, cfg.seed, r + 1, b)
             result = rollout_groups(generator, client, tokenizer, batch, G, cfg.rollout)
-            groups, _ = behaviour_groups(run, result.groups, step=r + 1)
+            groups, _, _ = behaviour_groups(
+                model, result.groups, r + 1, range(len(result.groups)), cfg.grpo.score_chunk,
+                cfg.rollout.temperature,
+            )  # fmt: skip
             alone = []
             for g in groups:
                 start = time.perf_counter()

@@ -39,16 +39,13 @@ from pydantic import BaseModel, Field
 
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
+from agent_env.rewards import best_at_k, mean_at_k, per_question_best, per_question_mean
 from agent_env.rollout import RolloutConfig
 from evaluation.metrics import (
     WIKI_VITAL,
     average_scores,
-    best_at_k,
     dataset_order,
     markdown_table,
-    mean_at_k,
-    per_question_best,
-    per_question_mean,
     recognize_dataset,
     score_dataset,
 )

@@ -631,7 +631,7 @@ def heldout_set(cfg: ExperimentConfig):
     """The final evaluation's questions: the same for every arm and seed."""
     from agent_env.data import load_task
     from evaluation.evaluate import EvalDataset
-    from trainer.loop import heldout_subset
+    from trainer.run import heldout_subset
 
     examples = load_task(cfg.task, "test")
     examples = heldout_subset(examples, 0, cfg.final_questions or len(examples))

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from agent_env.rewards import as_correct, best_at_k, greedy_em, mean_at_k
+
 # Search-R1's test sets in the paper's column order: general QA, then multi-hop QA.
 SEARCH_R1_DATASETS: tuple[str, ...] = (
     "nq",
@@ -114,41 +116,6 @@ def dataset_order(names: Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------------------- per dataset
 
 
-def _as_correct(correct: Any) -> np.ndarray:
-    arr = np.asarray(correct, dtype=np.float64)
-    if arr.ndim != 2 or arr.shape[1] == 0:
-        raise ValueError(f"correct must be [questions, k] with k >= 1, got shape {arr.shape}")
-    return arr
-
-
-def per_question_mean(correct: Any) -> np.ndarray:
-    """`[Q, k]` -> `[Q]`: fraction of each question's k samples that are correct."""
-    return _as_correct(correct).mean(axis=1)
-
-
-def per_question_best(correct: Any) -> np.ndarray:
-    """`[Q, k]` -> `[Q]`: 1.0 where any of the k samples is correct."""
-    return (_as_correct(correct) > 0).any(axis=1).astype(np.float64)
-
-
-def mean_at_k(correct: Any) -> float:
-    """Mean@k of a `[Q, k]` 0/1 array: `mean_q mean_j correct[q, j]`. NaN with no questions."""
-    arr = _as_correct(correct)
-    return float(arr.mean()) if arr.shape[0] else math.nan
-
-
-def best_at_k(correct: Any) -> float:
-    """Best@k of a `[Q, k]` 0/1 array: `mean_q max_j correct[q, j]`. NaN with no questions."""
-    arr = _as_correct(correct)
-    return float(per_question_best(arr).mean()) if arr.shape[0] else math.nan
-
-
-def greedy_em(correct: Any) -> float:
-    """Exact match of one greedy response per question: `[Q]` 0/1 -> mean. NaN when empty."""
-    arr = np.asarray(correct, dtype=np.float64).reshape(-1)
-    return float(arr.mean()) if arr.size else math.nan
-
-
 @dataclass(frozen=True)
 class DatasetScore:
     """One dataset's numbers for one model."""
@@ -162,7 +129,7 @@ class DatasetScore:
 
 
 def score_dataset(dataset: str, correct: Any, greedy: Any | None = None) -> DatasetScore:
-    arr = _as_correct(correct)
+    arr = as_correct(correct)
     if greedy is not None and len(np.asarray(greedy).reshape(-1)) != arr.shape[0]:
         raise ValueError("greedy must have one entry per question")
     return DatasetScore(

@@ -163,11 +163,23 @@ class DistributedConfig(StrictModel):
         " results do not depend on how many processes run it. Must be a multiple of the"
         " number of processes.",
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
+    strategy: Literal["ddp"] = Field(
         "ddp",
-        description="ddp: every process holds the whole model (DistributedDataParallel);"
-        " fsdp: parameters sharded with FSDP2 `fully_shard` (GPU only, not run here).",
+        description="ddp: every process holds the whole model (DistributedDataParallel). Sharded"
+        " training (FSDP, ZeRO) is the TRL integration's (docs/integrations.md).",
     )
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _no_fsdp(cls, value: object) -> object:
+        if value == "fsdp":
+            raise ValueError(
+                "distributed.strategy=fsdp was removed: generation and scoring run outside the"
+                " sharded module, so ranks would gather weights at different times and hang."
+                " Train sharded models with the TRL integration (docs/integrations.md)"
+            )
+        return value
+
     timeout_s: float = Field(
         600.0,
         gt=0,

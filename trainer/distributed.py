@@ -46,10 +46,10 @@ groups (CPU memory) and the fresh groups cross the network once per step; in exc
 selector runs unchanged. With the vLLM backend the sampler keeps its own RNG, so only the
 hf backend's rollouts are independent of N.
 
-FSDP (`distributed.strategy: fsdp`) uses FSDP2's `fully_shard` on each decoder layer and on
-the loss module; generation and no-grad scoring call the model outside that module, so the
-root's parameters are unsharded around them. It is written against torch's API and has not
-been run: it needs GPUs (NCCL), which were not available where hdr was built.
+Every rank holds the whole model (DDP). Sharded training (FSDP, ZeRO) is not offered here:
+generation and no-grad scoring call the model outside the wrapped module, which sharding
+would make every rank gather at different times; train sharded models through the TRL
+integration (docs/integrations.md), whose engines own placement and weight sync.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from hdr.errors import UserError
-from trainer.scoring import forward_logprobs
+from trainer.scoring import behaviour_groups, forward_logprobs
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -181,7 +181,7 @@ def launched_world() -> tuple[int, int, int]:
 def init_distributed(config):
     """Join the job's process group (if launched by torchrun) and localise the config: each
     rank's model on `cuda:LOCAL_RANK` when the config asks for CUDA. Returns (Dist, config).
-    Refuses, in one line, a shard count the world size does not divide and FSDP on CPUs."""
+    Refuses, in one line, a shard count the world size does not divide."""
     rank, world, local_rank = launched_world()
     dcfg = config.distributed
     if world == 1:
@@ -193,8 +193,6 @@ def init_distributed(config):
             " on the number of processes)"
         )
     cuda = config.model.device.startswith("cuda")
-    if dcfg.strategy == "fsdp" and not cuda:
-        raise UserError("distributed.strategy=fsdp needs GPUs (model.device: cuda); use ddp")
     if cuda:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
@@ -278,24 +276,28 @@ def rollout_sharded(run, examples: list, step: int, round_: int = 0):
     )
 
 
-def split_behaviour(run, groups: list[list], step: int, behaviour_groups) -> tuple[list, float]:
-    """The loop's `behaviour_groups` over this rank's round-robin share of the fresh groups;
-    every rank gets all of them as StoredGroups in step order (ids by step index), the
-    token-weighted mean entropy, and the ledger's behaviour tokens of all ranks."""
-    if run.dist.world == 1:
-        return behaviour_groups(run, groups, step)
+def split_behaviour(run, groups: list[list], step: int) -> tuple[list, float]:
+    """The fresh groups' behaviour log-probs and advantages (`scoring.behaviour_groups`),
+    each rank scoring its round-robin share; every rank gets all of them as StoredGroups in
+    step order (ids by step index), the token-weighted mean entropy, and the ledger's
+    behaviour tokens of all ranks."""
+    cfg = run.config
     mine = run.dist.share(len(groups))
-    before = run.cost.behaviour_tf_tokens
-    local, entropy = behaviour_groups(run, [groups[i] for i in mine], step, mine)
-    tokens = sum(g.num_tokens for g in local)
-    totals = run.dist.sum(
-        {
-            "entropy": entropy * tokens,
-            "tokens": tokens,
-            "forwarded": run.cost.behaviour_tf_tokens - before,
-        }
+    local, entropy, forwarded = behaviour_groups(
+        run.model,
+        [groups[i] for i in mine],
+        step,
+        mine,
+        cfg.grpo.score_chunk,
+        cfg.rollout.temperature,
+        run.autocast,
     )
-    run.cost.behaviour_tf_tokens = before + int(totals["forwarded"])
+    if run.dist.world == 1:
+        run.cost.behaviour_tf_tokens += forwarded
+        return local, entropy
+    tokens = sum(g.num_tokens for g in local)
+    totals = run.dist.sum({"entropy": entropy * tokens, "tokens": tokens, "forwarded": forwarded})
+    run.cost.behaviour_tf_tokens += int(totals["forwarded"])
     pairs = [p for part in run.dist.all_gather(list(zip(mine, local, strict=True))) for p in part]
     fresh = [g for _, g in sorted(pairs, key=lambda p: p[0])]
     return fresh, totals["entropy"] / max(totals["tokens"], 1.0)
@@ -306,7 +308,7 @@ def split_behaviour(run, groups: list[list], step: int, behaviour_groups) -> tup
 
 class TokenLogprobs(nn.Module):
     """The loss forward as a module (`trainer.scoring.forward_logprobs` of the policy), so
-    DDP and FSDP wrap exactly what the update calls: the policy's own `forward` is not used,
+    DDP wraps exactly what the update calls: the policy's own `forward` is not used,
     the output layer runs only at policy tokens."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -325,128 +327,39 @@ def _sum_hook(process_group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def wrap_policy(model: nn.Module, dist: Dist, strategy: str) -> nn.Module:
-    """The module the update runs: plain in one process, DDP or FSDP2 across several."""
+def wrap_policy(model: nn.Module, dist: Dist) -> nn.Module:
+    """The module the update runs: plain in one process, DDP across several."""
     policy = TokenLogprobs(model)
     if dist.world == 1:
         return policy
-    if strategy == "fsdp":
-        return _fully_shard(policy, dist)
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [dist.local_rank] if next(model.parameters()).is_cuda else None
     # no buffer broadcast: ranks run different numbers of forwards per step (uneven rows),
-    # and the policy's buffers (rotary tables) are constants
-    ddp = DistributedDataParallel(policy, device_ids=device_ids, broadcast_buffers=False)
+    # and the policy's buffers (rotary tables) are constants; gradients as views into the
+    # buckets: no second copy of every gradient (a 3B model's is 12 GB in fp32)
+    ddp = DistributedDataParallel(
+        policy, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True
+    )
     ddp.register_comm_hook(None, _sum_hook)
     return ddp
-
-
-def _fully_shard(policy: TokenLogprobs, dist: Dist) -> nn.Module:
-    """FSDP2: each decoder layer its own unit, the rest (embeddings, norm, output layer) in
-    the root. Gradients are reduce-scattered as a sum (each rank's loss is its share of the
-    global token mean). Untested here: needs GPUs."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    mesh = init_device_mesh("cuda", (dist.world,))
-    for layer in getattr(policy.model.base_model, "layers", []):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(policy, mesh=mesh)
-    for module in policy.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-    return policy
-
-
-def is_fsdp(policy: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(policy, FSDPModule)
-
-
-@contextmanager
-def gathered_weights(run) -> Iterator[None]:
-    """Generation and no-grad scoring call the model outside the wrapped module; under FSDP
-    the root's parameters are unsharded around them. Nothing to do otherwise."""
-    if not is_fsdp(run.policy):
-        yield
-        return
-    run.policy.unshard()
-    try:
-        yield
-    finally:
-        run.policy.reshard()
 
 
 def accumulate(policy: nn.Module, sync: bool):
     """Context for one micro-batch: gradients are reduced across ranks only when `sync`
     (the last micro-batch of a pass), accumulated locally before."""
-    if sync:
+    if sync or not hasattr(policy, "no_sync"):  # one process: nothing to hold back
         return nullcontext()
-    if hasattr(policy, "no_sync"):  # DDP
-        return policy.no_sync()
-    if is_fsdp(policy):
-        return _fsdp_no_sync(policy)
-    return nullcontext()
-
-
-@contextmanager
-def _fsdp_no_sync(policy) -> Iterator[None]:
-    policy.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        policy.set_requires_gradient_sync(True)
+    return policy.no_sync()
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient's L2 norm; returns the norm before clipping (under FSDP the
-    norm of the sharded gradients is reduced across ranks by DTensor)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    """Clip the global gradient's L2 norm (every rank holds the summed gradient); returns the
+    norm before clipping."""
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
 # --- checkpoints -------------------------------------------------------------------------------
-
-
-def full_states(run) -> tuple[dict | None, dict]:
-    """(model state dict or None, optimizer state dict) to save. DDP and a single process
-    hold full replicas: None means "save the module itself". FSDP gathers both (a collective:
-    every rank calls it) onto the CPU."""
-    if not is_fsdp(run.policy):
-        return None, run.optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    wrapped = get_model_state_dict(run.policy, options=options)  # keys "model.<name>"
-    model_state = {k.removeprefix("model."): v for k, v in wrapped.items()}
-    optim_state = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
-    return model_state, optim_state
-
-
-def load_optimizer_state(run, state: dict) -> None:
-    """Load a full optimizer state (as `full_states` saved it) into this rank's optimizer."""
-    if not is_fsdp(run.policy):
-        run.optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
-
-    set_optimizer_state_dict(
-        run.policy,
-        run.optimizer,
-        state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False),
-    )
 
 
 def gather_rng_states(dist: Dist) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:

@@ -8,6 +8,8 @@ What is implemented (docs/design.md, normative):
 - loss `-sum(m * min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)) / sum(m)` with
   `ratio = exp(logprob - old_logprob)`: one token mean over every row of the batch, fresh and
   replayed alike (a replayed row's `old_logprob` is its stored generation-time log-prob);
+- a replayed group's advantages scaled by its sampling selector's importance weight
+  (`weighted_advantages`; 1 for the other selectors);
 - optional KL to a frozen reference with the k3 estimator
   `exp(ref - logprob) - (ref - logprob) - 1`, coefficient `beta` (default 0);
 - optional truncated importance sampling of the sampler/trainer mismatch (off by default):
@@ -78,6 +80,13 @@ def policy_loss(
     if token_weights is not None:
         surrogate = surrogate * token_weights.to(surrogate.dtype).detach()
     return -masked_mean(surrogate, mask)
+
+
+def weighted_advantages(advantages: Tensor, weight: float) -> Tensor:
+    """A replayed group's advantages scaled by its selector's importance weight `w > 0`
+    (`[G]` -> `[G]`). Since `w > 0`, `min(ratio*w*A, clip(ratio)*w*A) = w * min(ratio*A,
+    clip(ratio)*A)`: the group's loss terms are scaled by exactly `w`."""
+    return advantages * weight
 
 
 def truncated_is_weights(

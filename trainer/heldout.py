@@ -4,6 +4,9 @@ A fixed subset of the held-out task, through the same rollout loop as training: 
 per question at the rollout temperature (Mean@k, Best@k) and one greedy decode (greedy EM).
 It runs under a forked torch RNG seeded from the run's seed and the step, so evaluating never
 changes what training samples next, and a resumed run evaluates exactly as the original.
+Across processes every rank evaluates its round-robin share of the questions and the
+correctness of every question is gathered (no rank waits on another's whole evaluation
+inside a collective); the questions are the same, the samples differ from a one-process run.
 The full evaluation over every test set is `hdr eval` (evaluation.evaluate).
 """
 
@@ -13,7 +16,7 @@ from typing import Any
 
 import torch
 
-from evaluation.metrics import best_at_k, mean_at_k
+from agent_env.rewards import best_at_k, mean_at_k
 from hdr.errors import UserError, warn
 
 
@@ -26,39 +29,47 @@ def heldout_eval(run, step: int) -> dict[str, Any] | None:
     def em(t) -> bool:
         return exact_match(t.answer, t.example.golden_answers) >= 1.0
 
-    cfg = run.config
-    examples, k = run.eval_examples, cfg.eval.k
+    cfg, dist = run.config, run.dist
+    examples, k = run.eval_examples[dist.rank :: dist.world], cfg.eval.k
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
         sampled = rollout_groups(run.generator, run.client, run.tokenizer, examples, k, cfg.rollout)
-        if sampled.dropped:
-            where = f"the retrieval server ({', '.join(cfg.retrieval.urls)})"
-            if not sampled.groups:
-                raise UserError(
-                    f"held-out evaluation at step {step}: no question could reach {where};"
-                    " is it running? (hdr serve --index DIR)"
-                )
-            # scores over fewer questions would not compare with the other steps'
-            warn(
-                f"held-out evaluation at step {step} skipped: {len(sampled.dropped)} of"
-                f" {len(examples)} questions could not reach {where}"
-            )
-            return None
-        correct = [[em(t) for t in group] for group in sampled.groups]
-        greedy_em = None
-        if cfg.eval.greedy:
+        greedy_hits = None
+        if cfg.eval.greedy and not sampled.dropped:
             greedy_cfg = cfg.rollout.model_copy(update={"temperature": 0.0})
             greedy = rollout_groups(
                 run.generator, run.client, run.tokenizer, examples, 1, greedy_cfg
             )
-            greedy_em = float(sum(em(g[0]) for g in greedy.groups) / max(len(greedy.groups), 1))
+            greedy_hits = [em(g[0]) for g in greedy.groups]
+    shares = dist.all_gather(
+        ([[em(t) for t in group] for group in sampled.groups], greedy_hits, len(sampled.dropped))
+    )
+    correct = [row for part, _, _ in shares for row in part]
+    dropped = sum(n for _, _, n in shares)
+    if dropped:
+        where = f"the retrieval server ({', '.join(cfg.retrieval.urls)})"
+        if not correct:
+            raise UserError(
+                f"held-out evaluation at step {step}: no question could reach {where};"
+                " is it running? (hdr serve --index DIR)"
+            )
+        # scores over fewer questions would not compare with the other steps'
+        warn(
+            f"held-out evaluation at step {step} skipped: {dropped} of"
+            f" {len(run.eval_examples)} questions could not reach {where}"
+        )
+        return None
+    greedy_em = None
+    if cfg.eval.greedy:
+        hits = [hit for _, part, _ in shares for hit in part]
+        greedy_em = float(sum(hits) / max(len(hits), 1))
     return {
         "step": step,
-        "env_calls_total": run.counters["env_calls_total"],
-        "wall_time_total": run.counters["wall_time_total"],
+        "env_calls_total": run.counters.env_calls_total,
+        "wall_time_total": run.counters.wall_time_total,
         "mean_at_k": mean_at_k(correct),
         "best_at_k": best_at_k(correct),
         "greedy_em": greedy_em,
         "k": k,
-        "num_questions": len(sampled.groups),
+        "num_questions": len(correct),
     }

@@ -1,9 +1,10 @@
 """Teacher-forced scoring: per-token log-probs (and entropy) of fixed token sequences.
 
 One function serves three uses: the behaviour log-probs of a step's fresh groups (stored as
-`gen_logprobs`), the re-scoring of replay candidates (no grad), and the update's forward pass
-(with grad). Rows are left padded; position ids are `cumsum(attention_mask) - 1` so that a
-padded row sees the same positions as an unpadded one, in generation and here alike.
+`gen_logprobs` by `behaviour_groups`, with the group advantages), the re-scoring of replay
+candidates (no grad), and the update's forward pass (with grad). Rows are left padded;
+position ids are `cumsum(attention_mask) - 1` so that a padded row sees the same positions as
+an unpadded one, in generation and here alike.
 
 Three economies:
 - exact duplicate rows (a group's responses often share query and answer) are scored once;
@@ -20,6 +21,7 @@ Models with extra logit transforms (soft-capping, logit scales) are not covered.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 
-from trainer.grpo import token_entropy
+from trainer.grpo import group_advantages, masked_mean, token_entropy
+from trainer.replay import StoredGroup, make_group
 
 # Positions per output-layer slice: bounds the `[positions, vocabulary]` logits a forward
 # holds (Qwen2.5's 151,936 entries x 4,096 positions are 2.5 GB per row in fp32).
@@ -249,3 +252,50 @@ def distinct_tokens(groups: Sequence) -> int:
         concat_left_padded([g.attention_mask for g in groups]),
         concat_left_padded([g.loss_mask for g in groups]),
     )
+
+
+def trajectory_rows(groups: Sequence[Sequence]) -> tuple[Tensor, Tensor, Tensor]:
+    """Left-padded `input_ids`, `attention_mask`, `loss_mask` `[b*G, T]` of the trajectories'
+    prompt + response, group after group."""
+    trajs = [t for group in groups for t in group]
+    ids = left_pad([t.prompt_ids + t.response_ids for t in trajs])
+    attn = left_pad([[1] * (len(t.prompt_ids) + len(t.response_ids)) for t in trajs])
+    mask = left_pad([[0] * len(t.prompt_ids) + list(t.loss_mask) for t in trajs])
+    return ids, attn, mask
+
+
+def behaviour_groups(
+    model,
+    groups: Sequence[Sequence],
+    step: int,
+    indices: Sequence[int],
+    chunk_size: int,
+    temperature: float,
+    compute=contextlib.nullcontext,
+) -> tuple[list[StoredGroup], float, int]:
+    """A step's fresh groups (each one prompt's trajectories) as StoredGroups: behaviour
+    log-probs teacher-forced under the current weights (`gen_logprobs`, no grad, under the
+    `compute` context, e.g. autocast), rewards and group advantages; each trimmed to its own
+    longest row and named `s{step}/{index}/{example id}` by its index in the step. Also the
+    mean token entropy over policy tokens and the tokens forwarded (the cost ledger's)."""
+    if not groups:
+        return [], 0.0, 0
+    ids, attn, mask = trajectory_rows(groups)
+    forwarded = forwarded_tokens(ids, attn, mask)
+    with torch.no_grad(), compute():
+        lp, ent = token_logprobs(model, ids, attn, mask, chunk_size, temperature, with_entropy=True)
+    gen, ent = align(lp) * mask, align(ent)  # (b*G, T)
+    rewards = torch.tensor([[t.reward for t in group] for group in groups])  # (b, G)
+    advantages = group_advantages(rewards)
+    fresh, G = [], len(groups[0])
+    for k, group in enumerate(groups):
+        rows = slice(k * G, (k + 1) * G)
+        width = int(attn[rows].sum(dim=1).max())  # trim the group to its own longest row
+        own = (rows, slice(ids.shape[1] - width, None))
+        gid = f"s{step}/{indices[k]}/{group[0].example.id}"
+        fresh.append(
+            make_group(
+                gid, ids[own], attn[own], mask[own], gen[own], rewards[k], advantages[k], step
+            )
+        )
+    return fresh, float(masked_mean(ent, mask)), forwarded

@@ -130,7 +130,7 @@ def run_sft(config, force: bool = False) -> Path:
 
     from agent_env.data import load_task
     from agent_env.retrieval_client import connect
-    from trainer.loop import heldout_subset, seed_everything
+    from trainer.run import heldout_subset, seed_everything
 
     sft, out = config.sft, Path(config.model.path)
     check_output(out, MODEL, force=force, inputs=[sft.init_model], option="model.path")
@@ -198,6 +198,6 @@ def run_sft(config, force: bool = False) -> Path:
                 f" {record['greedy_em']:.3f} on {len(heldout)} held-out questions,"
                 f" {record['wall_time']:.0f}s"
             )
-    from trainer.loop import model_files
+    from trainer.run import model_files
 
     return save_model(model, tokenizer, out, model_files(config))

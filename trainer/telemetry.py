@@ -78,6 +78,76 @@ class StepCost:
 
 
 COST_KEYS = tuple(f"cost_{f.name}" for f in fields(StepCost))
+
+
+@dataclass
+class StepRecord:
+    """What one training step logs: one line of metrics.jsonl (`as_dict`), field for key."""
+
+    step: int
+    # the fresh rollout
+    reward_mean: float
+    em_mean: float
+    entropy: float  # mean token entropy of the fresh policy tokens (teacher-forced)
+    logprob_gap_mean: float | None  # |sampler - trainer| log-prob over fresh policy tokens
+    logprob_gap_max: float | None
+    # the update
+    loss: float
+    grad_norm: float
+    kl: float
+    lr: float
+    # replay
+    fresh_tokens: int
+    replay_tokens: int
+    replayed_groups: int
+    scanned_groups: int
+    acceptance_rate: float | None  # admitted / scanned; None for arms that do not scan
+    drift_scanned_q: list[float]  # 10/50/90% quantiles
+    drift_admitted_q: list[float]
+    headroom_scanned_q: list[float]
+    headroom_admitted_q: list[float]
+    replay_ages: list[int]  # steps since entry, per replayed group
+    replay_counts: list[int]  # times replayed so far, this step included
+    headroom_stored: list[float]  # admitted groups' headroom before the refresh
+    headroom_refreshed: list[float]
+    buffer_size: int  # after ingress
+    # the environment
+    env_calls: int
+    env_calls_total: int
+    search_calls: int
+    search_calls_total: int
+    dropped_groups: int
+    retrieval_outage_s: float
+    retrieval_outages: int
+    retrieval_truncated_queries: int
+    retrieval_failed_queries: int
+    # wall seconds
+    time_generation: float
+    time_retrieval: float
+    time_scoring: float
+    time_selection: float
+    time_update: float
+    time_collectives: float
+    time_step: float
+    wall_time_total: float
+    world_size: int
+    fresh_group_ids: list[str]
+    replayed_group_ids: list[str]
+    cost: StepCost
+    # truncated importance sampling of the fresh tokens (with `grpo.tis_cap` only)
+    is_weight_mean: float | None = None
+    is_capped_frac: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The metrics.jsonl line: every field, the ledger as `cost_*` keys, and the TIS
+        fields only when TIS is on."""
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cost"}
+        for name in ("is_weight_mean", "is_capped_frac"):
+            if record[name] is None:
+                del record[name]
+        return {**record, **self.cost.record()}
+
+
 COUNT_KEYS = tuple(k for k in COST_KEYS if not k.endswith("_s"))
 
 

@@ -9,19 +9,21 @@ import os
 import numpy as np
 import pytest
 
+from agent_env.rewards import (
+    best_at_k,
+    greedy_em,
+    mean_at_k,
+    per_question_best,
+    per_question_mean,
+)
 from evaluation.metrics import (
     DatasetScore,
     average_scores,
-    best_at_k,
     canonical_dataset,
     dataset_order,
-    greedy_em,
     markdown_table,
-    mean_at_k,
     mean_spread,
     paired_difference,
-    per_question_best,
-    per_question_mean,
     recognize_dataset,
     score_dataset,
 )

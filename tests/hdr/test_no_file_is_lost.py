@@ -217,7 +217,7 @@ def test_a_finished_run_is_started_over_only_with_force(work: Path, tmp_path: Pa
     from hdr.config import load_config
     from hdr.errors import UserError
     from trainer.config import TrainConfig
-    from trainer.loop import check_run_dir, clear_run
+    from trainer.run import check_run_dir, clear_run
 
     run = tmp_path / "run"
     shutil.copytree(work / "run", run)

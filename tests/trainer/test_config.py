@@ -7,7 +7,8 @@ import pytest
 from hdr.config import load_config
 from hdr.errors import UserError
 from trainer.config import TrainConfig
-from trainer.loop import lr_lambda, sample_prompts
+from trainer.loop import sample_prompts
+from trainer.run import lr_lambda
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

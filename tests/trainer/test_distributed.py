@@ -21,8 +21,9 @@ from hdr.errors import UserError
 from trainer import distributed
 from trainer.checkpoint import Checkpoint, TrainState, capture_rng, save_checkpoint
 from trainer.config import TrainConfig
-from trainer.loop import Run, build_optimizer, update_policy
+from trainer.loop import assemble_batch, update_policy
 from trainer.replay import SELECTORS, ReplayBuffer, make_group
+from trainer.run import Run, build_optimizer
 from trainer.scoring import score_groups
 
 STEPS = 3
@@ -89,7 +90,7 @@ def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> di
     model.model.register_forward_pre_hook(
         lambda module, args, kwargs: forwarded.append(len(kwargs["input_ids"])), with_kwargs=True
     )
-    policy = distributed.wrap_policy(model, dist, "ddp")
+    policy = distributed.wrap_policy(model, dist)
     optimizer, scheduler = build_optimizer(model, config)
     run = Run(
         config=config,
@@ -115,7 +116,8 @@ def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> di
         )
         dist.agree([g.group_id for g in selection.groups], "selection")
         forwarded.clear()
-        update = update_policy(run, fresh, selection.groups, scanned=run.scan_graphs(selection))
+        batch = assemble_batch(fresh, selection.groups)
+        update = update_policy(run, batch, scanned=run.scan_graphs(selection))
         update_rows.append(sum(forwarded))
         for g in selection.groups:
             g.replay_count += 1
@@ -225,19 +227,15 @@ def test_shard_count_the_world_does_not_divide_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(UserError, match="rollout_shards=1 cannot be split over 2"):
         distributed.init_distributed(small_config())
-    config = small_config().model_copy(
-        update={
-            "distributed": small_config().distributed.model_copy(
-                update={"rollout_shards": 2, "strategy": "fsdp"}
-            )
-        }
-    )
-    with pytest.raises(UserError, match="fsdp needs GPUs"):
-        distributed.init_distributed(config)
+
+
+def test_fsdp_is_refused_with_a_pointer_to_the_supported_path():
+    with pytest.raises(ValueError, match=r"fsdp was removed.*TRL integration"):
+        TrainConfig.model_validate({"model": {"path": "x"}, "distributed": {"strategy": "fsdp"}})
 
 
 def test_more_shards_than_prompts_is_refused():
-    with pytest.raises(ValueError, match="rollout_shards must not exceed"):
+    with pytest.raises(ValueError, match=r"rollout_shards=4 exceeds grpo\.batch_prompts=2"):
         TrainConfig.model_validate(
             {
                 "model": {"path": "x"},

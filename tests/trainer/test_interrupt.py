@@ -72,7 +72,8 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resume_continues(
     assert again.returncode == 2
     assert again.stderr.strip().splitlines() == [
         f"hdr: error: run directory {out} already holds a run (checkpoint at step {ckpt.step});"
-        f" continue it with `hdr train --resume {out}` or choose another out_dir"
+        f" continue it with `hdr train --resume {out}`, start it over with --force, or"
+        " choose another out_dir"
     ]
 
     resume = [*HDR, "train", "--resume", str(out), f"steps={ckpt.step + 1}", "log.progress=false"]

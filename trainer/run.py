@@ -1,0 +1,438 @@
+"""A training run's state and what happens around its steps: setup, the run directory,
+checkpoints and stop signals. The steps themselves are `trainer/loop.py`.
+
+`setup_run(config)` checks before it writes: the model path (one line, no hub asked, when a
+local path is missing), the run directory (`check_run_dir`), the training data and the
+retrieval server; then it loads the model and builds the optimizer, buffer, generator and
+logs into a `Run`. A resumed run restores all of it from a checkpoint
+(`trainer/checkpoint.py`), so its steps continue bit for bit on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from hdr.config import dump_config, load_config
+from hdr.errors import RunInterrupted, UserError
+from hdr.paths import RUN, check_output, local_model
+from hdr.progress import say
+from trainer import distributed
+from trainer.checkpoint import (
+    Checkpoint,
+    TrainState,
+    list_checkpoints,
+    open_checkpoint,
+    save_checkpoint,
+    save_model,
+)
+from trainer.config import TrainConfig
+from trainer.replay import ReplayBuffer, Selection, StoredGroup
+from trainer.scoring import distinct_tokens, score_groups
+from trainer.telemetry import RunLogs, StepCost
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from agent_env.data import QAExample
+    from agent_env.generation.base import Generator
+    from agent_env.retrieval_client import RetrievalClient
+
+
+@dataclass
+class RunCounters:
+    """Totals over the run so far (saved in every checkpoint)."""
+
+    env_calls_total: int = 0
+    search_calls_total: int = 0
+    wall_time_total: float = 0.0
+
+
+@dataclass
+class Run:
+    """Everything a step touches. Built by `setup_run`, mutated by `train_step`."""
+
+    config: TrainConfig
+    run_dir: Path
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    buffer: ReplayBuffer
+    generator: Generator
+    client: RetrievalClient
+    train_examples: list[QAExample]
+    eval_examples: list[QAExample]
+    logs: RunLogs | distributed.SilentLogs
+    ref_model: PreTrainedModel | None = None
+    cost: StepCost = field(default_factory=StepCost)  # the current step's ledger
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # the current step's phases
+    dist: distributed.Dist = field(default_factory=distributed.Dist)
+    policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
+    counters: RunCounters = field(default_factory=RunCounters)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """One phase of a step (rollout, scoring, selection, update): its process CPU seconds
+        go to the step's cost ledger (`cost_cpu_<name>_s`), its wall seconds to
+        `phase_seconds[name]`."""
+        started = time.perf_counter()
+        with self.cost.cpu(name):
+            yield
+        self.phase_seconds[name] = time.perf_counter() - started
+
+    def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
+        """The replay `ScoreFn`: current-policy log-probs of stored groups; across processes
+        each rank scores its round-robin share and every rank gets all of them. With
+        `replay.reuse_scan_forward` (one process) the log-probs keep their graphs."""
+        self.cost.scan_tf_tokens += distinct_tokens(groups)
+        with self.autocast():
+            return self.dist.split_map(
+                groups,
+                lambda part: score_groups(
+                    self.model,
+                    part,
+                    self.config.grpo.score_chunk,
+                    self.config.rollout.temperature,
+                    with_grad=self.reuses_scan_forward,
+                ),
+            )
+
+    @property
+    def reuses_scan_forward(self) -> bool:
+        return self.config.replay.reuse_scan_forward and self.dist.world == 1
+
+    def scan_graphs(self, selection: Selection) -> list[torch.Tensor] | None:
+        """The admitted groups' scan log-probs with their graphs, for the update to
+        backpropagate through, when this run reuses the scan's forward and the selector
+        scored every group it admitted (the sampling and recency selectors score none)."""
+        admitted = selection.groups
+        if self.reuses_scan_forward and admitted and len(selection.scored) == len(admitted):
+            return selection.scored
+        return None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 compute on the float32 master weights when `model.compute_dtype` asks."""
+        if self.config.model.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=getattr(torch, self.config.model.compute_dtype))
+
+
+# --- setup -----------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(config: TrainConfig):
+    """Linear warmup over `warmup_steps`, then constant or cosine to 0 at the last step."""
+    warmup, total, cosine = config.grpo.warmup_steps, config.steps, config.grpo.schedule == "cosine"
+
+    def factor(done: int) -> float:  # `done` optimizer steps taken so far
+        if done < warmup:
+            return (done + 1) / (warmup + 1)
+        if not cosine:
+            return 1.0
+        progress = (done - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + np.cos(np.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def heldout_subset(examples: list, seed: int, size: int) -> list:
+    """A fixed held-out subset: the first `size` of a seeded shuffle."""
+    perm = np.random.default_rng([seed, 10_007]).permutation(len(examples))
+    return [examples[int(i)] for i in perm[:size]]
+
+
+def load_policy(model_dir: str | Path, config: TrainConfig, frozen: bool = False):
+    """Model and tokenizer from a directory. Trained weights load in `model.dtype` (fp32
+    master weights); a `frozen` one (the KL reference) in `model.compute_dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    from agent_env.runner import load_tokenizer
+
+    path = str(model_dir)
+    dtype = getattr(torch, config.model.compute_dtype if frozen else config.model.dtype)
+    try:  # a local directory, or a Hub id (Qwen/Qwen2.5-3B-Instruct) when online or cached
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot load model {path}: {first}") from None
+    model = model.to(config.model.device).eval()
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, load_tokenizer(path)
+
+
+def build_optimizer(model, config: TrainConfig):
+    """AdamW over the master weights (fused on CUDA: one kernel, no per-tensor temporaries)
+    and the warmup schedule."""
+    g = config.grpo
+    fused = next(model.parameters()).is_cuda
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay, fused=fused
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    return optimizer, scheduler
+
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "groups.jsonl")
+RUN_DIRS = ("tb", "checkpoints", "final")
+"""What `hdr train` writes into a run directory (what starting over removes, and only that)."""
+
+
+def clear_run(run_dir: Path) -> None:
+    """Remove a run's own files and folders from `run_dir`; anything else stays."""
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
+def check_run_dir(config: TrainConfig, force: bool = False) -> Path:
+    """`out_dir` may take a new run (writes nothing): it is new, empty or an earlier run, and
+    never the model it trains. An earlier run with checkpoints or a final model is started over
+    only with `force`; one that never reached a checkpoint (stopped by a missing server, a
+    crash) is simply started over. One UserError line otherwise."""
+    run_dir = check_output(
+        config.out_dir, RUN, reuse=True, inputs=[config.model.path], option="out_dir"
+    )
+    found = list_checkpoints(run_dir / "checkpoints")
+    if found and not force:
+        raise UserError(
+            f"run directory {run_dir} already holds a run (checkpoint at step {found[-1][0]});"
+            f" continue it with `hdr train --resume {run_dir}`, start it over with --force, or"
+            " choose another out_dir"
+        )
+    if (run_dir / "final").exists() and not force:
+        raise UserError(
+            f"run directory {run_dir} holds a finished run; start it over with --force or"
+            " choose another out_dir"
+        )
+    return run_dir
+
+
+def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = False) -> Path:
+    """The run directory: the checkpoint's on resume; else `out_dir` as `check_run_dir` allows
+    it, an earlier run's own files removed (and nothing else)."""
+    if ckpt is not None:
+        run_dir = ckpt.run_dir
+        # a step-0 checkpoint (stopped before the first step) evaluates step 0 again
+        RunLogs.truncate_after(run_dir, ckpt.step if ckpt.step > 0 else -1)
+        return run_dir
+    run_dir = check_run_dir(config, force)
+    if RUN.recognise(run_dir):
+        if not list_checkpoints(run_dir / "checkpoints") and not (run_dir / "final").exists():
+            say(f"hdr train: {run_dir} holds a run that never reached a checkpoint; starting over")
+        clear_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def load_examples(config: TrainConfig) -> tuple[list[QAExample], list[QAExample]]:
+    """The training questions and the fixed held-out subset, read (and checked) before any
+    model is loaded: a missing data file fails at once, not minutes in."""
+    from agent_env.data import load_task
+
+    train_examples = load_task(config.data.train, config.data.train_split)
+    if not train_examples:
+        raise UserError(f"training task {config.data.train!r} has no questions")
+    eval_examples = heldout_subset(
+        load_task(config.data.eval, config.data.eval_split), config.seed, config.eval.num_questions
+    )
+    return train_examples, eval_examples
+
+
+def setup_run(
+    config: TrainConfig, resume: str | Path | None = None, force: bool = False
+) -> tuple[Run, int]:
+    """Build the run (fresh or from a checkpoint); returns it and the first step to run.
+    Nothing is written, and no model loaded, before the model path, the output folder, the
+    data and the server are checked."""
+    from agent_env.generation import build_generator
+    from agent_env.retrieval_client import connect
+
+    dist, config = distributed.init_distributed(config)
+    seed_everything(config.seed)
+    ckpt = open_checkpoint(resume) if resume is not None else None
+    if ckpt is None:  # the model, then the run dir: one line, before any hub is asked
+        local_model(
+            config.model.path,
+            f"`hdr sft --config FILE` writes it ({config.sft.epochs}"
+            " epochs of supervised warm start from sft.init_model)",
+        )
+        dist.on_main(lambda: check_run_dir(config, force))
+    train_examples, eval_examples = load_examples(config)
+    client = connect(config.retrieval, seed=config.seed)  # no server: one line, at once
+
+    def make_run_dir() -> Path:
+        run_dir = prepare_run_dir(config, ckpt, force)
+        (run_dir / "config.yaml").write_text(dump_config(config))
+        return run_dir
+
+    run_dir = dist.on_main(make_run_dir)  # rank 0 alone writes the run directory
+    model_dir = ckpt.model_dir if ckpt else config.model.path
+    model, tokenizer = load_policy(model_dir, config)
+    optimizer, scheduler = build_optimizer(model, config)
+    ref_model = None
+    if config.grpo.beta > 0:
+        ref_model, _ = load_policy(config.model.path, config, frozen=True)
+        ref_model.requires_grad_(False)
+    generator = build_generator(
+        config.generation,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        prompt=config.rollout.prompt,
+        model=model if config.generation.backend == "hf" else None,
+    )
+    run = Run(
+        config=config,
+        run_dir=run_dir,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        buffer=ReplayBuffer(config.replay.capacity),
+        generator=generator,
+        client=client,
+        train_examples=train_examples,
+        eval_examples=eval_examples,
+        logs=RunLogs(run_dir, config.log.tensorboard, purge_step=ckpt.step + 1 if ckpt else None)
+        if dist.is_main
+        else distributed.SilentLogs(),
+        ref_model=ref_model,
+        dist=dist,
+        policy=distributed.wrap_policy(model, dist),
+    )
+    start = 1
+    if ckpt is not None:
+        run.optimizer.load_state_dict(ckpt.optimizer_state())
+        scheduler.load_state_dict(ckpt.scheduler_state())
+        run.buffer = ckpt.buffer()
+        run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
+        ckpt.restore_rng(dist.rank, dist.world)
+        start = ckpt.step + 1
+    return run, start
+
+
+def load_train_config(path: str | None, overrides: list[str], resume: str | None) -> TrainConfig:
+    """The config of `hdr train`: the file with overrides, or on resume the checkpoint's
+    config with the overrides applied on top."""
+    if resume is None:
+        if path is None:
+            raise UserError("hdr train needs --config FILE (or --resume DIR)")
+        return load_config(TrainConfig, path, overrides)
+    if path is not None:
+        raise UserError("--resume continues a run with its own config; drop --config")
+    return load_config(TrainConfig, open_checkpoint(resume).path / "config.yaml", overrides)
+
+
+# --- checkpoints and the final model ------------------------------------------------------
+
+
+def save(run: Run, step: int) -> Path | None:
+    """Every process hands rank 0 its RNG state; rank 0 writes the checkpoint."""
+    rng_states = distributed.gather_rng_states(run.dist)
+    if not run.dist.is_main:
+        return None
+    state = TrainState(
+        model=run.model,
+        tokenizer=run.tokenizer,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        buffer=run.buffer,
+        counters=asdict(run.counters),
+        config_yaml=dump_config(run.config),
+        model_files=model_files(run.config),
+        rng_states=rng_states,
+    )
+    run.logs.flush()
+    return save_checkpoint(
+        run.run_dir / "checkpoints", step, state, run.config.checkpoint.keep_last
+    )
+
+
+def model_files(config: TrainConfig) -> dict[str, str]:
+    """Saved beside every model of the run: the prompt and rollout settings it is trained with."""
+    from agent_env.policy_settings import SETTINGS_FILE, settings_yaml
+
+    return {SETTINGS_FILE: settings_yaml(config.rollout, config.retrieval)}
+
+
+def save_final(run: Run) -> Path | None:
+    """`final/`: model and tokenizer, loadable with from_pretrained, and the rollout settings
+    (written atomically, by rank 0)."""
+    if not run.dist.is_main:
+        return None
+    return save_model(run.model, run.tokenizer, run.run_dir / "final", model_files(run.config))
+
+
+# --- stopping ------------------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGINT/SIGTERM as a request to stop at the next step boundary (see `train`). Across
+    processes the request is agreed at every boundary, so all ranks checkpoint the same step
+    and stop together, whichever rank (or ranks) the signal reached. Outside the main thread
+    (no signal handlers there) it does nothing."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # the second one: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        self.signum = signum
+        say("hdr train: stopping after this step with a checkpoint (again to stop at once)")
+
+    def __enter__(self) -> StopSignals:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def check(self, run: Run, step: int, saved: Path | None = None) -> None:
+        """After `step`: when a stop was requested on any process, checkpoint the step and
+        raise (on every process)."""
+        import signal
+
+        signum = self.signum or 0
+        if run.dist.world > 1:  # the largest signal number any rank received (0: none)
+            signum = max(run.dist.all_gather(signum))
+        if not signum:
+            return
+        path = saved or save(run, step)
+        run.logs.close()
+        name = signal.Signals(signum).name
+        raise RunInterrupted(
+            f"stopped by {name} after step {step} of {run.config.steps}; checkpoint {path};"
+            f" continue with: hdr train --resume {run.run_dir}",
+            signum,
+        )

@@ -441,6 +441,7 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         config.dense,
         with_dense=wanted is None or "dense" in wanted,
         with_bm25=wanted is None or "bm25" in wanted,
+        max_topk=config.max_topk,
     )
     names = available_retrievers(index)
     if "default_retriever" not in config.model_fields_set and "dense" not in names and names:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, NonNegativeInt, SecretStr, field_validator
 
 from hdr.config import StrictModel
 from retrieval_server.emulated_cost import EmulatedCostConfig
@@ -58,11 +58,22 @@ class DenseSearchConfig(StrictModel):
         "candidates from the compressed index and rank them by exact inner product on the "
         "memory-mapped flat vectors; 0 serves the compressed scores alone.",
     )
-    device: Literal["cpu", "cuda"] = Field(
-        default="cpu",
-        description="cuda: clone the index to every GPU (needs faiss built with GPU support; "
-        "the clone holds the vectors in GPU memory, float16 for flat).",
+    gpus: list[NonNegativeInt] | None = Field(
+        default=None,
+        min_length=1,
+        description="CUDA device ids (numbered inside CUDA_VISIBLE_DEVICES) that hold the index, "
+        "sharded across them, flat vectors in float16; None: the CPU. Only these GPUs are "
+        "used, so name the ones a trainer on the same node leaves free. Needs the "
+        "faiss-gpu-cu12 wheel; HNSW cannot go to a GPU, and a GPU search returns at most "
+        "2,048 candidates (max_topk x refine_k_factor is fitted to it).",
     )
+
+    @field_validator("gpus")
+    @classmethod
+    def distinct_gpus(cls, gpus: list[int] | None) -> list[int] | None:
+        if gpus is not None and len(set(gpus)) != len(gpus):
+            raise ValueError(f"names a GPU twice: {gpus}")
+        return gpus
 
 
 class ServerConfig(StrictModel):

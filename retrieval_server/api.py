@@ -90,6 +90,7 @@ class EmulatedCostReport(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok", "unhealthy"]
+    reason: str | None = None  # why unhealthy, one line; None when ok
     documents: int
     encoder: str
     index_type: str | None  # None: no dense index (BM25 only)

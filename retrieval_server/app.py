@@ -34,6 +34,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -104,13 +105,28 @@ class ServerMetrics:
         self.rejected = Counter(
             "hdr_retrieval_rejected",
             "Requests answered 503 before any search, by reason "
-            "(queue_full, concurrency, unhealthy).",
+            "(queue_full, concurrency, body_readers, unhealthy).",
             ["reason"],
             registry=self.registry,
         )
         self.expired = Counter(
             "hdr_retrieval_expired",
             "Requests answered 503 because their deadline passed (unsearched queries dropped).",
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "hdr_retrieval_requests_in_flight",
+            "Requests inside the app (bodies received), of max_concurrent_requests.",
+            registry=self.registry,
+        )
+        self.receiving = Gauge(
+            "hdr_retrieval_bodies_receiving",
+            "Requests whose body is arriving, of max_body_readers.",
+            registry=self.registry,
+        )
+        self.slow_bodies = Counter(
+            "hdr_retrieval_slow_bodies",
+            "Requests answered 408 because their body did not arrive within body_read_timeout_s.",
             registry=self.registry,
         )
         self.disconnected = Counter(
@@ -160,7 +176,14 @@ class BatcherCollector:
             value=batcher.waiting_requests,
         )
         yield GaugeMetricFamily(
-            "hdr_retrieval_healthy", "1 while the batch worker serves.", value=batcher.healthy
+            "hdr_retrieval_healthy",
+            "1 while /health answers ok (the worker serves, no search is stalled).",
+            value=batcher.unhealthy_reason() is None,
+        )
+        yield GaugeMetricFamily(
+            "hdr_retrieval_search_running_seconds",
+            "How long the running batch search has taken so far (0: none runs).",
+            value=batcher.search_running_s,
         )
         yield CounterMetricFamily(
             "hdr_retrieval_worker_restarts",
@@ -249,12 +272,18 @@ def install_error_handlers(app: FastAPI) -> None:
 class RequestGuard:
     """Pure ASGI middleware that protects the app before FastAPI reads anything:
 
-    1. at most `max_concurrent_requests` requests inside at once (503 + Retry-After beyond;
-       /health and /metrics are exempt, so monitoring works under load);
+    1. at most `max_concurrent_requests` requests inside the app at once (503 + Retry-After
+       beyond, checked before the body is read and again after; /health and /metrics are
+       exempt, so monitoring works under load);
     2. the bearer token, when configured, from the headers alone (401), on every path but
        /health;
-    3. the body cap: a Content-Length above `max_body_bytes`, or a streamed body that grows past
-       it, is a 413 without reading further. The body is then handed to the app from memory.
+    3. the body: at most `max_body_readers` bodies received at once (503 + Retry-After beyond),
+       each within `body_read_timeout_s` (408 and the connection closed past it) and at most
+       `max_body_bytes` (a Content-Length above it, or a streamed body that grows past it, is a
+       413 without reading further). The body is then handed to the app from memory.
+
+    A request receiving its body holds a body slot, not a search slot, so slow senders can
+    neither take the slots of requests that are ready nor hold them past the body deadline.
     """
 
     def __init__(self, app: ASGIApp, config: ServerConfig, metrics: ServerMetrics) -> None:
@@ -262,7 +291,10 @@ class RequestGuard:
         self.config = config
         self.metrics = metrics
         self.token = config.api_token.get_secret_value().encode() if config.api_token else None
-        self.in_flight = 0
+        self.in_flight = 0  # requests inside the app (bodies received)
+        self.reading = 0  # requests whose body is arriving
+        metrics.in_flight.set_function(lambda: self.in_flight)
+        metrics.receiving.set_function(lambda: self.reading)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -271,19 +303,36 @@ class RequestGuard:
         path = scope["path"]
         limited = path not in UNLIMITED_PATHS
         if limited and self.in_flight >= self.config.max_concurrent_requests:
-            self.metrics.rejected.labels("concurrency").inc()
-            await self.refuse(scope, receive, send, 503, "server busy: too many requests; retry")
+            await self.refuse_busy(scope, receive, send, "concurrency", "too many requests")
             return
         if self.token is not None and path not in OPEN_PATHS and not self.authorized(scope):
             await self.refuse(scope, receive, send, 401, "missing or wrong bearer token")
             return
+        if limited and self.reading >= self.config.max_body_readers:
+            await self.refuse_busy(scope, receive, send, "body_readers", "too many uploads")
+            return
+        self.reading += limited
+        try:
+            body = await asyncio.wait_for(
+                self.read_body(scope, receive), self.config.body_read_timeout_s
+            )
+        except asyncio.TimeoutError:
+            self.metrics.slow_bodies.inc()
+            limit = self.config.body_read_timeout_s
+            detail = f"request body not received within the {limit:g} s body deadline"
+            await self.refuse(scope, receive, send, 408, detail)
+            return
+        finally:
+            self.reading -= limited
+        if body is None:
+            cap = self.config.max_body_bytes
+            await self.refuse(scope, receive, send, 413, f"body larger than {cap} bytes")
+            return
+        if limited and self.in_flight >= self.config.max_concurrent_requests:
+            await self.refuse_busy(scope, receive, send, "concurrency", "too many requests")
+            return
         self.in_flight += limited
         try:
-            body = await self.read_body(scope, receive)
-            if body is None:
-                cap = self.config.max_body_bytes
-                await self.refuse(scope, receive, send, 413, f"body larger than {cap} bytes")
-                return
             await self.app(scope, replay(body, receive), send)
         finally:
             self.in_flight -= limited
@@ -314,6 +363,12 @@ class RequestGuard:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    async def refuse_busy(
+        self, scope: Scope, receive: Receive, send: Send, reason: str, what: str
+    ) -> None:
+        self.metrics.rejected.labels(reason).inc()
+        await self.refuse(scope, receive, send, 503, f"server busy: {what}; retry")
+
     async def refuse(
         self, scope: Scope, receive: Receive, send: Send, status: int, detail: str
     ) -> None:
@@ -322,6 +377,9 @@ class RequestGuard:
             headers["Retry-After"] = str(self.config.retry_after_s)
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
+        if status == 408:
+            # the rest of the body may still be on its way: the connection cannot be reused
+            headers["Connection"] = "close"
         await error_response(status, detail, headers)(scope, receive, send)
 
 
@@ -383,6 +441,7 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         config.dense,
         with_dense=wanted is None or "dense" in wanted,
         with_bm25=wanted is None or "bm25" in wanted,
+        max_topk=config.max_topk,
     )
     names = available_retrievers(index)
     if "default_retriever" not in config.model_fields_set and "dense" not in names and names:
@@ -401,6 +460,7 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         max_queued_queries=config.max_queued_queries,
         batch_wait_ms=config.batch_wait_ms,
         max_restarts=config.worker_max_restarts,
+        stall_after_s=config.search_stall_s,
         on_batch=metrics.observe_batch,
     )
     return ServingState(index=index, retrievers=retrievers, batcher=batcher)
@@ -467,7 +527,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="hdr retrieval server", version="1", lifespan=lifespan)
     install_error_handlers(app)
     metrics.registry.register(BatcherCollector(app))
-    error_responses = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 503)}
+    error_responses = {code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 422, 503)}
 
     app.add_middleware(RequestGuard, config=config, metrics=metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts all
@@ -502,15 +562,16 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/health", responses={503: {"model": HealthResponse}})
     async def health(response: Response) -> HealthResponse:
-        """Liveness plus what is served; 503 once the batch worker gave up. Open even when a
-        token is configured."""
+        """Liveness plus what is served; 503 with a reason once the batch worker gave up or a
+        search has run past `search_stall_s`. Open even when a token is configured."""
         state: ServingState = app.state.serving
         manifest = state.index.manifest
-        healthy = state.batcher.healthy
-        if not healthy:
+        reason = state.batcher.unhealthy_reason()
+        if reason is not None:
             response.status_code = 503
         return HealthResponse(
-            status="ok" if healthy else "unhealthy",
+            status="ok" if reason is None else "unhealthy",
+            reason=reason,
             documents=manifest.documents,
             encoder=manifest.encoder.name,
             index_type=manifest.index_factory,

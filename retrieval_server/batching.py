@@ -20,6 +20,10 @@ escaping the per-batch handling, a BaseException included), the batch in flight 
 restarts, and after more than `max_restarts` crashes within a minute the batcher gives up:
 `healthy` turns False and every request is refused, so `/health` says 503 and an orchestrator
 restarts the server.
+
+A search that never returns (a hung retriever thread) cannot be killed from Python; the batcher
+records when the running search started, and `unhealthy_reason` reports it once it has run
+longer than `stall_after_s`, so `/health` turns 503 and a supervisor restarts the server.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ class MicroBatcher:
         max_queued_queries: int,
         batch_wait_ms: float = 0.0,
         max_restarts: int = 5,
+        stall_after_s: float = 120.0,
         on_batch: Callable[[str, int], None] = lambda retriever, queries: None,
     ) -> None:
         self.retrievers = retrievers
@@ -112,6 +117,7 @@ class MicroBatcher:
         self.max_queued_queries = max_queued_queries
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_restarts = max_restarts
+        self.stall_after_s = stall_after_s
         self.on_batch = on_batch  # called with (retriever name, number of queries) per search
         self.counts = BatcherCounts()
         self.queued_queries = 0  # waiting or being searched, all requests together
@@ -121,6 +127,7 @@ class MicroBatcher:
         self._in_flight: set[Slice] = set()
         self._crashes: deque[float] = deque()
         self._worker: asyncio.Task[None] | None = None
+        self._search_started: float | None = None  # monotonic start of the running search
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -137,6 +144,26 @@ class MicroBatcher:
     def healthy(self) -> bool:
         """The worker runs and has not given up."""
         return self._worker is not None and not self._worker.done() and not self.gave_up
+
+    @property
+    def search_running_s(self) -> float:
+        """Seconds the running search has taken so far; 0 when none runs."""
+        started = self._search_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def unhealthy_reason(self) -> str | None:
+        """Why the batcher cannot serve (one line), or None while it can."""
+        if self.gave_up:
+            return f"batch worker gave up after {len(self._crashes)} crashes within a minute"
+        if not self.healthy:
+            return "batch worker is not running"
+        running = self.search_running_s
+        if running > self.stall_after_s:
+            return (
+                f"a search has not returned for {running:.0f} s "
+                f"(search_stall_s {self.stall_after_s:g}); the search thread looks hung"
+            )
+        return None
 
     @property
     def waiting_requests(self) -> int:
@@ -271,7 +298,11 @@ class MicroBatcher:
         queries = [query for piece in pieces for query in piece.queries]
         topk = max(piece.pending.topk for piece in pieces)
         self.on_batch(name, len(queries))
-        hits = await asyncio.to_thread(self.retrievers[name].search, queries, topk)
+        self._search_started = time.monotonic()
+        try:
+            hits = await asyncio.to_thread(self.retrievers[name].search, queries, topk)
+        finally:
+            self._search_started = None
         if len(hits) != len(queries):
             raise RuntimeError(f"retriever {name} gave {len(hits)} results for {len(queries)}")
         return hits

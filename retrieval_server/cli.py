@@ -7,7 +7,6 @@ that `hdr --help` answers at once. User mistakes raise `UserError` (one line, ex
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -304,30 +303,27 @@ def serve_command(
 
     The port is taken before the index loads, so a busy port fails at once; a problem found
     while loading (an index that does not match its manifest) is one line and exit code 2."""
-    from hdr.config import load_config
     from hdr.errors import UserError, warn
-    from retrieval_server.config import API_TOKEN_ENV, ServerConfig
+    from retrieval_server.config import API_TOKEN_ENV
     from retrieval_server.index import validate_index
     from retrieval_server.retrievers import RETRIEVERS
+    from retrieval_server.serving import bind_port, run_server
 
-    if retriever is None and retrievers:
-        retriever = retrievers.split(",")[0].strip()
-    settings = [f"index_dir={index}"]
-    if retriever is not None:
-        settings.append(f"default_retriever={retriever}")
-    if corpus is not None:
-        settings.append(f"corpus={corpus}")
+    served_names = None
+    if retrievers is not None:
+        served_names = [name.strip() for name in retrievers.split(",") if name.strip()]
+    if retriever is None and served_names:
+        retriever = served_names[0]
     options = {
-        "retrievers": f"[{retrievers}]" if retrievers is not None else None,
-        "encoder.backend": backend,
-        "encoder.device": device,
-        "query_prefix": json.dumps(query_prefix) if query_prefix is not None else None,
-        "dense.nprobe": nprobe,
-        "dense.ef_search": ef_search,
-        "dense.mmap": mmap,
+        "index_dir": index,
+        "default_retriever": retriever,
+        "corpus": corpus,
+        "retrievers": served_names,
+        "query_prefix": query_prefix,
+        "encoder": {"backend": backend, "device": device},
+        "dense": {"nprobe": nprobe, "ef_search": ef_search, "mmap": mmap},
     }
-    settings += [f"{key}={value}" for key, value in options.items() if value is not None]
-    server_config = load_config(ServerConfig, config, [*settings, *all_overrides(overrides, set_)])
+    server_config = server_config_from(config, options, all_overrides(overrides, set_))
     RETRIEVERS.get(server_config.default_retriever)  # unknown name: one line listing valid ones
     for name in server_config.retrievers or []:
         RETRIEVERS.get(name)
@@ -353,84 +349,27 @@ def serve_command(
         sock.close()
 
 
-def bind_port(host: str, port: int):
-    """A socket bound to (host, port), handed to uvicorn later; a busy port is a UserError
-    now, before seconds (or, at wiki-18 scale, minutes) of index loading."""
-    import socket
+def server_config_from(config_file: Path | None, options: dict[str, Any], overrides: list[str]):
+    """The `ServerConfig` of `hdr serve`: the YAML file's fields, then the options given on the
+    command line (typed values, nested by section; None: not given), then KEY=VALUE overrides."""
+    from hdr.config import build_config, read_config_file
+    from retrieval_server.config import ServerConfig
 
-    from hdr.errors import UserError
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when
-    # the listener says TCP; without it a keep-alive response's body waits for the ACK of
-    # its headers (Nagle + delayed ACK: 40 ms on every request after a connection's first)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)  # held from now on: a second server's bind fails (SO_REUSEADDR)
-    except OSError as err:
-        sock.close()
-        reason = err.strerror or str(err)
-        raise UserError(
-            f"cannot listen on {host}:{port}: {reason} (is another server there? choose --port)"
-        ) from None
-    return sock
+    data = read_config_file(config_file) if config_file is not None else {}
+    set_given(data, options)
+    return build_config(ServerConfig, data, overrides)
 
 
-def run_server(server_config, sock, url: str, access_log: bool) -> None:
-    """uvicorn on the bound socket. A UserError raised while the app starts (loading the
-    index) stops the server quietly and is re-raised here, so `hdr` reports it in one line
-    instead of uvicorn's traceback and exit code 3."""
-    import logging
-    from contextlib import asynccontextmanager
-
-    import uvicorn
-
-    from hdr.errors import UserError
-    from retrieval_server.app import create_app
-
-    app = create_app(server_config)
-    startup_errors: list[UserError] = []
-    inner = app.router.lifespan_context
-    uvicorn_log = logging.getLogger("uvicorn.error")
-
-    @asynccontextmanager
-    async def lifespan(app_):
-        context = inner(app_)
-        try:
-            await context.__aenter__()
-        except UserError as err:
-            startup_errors.append(err)
-            server.should_exit = True
-            yield
-            return
-        uvicorn_log.setLevel(logging.INFO)  # from here on: uvicorn's own lines, requests
-        uvicorn_log.info(
-            "hdr serve: %s ready, %d passages (Ctrl-C stops)",
-            url,
-            len(app_.state.serving.index.documents),
-        )
-        try:
-            yield
-        finally:
-            await context.__aexit__(None, None, None)
-
-    app.router.lifespan_context = lifespan
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level="info",
-            access_log=access_log,
-            lifespan="on",
-            timeout_keep_alive=server_config.keep_alive_s,
-        )
-    )
-    # until the index has loaded, say nothing: a failure is then hdr's one line alone
-    uvicorn_log.setLevel(logging.WARNING)
-    server.run(sockets=[sock])
-    if startup_errors:
-        raise startup_errors[0]
+def set_given(data: dict[str, Any], values: dict[str, Any]) -> None:
+    """Put each value that is not None into `data`, section by section (an option left unset
+    leaves the config file's value, or the default, alone)."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            section = data.setdefault(key, {})
+            if isinstance(section, dict):  # otherwise validation names the file's bad value
+                set_given(section, value)
+        elif value is not None:
+            data[key] = value
 
 
 def register(app: typer.Typer) -> None:

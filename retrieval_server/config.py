@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, NonNegativeInt, SecretStr, field_validator
 
 from hdr.config import StrictModel
 from retrieval_server.emulated_cost import EmulatedCostConfig
@@ -58,11 +58,22 @@ class DenseSearchConfig(StrictModel):
         "candidates from the compressed index and rank them by exact inner product on the "
         "memory-mapped flat vectors; 0 serves the compressed scores alone.",
     )
-    device: Literal["cpu", "cuda"] = Field(
-        default="cpu",
-        description="cuda: clone the index to every GPU (needs faiss built with GPU support; "
-        "the clone holds the vectors in GPU memory, float16 for flat).",
+    gpus: list[NonNegativeInt] | None = Field(
+        default=None,
+        min_length=1,
+        description="CUDA device ids (numbered inside CUDA_VISIBLE_DEVICES) that hold the index, "
+        "sharded across them, flat vectors in float16; None: the CPU. Only these GPUs are "
+        "used, so name the ones a trainer on the same node leaves free. Needs the "
+        "faiss-gpu-cu12 wheel; HNSW cannot go to a GPU, and a GPU search returns at most "
+        "2,048 candidates (max_topk x refine_k_factor is fitted to it).",
     )
+
+    @field_validator("gpus")
+    @classmethod
+    def distinct_gpus(cls, gpus: list[int] | None) -> list[int] | None:
+        if gpus is not None and len(set(gpus)) != len(gpus):
+            raise ValueError(f"names a GPU twice: {gpus}")
+        return gpus
 
 
 class ServerConfig(StrictModel):
@@ -104,8 +115,24 @@ class ServerConfig(StrictModel):
     max_concurrent_requests: int = Field(
         default=512,
         ge=1,
-        description="HTTP requests handled at once; more are answered 503 + Retry-After "
-        "before their body is read.",
+        description="Requests searched or answered at once (their bodies received); more are "
+        "answered 503 + Retry-After. A request whose body is still arriving holds a body "
+        "slot (`max_body_readers`) instead, never one of these.",
+    )
+    max_body_readers: int = Field(
+        default=32,
+        ge=1,
+        description="Request bodies received at once; more are answered 503 + Retry-After "
+        "before their body is read. Bounds the memory of bodies in transit to this many x "
+        "`max_body_bytes`; a well-behaved client's body arrives in milliseconds, so the slots "
+        "fill only with slow senders, which `body_read_timeout_s` then cuts off.",
+    )
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a request may take to send its whole body (however steadily it "
+        "trickles); past them it is answered 408, the connection closed and its body slot "
+        "freed.",
     )
     batch_wait_ms: float = Field(
         default=0.0,
@@ -134,6 +161,13 @@ class ServerConfig(StrictModel):
     )
     retry_after_s: int = Field(
         default=1, ge=1, description="Retry-After (seconds) sent with every 503."
+    )
+    search_stall_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A batch search still running after this many seconds is taken as hung: "
+        "/health answers 503 with the reason, so a supervisor restarts the server. A batch "
+        "holds at most `max_batch_queries` queries, so a healthy search takes far less.",
     )
     worker_max_restarts: int = Field(
         default=5,

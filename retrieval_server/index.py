@@ -20,8 +20,9 @@ The corpus is not copied: the manifest records its path relative to the index di
 
 Serving: flat vectors are memory-mapped read-only (faiss IO_FLAG_MMAP_IFC) unless disabled, so
 start-up does not read them and replicas on one machine share one copy in the page cache;
-`nprobe` / `efSearch` are set from the serving config; `device: cuda` clones the index to the GPUs
-(written against faiss's GPU API, untested here: this machine's faiss has no GPU support).
+`nprobe` / `efSearch` are set from the serving config; `dense.gpus` clones the index to the GPUs
+it names (`retrieval_server.gpu_faiss`: written against faiss's GPU API, its limits checked
+first; untested on a GPU).
 """
 
 from __future__ import annotations
@@ -261,40 +262,46 @@ def has_hnsw(index: faiss.Index) -> bool:
     return hasattr(index, "hnsw")
 
 
-def clone_to_gpus(index: faiss.Index) -> faiss.Index:
-    """The index copied to every visible GPU (sharded, float16 flat storage).
-
-    Written against faiss's GPU API (`index_cpu_to_all_gpus`, `GpuMultipleClonerOptions`);
-    untested here, where faiss-cpu has no GPU support.
-    """
-    import faiss
-
-    if not hasattr(faiss, "GpuMultipleClonerOptions") or faiss.get_num_gpus() == 0:
-        raise UserError(
-            "dense.device cuda needs faiss with GPU support and a visible GPU "
-            "(install faiss-gpu instead of faiss-cpu)"
-        )
-    options = faiss.GpuMultipleClonerOptions()
-    options.shard = True  # each GPU holds a slice: wiki-18's 64 GB fits on several cards
-    options.useFloat16 = True
-    return faiss.index_cpu_to_all_gpus(index, co=options)
-
-
-def open_dense(files: IndexFiles, config: DenseSearchConfig) -> faiss.Index:
-    """The served FAISS index: read (or mapped), checked against the manifest, parameters set."""
+def open_dense(files: IndexFiles, config: DenseSearchConfig, max_topk: int | None) -> faiss.Index:
+    """The served FAISS index: read (or mapped), checked against the manifest, parameters set,
+    on the GPUs `config.gpus` names (if any); `max_topk` is the most results a search asks."""
     manifest, index_dir = files.manifest, files.index_dir
     dense = read_dense(index_dir / DENSE_FILE, config.mmap)
     if dense.ntotal != manifest.documents or dense.d != manifest.dimension:
         raise UserError(f"{index_dir / DENSE_FILE} does not match {index_dir / MANIFEST}")
     set_search_parameters(dense, config.nprobe, config.ef_search)
-    if config.device == "cuda":
-        dense = clone_to_gpus(dense)
-    if manifest.refine and config.refine_k_factor > 0:
+    k_factor = config.refine_k_factor if manifest.refine else 0
+    if config.gpus is not None:
+        dense, k_factor = to_gpus(dense, manifest.index_factory or "", config, max_topk, k_factor)
+    if k_factor > 0:
         flat = read_dense(index_dir / REFINE_FILE, mmap=True)
         if flat.ntotal != manifest.documents or flat.d != manifest.dimension:
             raise UserError(f"{index_dir / REFINE_FILE} does not match {index_dir / MANIFEST}")
-        dense = with_refine(dense, flat, config.refine_k_factor)
+        dense = with_refine(dense, flat, k_factor)
     return dense
+
+
+def to_gpus(
+    dense: faiss.Index,
+    factory: str,
+    config: DenseSearchConfig,
+    max_topk: int | None,
+    k_factor: int,
+) -> tuple[faiss.Index, int]:
+    """`dense` cloned to `config.gpus`, and the refine factor (`k_factor`, 0: none) a GPU
+    search allows; FAISS-GPU's limits are checked first, each refused in one line."""
+    import faiss
+
+    from retrieval_server import gpu_faiss
+
+    gpus = config.gpus or []
+    gpu_faiss.check_gpus(gpus, *gpu_faiss.gpu_faiss_available())
+    gpu_faiss.check_gpu_index(factory, has_hnsw(dense))
+    ivf = faiss.try_extract_index_ivf(dense) is not None
+    k_factor = gpu_faiss.fit_gpu_search(
+        max_topk or gpu_faiss.GPU_MAX_K, config.nprobe if ivf else None, k_factor
+    )
+    return gpu_faiss.clone_to_gpus(dense, gpus), k_factor
 
 
 def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: int) -> faiss.Index:
@@ -334,11 +341,14 @@ def load_index(
     dense: DenseSearchConfig | None = None,
     with_dense: bool = True,
     with_bm25: bool = True,
+    max_topk: int | None = None,
 ) -> LoadedIndex:
     """Validate, then load the parts of an index directory that will be served.
 
     `with_bm25` loads BM25 only if the index has it; see `validate_index` for the errors raised.
-    BM25's arrays are memory-mapped, like flat vectors.
+    BM25's arrays are memory-mapped, like flat vectors. `max_topk` (ServerConfig.max_topk) is
+    the most results one search asks for, which bounds a GPU search; None assumes the GPU's
+    limit itself.
     """
     import bm25s
     import numpy as np
@@ -351,7 +361,8 @@ def load_index(
     if len(offsets) != manifest.documents + 1 or int(offsets[-1]) != manifest.corpus_bytes:
         raise UserError(f"{index_dir / OFFSETS_FILE} does not match {index_dir / MANIFEST}")
     has_dense = with_dense and manifest.index_factory is not None
-    dense_index = open_dense(files, dense or DenseSearchConfig()) if has_dense else None
+    dense_config = dense or DenseSearchConfig()
+    dense_index = open_dense(files, dense_config, max_topk) if has_dense else None
     bm25_index, tokenizer = None, None
     if with_bm25 and manifest.bm25:
         bm25_index = bm25s.BM25.load(

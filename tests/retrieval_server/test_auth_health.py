@@ -47,6 +47,7 @@ def test_health_is_open_and_describes_the_index(protected_url: str, small_corpus
     assert response.status_code == 200
     assert response.json() == {
         "status": "ok",
+        "reason": None,
         "documents": len(small_corpus.read_text().splitlines()),
         "encoder": "all-MiniLM-L6-v2",
         "index_type": "Flat",

@@ -199,7 +199,7 @@ def test_served_connections_send_without_nagle_delay() -> None:
     for the client's delayed ACK of its headers (40 ms a request on Linux)."""
     import asyncio
 
-    from retrieval_server.cli import bind_port
+    from retrieval_server.serving import bind_port
 
     async def accepted_nodelay() -> int:
         listener = bind_port("127.0.0.1", 0)
@@ -219,3 +219,28 @@ def test_served_connections_send_without_nagle_delay() -> None:
             server.close()
 
     assert asyncio.run(accepted_nodelay()) == 1
+
+
+def test_serve_options_sit_between_the_config_file_and_the_overrides(tmp_path: Path) -> None:
+    """`hdr serve`'s options are typed values over the YAML file, under KEY=VALUE overrides;
+    a value YAML would read otherwise (a prefix with a colon and brackets) stays a string."""
+    from retrieval_server.cli import server_config_from
+
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("max_topk: 7\ndense:\n  nprobe: 4\n  ef_search: 50\n")
+    options = {
+        "index_dir": tmp_path / "index",
+        "default_retriever": None,  # not given: the default stays (and stays unset)
+        "retrievers": ["bm25"],
+        "query_prefix": "query: [x]",
+        "dense": {"nprobe": 8, "ef_search": None, "mmap": False},
+        "encoder": {"backend": None, "device": None},
+    }
+    config = server_config_from(config_file, options, ["dense.nprobe=16", "max_topk=9"])
+    assert config.index_dir == tmp_path / "index"
+    assert config.retrievers == ["bm25"]
+    assert config.query_prefix == "query: [x]"
+    assert (config.dense.nprobe, config.dense.ef_search, config.dense.mmap) == (16, 50, False)
+    assert config.max_topk == 9
+    assert "default_retriever" not in config.model_fields_set
+    assert config.encoder.backend == "onnx"

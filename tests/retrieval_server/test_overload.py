@@ -4,7 +4,7 @@ dropping the work of a client that went away, each visible in /metrics."""
 from __future__ import annotations
 
 import re
-import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,16 +62,21 @@ def test_a_client_that_disconnects_stops_its_search(deadline_url) -> None:
 
 
 def test_the_concurrency_limit_refuses_before_reading_and_spares_health(small_index) -> None:
-    """One request holds the only slot by sending half its body; the next is refused at once
-    with 503 + Retry-After; /health and /metrics still answer; once the slot frees, it serves."""
-    with running_server(small_index, max_concurrent_requests=1) as server:
-        port = int(server.url.rsplit(":", 1)[1])
-        holder = socket.create_connection(("127.0.0.1", port), timeout=10)
-        holder.sendall(
-            b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 40\r\n\r\n{"queries": ['
+    """One request holds the only slot (its emulated API latency keeps it inside); the next is
+    refused at once with 503 + Retry-After; /health and /metrics still answer; once the slot
+    frees, it serves."""
+    config = {"max_concurrent_requests": 1, "emulated_cost": {"request_latency_ms": 1500}}
+    with running_server(small_index, **config) as server:
+        holder = threading.Thread(
+            target=httpx.post,
+            args=(f"{server.url}/retrieve",),
+            kwargs={"json": {"queries": ["Haiku"]}, "timeout": 60},
         )
-        time.sleep(0.3)  # let the server take the request in (it waits for the body)
+        holder.start()
+        deadline = time.monotonic() + 30
+        while metric(server.url, "hdr_retrieval_requests_in_flight") < 1:
+            assert time.monotonic() < deadline, "the holder never got in"
+            time.sleep(0.05)
         busy = httpx.post(f"{server.url}/retrieve", json={"queries": ["Haiku"]}, timeout=30)
         assert busy.status_code == 503
         assert busy.json()["detail"] == "server busy: too many requests; retry"
@@ -79,11 +84,6 @@ def test_the_concurrency_limit_refuses_before_reading_and_spares_health(small_in
         assert httpx.get(f"{server.url}/health").status_code == 200
         rejected = 'hdr_retrieval_rejected_total{reason="concurrency"}'
         assert metric(server.url, rejected) == 1
-        holder.close()  # the held request ends; its slot frees
-        deadline = time.monotonic() + 30
-        while True:
-            again = httpx.post(f"{server.url}/retrieve", json={"queries": ["Haiku"]}, timeout=30)
-            if again.status_code == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        holder.join(timeout=60)  # the held request ends; its slot frees
+        again = httpx.post(f"{server.url}/retrieve", json={"queries": ["Haiku"]}, timeout=30)
         assert again.status_code == 200

@@ -1,0 +1,96 @@
+"""Running the app as a process: bind the port first, then uvicorn on that socket.
+
+`hdr serve` (retrieval_server/cli.py) parses options and checks the index; this module owns what
+happens after: `bind_port` takes the port before the index loads, so a busy port fails at once
+rather than after minutes of loading, and `run_server` starts uvicorn on that socket with a
+lifespan wrapper that turns a `UserError` raised while loading into hdr's one line (uvicorn
+alone would print a traceback and exit 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from hdr.errors import UserError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from retrieval_server.config import ServerConfig
+
+uvicorn_log = logging.getLogger("uvicorn.error")
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), handed to uvicorn later; a busy port is a UserError
+    now, before seconds (or, at wiki-18 scale, minutes) of index loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when
+    # the listener says TCP; without it a keep-alive response's body waits for the ACK of
+    # its headers (Nagle + delayed ACK: 40 ms on every request after a connection's first)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # held from now on: a second server's bind fails (SO_REUSEADDR)
+    except OSError as err:
+        sock.close()
+        reason = err.strerror or str(err)
+        raise UserError(
+            f"cannot listen on {host}:{port}: {reason} (is another server there? choose --port)"
+        ) from None
+    return sock
+
+
+def run_server(config: ServerConfig, sock: socket.socket, url: str, access_log: bool) -> None:
+    """uvicorn on the bound socket until it stops. A UserError raised while the app starts
+    (loading the index) stops the server quietly and is re-raised here, so `hdr` reports it in
+    one line instead of uvicorn's traceback and exit code 3."""
+    import uvicorn
+
+    from retrieval_server.app import create_app
+
+    app = create_app(config)
+    startup_errors: list[UserError] = []
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app_: FastAPI) -> AsyncIterator[None]:
+        context = inner(app_)
+        try:
+            await context.__aenter__()
+        except UserError as err:
+            startup_errors.append(err)
+            server.should_exit = True
+            yield
+            return
+        uvicorn_log.setLevel(logging.INFO)  # from here on: uvicorn's own lines, requests
+        uvicorn_log.info(
+            "hdr serve: %s ready, %d passages (Ctrl-C stops)",
+            url,
+            len(app_.state.serving.index.documents),
+        )
+        try:
+            yield
+        finally:
+            await context.__aexit__(None, None, None)
+
+    app.router.lifespan_context = lifespan
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="info",
+            access_log=access_log,
+            lifespan="on",
+            timeout_keep_alive=config.keep_alive_s,
+        )
+    )
+    # until the index has loaded, say nothing: a failure is then hdr's one line alone
+    uvicorn_log.setLevel(logging.WARNING)
+    server.run(sockets=[sock])
+    if startup_errors:
+        raise startup_errors[0]

@@ -38,6 +38,13 @@ EXPERIMENT_EXAMPLES = """Examples:
   hdr experiment --quick
 
   hdr experiment --ablations seeds=[1,2,3] steps=80
+
+  hdr experiment --preset bridge seeds=[1]
+
+  hdr experiment --preset my-design.yaml --out runs/my-design
+
+Presets: the YAML files of configs/experiments/, each read on main.yaml.
+--bridge is --preset bridge; --ablations is --preset ablations.
 """
 DEMO_EXAMPLE = """Example:
 
@@ -99,13 +106,25 @@ def experiment_command(
     ),
     out: Path = typer.Option(None, "--out", help="Results dir (default runs/experiment)."),
     ablations: bool = typer.Option(
-        False, "--ablations", help="headroom_only, drift_only, headroom_drift_l1 vs headroom_drift."
+        False,
+        "--ablations",
+        help="headroom_only, drift_only, headroom_drift_l1 vs headroom_drift (preset ablations).",
     ),
-    quick: bool = typer.Option(False, "--quick", help="A few-minute version (pipeline check)."),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help="A few-minute version (pipeline check; preset quick or quick-bridge).",
+    ),
     bridge: bool = typer.Option(
         False,
         "--bridge",
-        help="The multi-turn wiki-bridge task with an emulated search-API cost, 7 arms.",
+        help="The multi-turn wiki-bridge task with an emulated search-API cost (preset bridge).",
+    ),
+    preset: str = typer.Option(
+        None,
+        "--preset",
+        help="A preset by name (a file of configs/experiments/, e.g. bridge) or a YAML path;"
+        " read after main.yaml and before --bridge/--ablations/--quick.",
     ),
     base_config: Path = typer.Option(
         Path("configs/tiny-cpu.yaml"), "--config", "-c", help="Base TrainConfig YAML."
@@ -117,16 +136,18 @@ def experiment_command(
     `hdr serve`; write results.json, results.md and charts."""
     from evaluation.experiment import experiment_config, run_experiment
 
-    default_out = Path("runs") / (
-        ("bridge-" if bridge else "") + ("ablations" if ablations else "experiment")
-    )
+    flags = [name for name, on in (("bridge", bridge), ("ablations", ablations)) if on]
+    if preset is None:
+        default_out = ("bridge-" if bridge else "") + ("ablations" if ablations else "experiment")
+    else:  # runs/<preset name>, joined by the flags' presets: runs/my-design-ablations
+        default_out = "-".join([Path(preset).stem, *flags])
     cfg = experiment_config(
+        *([preset] if preset is not None else []),
+        *flags,
         quick=quick,
-        ablations=ablations,
-        bridge=bridge,
         overrides=all_overrides(overrides, set_),
         data_dir=data_dir,
-        out_dir=out or default_out,
+        out_dir=out or Path("runs") / default_out,
         base_config=base_config,
     )
     out_dir = run_experiment(cfg)
@@ -148,7 +169,7 @@ def demo_command(
     from evaluation.experiment import experiment_config, run_experiment
 
     cfg = experiment_config(
-        demo=True,
+        "demo",
         overrides=all_overrides(overrides, set_),
         data_dir=data_dir,
         out_dir=runs / "demo",
@@ -168,4 +189,4 @@ def register(app: typer.Typer) -> None:
     app.command("demo", epilog=DEMO_EXAMPLE)(demo_command)
     register_config("eval", "evaluation.evaluate:EvalConfig")
     for command in ("experiment", "demo"):
-        register_config(command, "evaluation.experiment:ExperimentConfig")
+        register_config(command, "evaluation.experiment.config:ExperimentConfig")

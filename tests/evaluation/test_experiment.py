@@ -15,26 +15,19 @@ import pytest
 from processes import alive, children
 
 from evaluation.evaluate import DatasetResult, EvalReport
-from evaluation.experiment import (
-    ABLATION_ARMS,
-    ARMS,
-    MAIN_ARMS,
-    RunResult,
-    arm_train_config,
-    ensure_policy,
-    experiment_config,
-    results_markdown,
-    run_costs,
-    run_order,
-    sft_prerequisite,
-    sft_start_dir,
-    summarize,
-)
+from evaluation.experiment.arms import ARMS
+from evaluation.experiment.config import experiment_config, read_preset
+from evaluation.experiment.report import results_markdown
+from evaluation.experiment.runs import RunResult, run_order
+from evaluation.experiment.sft_start import ensure_policy, sft_prerequisite, sft_start_dir
+from evaluation.experiment.summary import run_costs, summarize
+from evaluation.experiment.train_configs import arm_train_config
 from hdr.errors import UserError
 from trainer.telemetry import StepCost
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "configs" / "tiny-cpu.yaml"
+MAIN_ARMS = read_preset("main")["arms"]
 
 
 def _report(correct, greedy) -> EvalReport:
@@ -138,25 +131,25 @@ def test_summary_pairs_arms_on_the_same_questions(tmp_path):
         for i, s in enumerate((1, 2))
     ]
     summary = summarize(results, ["on_policy_larger"])
-    hd = summary["arms"]["headroom_drift"]
-    assert hd["mean_at_k"].mean == pytest.approx((0.5 + 0.75) / 2)
-    assert hd["mean_at_k"].std == pytest.approx(np.std([0.5, 0.75], ddof=1))
-    d = hd["diffs"]["on_policy_larger"]["mean_at_k"]
+    hd = summary.arms["headroom_drift"]
+    assert hd.mean_at_k.mean == pytest.approx((0.5 + 0.75) / 2)
+    assert hd.mean_at_k.std == pytest.approx(np.std([0.5, 0.75], ddof=1))
+    d = hd.diffs["on_policy_larger"].mean_at_k
     # seed-averaged per question: arm [1, .75, .25, .5], ref [.75, 0, .25, .5]
     per_q = np.array([0.25, 0.75, 0.0, 0.0])
     assert d.diff == pytest.approx(per_q.mean())
     assert d.se == pytest.approx(per_q.std(ddof=1) / 2)
     assert d.per_seed == [pytest.approx(0.25), pytest.approx(0.25)]
-    g = hd["diffs"]["on_policy_larger"]["greedy_em"]
+    g = hd.diffs["on_policy_larger"].greedy_em
     assert g.diff == pytest.approx((0.5 + 1.0) / 2 - (0.25 + 0.5) / 2)
-    assert "on_policy_larger" not in summary["arms"]["on_policy_larger"]["diffs"]
-    costs = hd["costs"]
+    assert "on_policy_larger" not in summary.arms["on_policy_larger"].diffs
+    costs = hd.costs
     assert costs["env_calls"].mean == 3 and costs["rollouts"].mean == 3 * 40
     assert costs["search_calls"].mean == 3 * 40
     assert costs["wall_time"].mean == 6.0
     assert costs["step_time_mean"].mean == 2.0
     assert costs["time_other"].mean == pytest.approx(3 * (2.0 - 1.9))
-    assert summary["arms"]["on_policy_larger"]["costs"]["rollouts"].mean == 3 * 60
+    assert summary.arms["on_policy_larger"].costs["rollouts"].mean == 3 * 60
 
     cfg = experiment_config(
         arms=["on_policy_larger", "headroom_drift"], references=["on_policy_larger"], seeds=[1, 2]
@@ -166,15 +159,15 @@ def test_summary_pairs_arms_on_the_same_questions(tmp_path):
     # per-seed differences 0.25 and 0.25: a t-interval of width 0; the bootstrap also
     # resamples questions, whose differences vary
     assert "| headroom_drift | on_policy_larger | 2 | +0.250 [+0.250, +0.250]<br>boot [" in md
-    stats = hd["seed_stats"]["on_policy_larger"]["mean_at_k"]
-    assert stats["seeds"] == [1, 2] and stats["bootstrap"].low < 0.25 < stats["bootstrap"].high
+    stats = hd.seed_stats["on_policy_larger"].mean_at_k
+    assert stats.seeds == [1, 2] and stats.bootstrap.low < 0.25 < stats.bootstrap.high
     # the ledger: fresh groups, generated/behaviour/scan/update tokens (k), search calls, env
     # requests, passages, informative/update groups per step, replayed/scanned, CPU minutes
     assert (
         "| headroom_drift | 24 | 0.3 | 1.5 | 0.9 | 2.1 | 120 | 3 | 360 | 6.0 / 10.0 | 6 / 12 "
         "| 0.1 |" in md
     )
-    assert hd["costs"]["cost_cpu_s"].mean == pytest.approx(4.5)
+    assert hd.costs["cost_cpu_s"].mean == pytest.approx(4.5)
 
 
 def test_summary_refuses_runs_on_different_questions(tmp_path):
@@ -194,7 +187,7 @@ def test_each_pair_of_arms_is_compared_once(tmp_path):
     names = ["on_policy", "on_policy_larger", "replay_recency", "headroom_drift"]
     results = [RunResult(n, 1, tmp_path, rep, _metrics(1, 1, False), 4) for n in names]
     summary = summarize(results, ["on_policy_larger", "replay_recency"])
-    pairs = [(n, ref) for n, a in summary["arms"].items() for ref in a["diffs"]]
+    pairs = [(n, ref) for n, a in summary.arms.items() for ref in a.diffs]
     assert pairs == [
         ("on_policy", "on_policy_larger"),
         ("on_policy", "replay_recency"),
@@ -228,9 +221,9 @@ def test_arm_configs_share_everything_but_the_arm(tmp_path):
 
 
 def test_presets_and_errors():
-    assert experiment_config().arms == list(MAIN_ARMS)
-    abl = experiment_config(ablations=True)
-    assert abl.arms == list(ABLATION_ARMS) and abl.references == ["headroom_drift"]
+    assert experiment_config().arms == MAIN_ARMS
+    abl = experiment_config("ablations")
+    assert abl.arms == read_preset("ablations")["arms"] and abl.references == ["headroom_drift"]
     quick = experiment_config(quick=True, overrides=["seeds=[5]"])
     assert quick.steps < experiment_config().steps and quick.seeds == [5]
     with pytest.raises(UserError, match="unknown experiment arm"):
@@ -245,7 +238,7 @@ def test_a_non_default_policy_is_built_once_under_its_own_name(tmp_path):
     """The demo's smaller policy must not overwrite (or be mistaken for) the experiment's."""
     from transformers import AutoConfig
 
-    demo = experiment_config(demo=True)
+    demo = experiment_config("demo")
     assert (demo.policy.hidden_size, demo.policy.intermediate_size) == (64, 256)
     cfg = experiment_config(
         data_dir=str(tmp_path), overrides=["policy.hidden_size=32", "policy.num_layers=1"]
@@ -264,16 +257,16 @@ def test_sft_starts_of_different_tasks_or_settings_get_different_names(tmp_path)
     vital = experiment_config(data_dir=str(tmp_path))
     assert sft_start_dir(vital) == tmp_path / "tiny-sft"
     vital_12 = sft_start_dir(experiment_config(data_dir=str(tmp_path), sft_epochs=12))
-    bridge = sft_start_dir(experiment_config(bridge=True, data_dir=str(tmp_path)))
+    bridge = sft_start_dir(experiment_config("bridge", data_dir=str(tmp_path)))
     assert bridge.name == "tiny-sft-wiki-bridge-e3-from-wiki-vital"
     assert vital_12.name == "tiny-sft-e12"
-    demo = sft_start_dir(experiment_config(demo=True, data_dir=str(tmp_path)))
+    demo = sft_start_dir(experiment_config("demo", data_dir=str(tmp_path)))
     assert len({sft_start_dir(vital), vital_12, bridge, demo}) == 4
 
 
 def test_the_bridge_start_is_fine_tuned_from_the_default_wiki_vital_start(tmp_path):
     """Its prerequisite is wiki-vital on the defaults: not the bridge's turns or prompt."""
-    bridge = experiment_config(bridge=True, data_dir=str(tmp_path), out_dir=str(tmp_path / "o"))
+    bridge = experiment_config("bridge", data_dir=str(tmp_path), out_dir=str(tmp_path / "o"))
     first = sft_prerequisite(bridge)
     assert first is not None and sft_prerequisite(first) is None
     assert sft_start_dir(first) == sft_start_dir(experiment_config(data_dir=str(tmp_path)))
@@ -303,7 +296,7 @@ def test_quick_experiment_end_to_end(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert list(results["arms"]) == list(MAIN_ARMS)
+    assert list(results["arms"]) == MAIN_ARMS
     for name, arm in results["arms"].items():
         assert arm["seeds"] == [1, 2]
         assert 0.0 <= arm["mean_at_k"]["mean"] <= arm["best_at_k"]["mean"] <= 1.0
@@ -355,8 +348,8 @@ def test_an_interrupted_parallel_experiment_stops_its_runs_and_server_at_once(tm
 
 
 def test_bridge_preset_runs_the_multi_turn_task_against_an_emulated_api(tmp_path):
-    cfg = experiment_config(bridge=True, base_config=str(BASE))
-    assert cfg.task == "wiki-bridge" and len(cfg.seeds) >= 5 and cfg.arms == list(MAIN_ARMS)
+    cfg = experiment_config("bridge", base_config=str(BASE))
+    assert cfg.task == "wiki-bridge" and len(cfg.seeds) >= 5 and cfg.arms == MAIN_ARMS
     assert any(s.startswith("emulated_cost.request_latency_ms=") for s in cfg.server_overrides)
     args = ("http://127.0.0.1:9", tmp_path / "sft", tmp_path / "run", 1)
     for name in cfg.arms:
@@ -366,7 +359,7 @@ def test_bridge_preset_runs_the_multi_turn_task_against_an_emulated_api(tmp_path
         assert c.replay.tau_age == cfg.steps / 4
     filtered = arm_train_config(cfg, ARMS.get("on_policy_filtered"), *args)
     assert filtered.grpo.dynamic_sampling and not filtered.replays
-    quick = experiment_config(bridge=True, quick=True)
+    quick = experiment_config("bridge", quick=True)
     assert quick.corpus_limit is None and "rollout.max_turns=2" in quick.train_overrides
     assert quick.sft_from_task is None  # the quick check does not first train a full start
 

@@ -1,0 +1,184 @@
+"""The experiment's typed config and its presets, YAML files under `configs/experiments/`.
+
+A preset is a YAML mapping of `ExperimentConfig` keys, validated on its own (an unknown key
+is one line naming the file). `experiment_config` layers `main.yaml` (the main comparison),
+then each named preset in order (a later one replaces the keys it sets), then the quick
+overlay of the task with `quick`, then explicit fields, then `KEY=VALUE` overrides. A preset
+is named by its file stem (`bridge`) or given as a path to any YAML file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from agent_env.policy import TinyPolicyConfig
+from evaluation.experiment.arms import ARMS
+from hdr.config import StrictModel, build_config, format_validation_error, read_config_file
+from hdr.errors import UserError
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
+MAIN_PRESET = "main"
+
+
+class ExperimentConfig(StrictModel):
+    """The experiment's knobs; the YAML files under `configs/experiments/` are presets of these."""
+
+    base_config: str = Field("configs/tiny-cpu.yaml", description="TrainConfig YAML of every arm.")
+    task: str = Field(
+        "wiki-vital", description="Training and held-out task: wiki-vital or wiki-bridge."
+    )
+    data_dir: str = Field("data", description="Corpus, index and the cached SFT start.")
+    out_dir: str = Field("runs/experiment", description="Runs, evaluations, results, charts.")
+    arms: list[str] = Field(
+        [
+            "on_policy",
+            "on_policy_larger",
+            "on_policy_filtered",
+            "replay_recency",
+            "headroom_drift",
+            "replay_freshness_per",
+            "replay_zero_variance_swap",
+        ],
+        description="Arms to train, in table order.",
+    )
+    references: list[str] = Field(
+        ["on_policy_larger", "replay_recency"],
+        description="Arms every other arm is compared with (paired).",
+    )
+    seeds: list[int] = Field([1, 2], min_length=1, description="Training seeds of every arm.")
+    steps: int = Field(60, ge=1, description="Training steps per run.")
+    batch_prompts: int = Field(8, ge=2, description="b: fresh prompts per step.")
+    group_size: int = Field(5, ge=2, description="G: responses per prompt.")
+    replay_ratio: float = Field(0.5, gt=0, description="r = round(ratio * b) replayed groups.")
+    lr: float = Field(5e-5, gt=0, description="GRPO learning rate (docs/cpu-bed.md: 3e-5 to 1e-4).")
+    tau: float | None = Field(None, gt=0, description="L2 drift gate; None: the base config's.")
+    tau_l1: float | None = Field(
+        None,
+        gt=0,
+        description="L1 gate of headroom_drift_l1, from its own `hdr calibrate` sweep; None:"
+        " sqrt(tau), an upper bound by Jensen and so a looser gate than L2's.",
+    )
+    tau_age: float | None = Field(
+        None,
+        gt=0,
+        description="replay_freshness_per's age scale in steps; None: steps / 4 (the published"
+        " 500 steps is a quarter of a 2,000-step run).",
+    )
+    eval_every: int = Field(15, ge=0, description="Periodic held-out eval (eval.jsonl) interval.")
+    eval_num_questions: int = Field(48, ge=1, description="Periodic held-out subset size.")
+    eval_k: int = Field(4, ge=1, description="Samples per question in the periodic eval.")
+    final_questions: int | None = Field(
+        500,
+        ge=1,
+        description="Final held-out questions (a fixed set); None: the whole test split.",
+    )
+    final_k: int = Field(5, ge=1, description="Samples per question in the final evaluation.")
+    policy: TinyPolicyConfig = Field(
+        default_factory=TinyPolicyConfig,
+        description="The tiny policy the SFT start is trained from (built once under the data"
+        " dir; the demo's is smaller than the default).",
+    )
+    sft_epochs: int | None = Field(None, ge=1, description="SFT epochs; None: base config's.")
+    sft_max_examples: int | None = Field(None, ge=1, description="SFT questions; None: all.")
+    sft_overrides: list[str] = Field(
+        [], description="Extra `sft.*` overrides of the SFT start (part of its cache name)."
+    )
+    sft_from_task: str | None = Field(
+        None,
+        description="Fine-tune the SFT start from this task's default SFT start (built first"
+        " when missing) instead of from the bare policy: a curriculum. wiki-bridge has 972"
+        " training questions, too few to learn copying from scratch; wiki-vital's start"
+        " already copies a description into a search and a title into an answer.",
+    )
+    corpus_limit: int | None = Field(None, ge=1, description="Index only the first N articles.")
+    retriever: str = Field("bm25", description="Retriever the server and rollouts use.")
+    server_overrides: list[str] = Field(
+        [],
+        description="`hdr serve --set` settings, e.g. emulated_cost.request_latency_ms=500;"
+        " the server's /health (emulated cost included) goes into results.json.",
+    )
+    schedule: Literal["interleaved", "by_arm"] = Field(
+        "interleaved",
+        description="interleaved: runs ordered seed by seed, every arm of a seed in turn, so"
+        " with `jobs` runs at once every arm meets the same machine load; by_arm: arm by arm.",
+    )
+    bootstrap_resamples: int = Field(2000, ge=100, description="Seeds x questions bootstrap.")
+    train_overrides: list[str] = Field([], description="Extra dotted overrides for every run.")
+    jobs: int = Field(
+        2, ge=1, description="Runs trained at once, each in its own process with cpu/jobs threads."
+    )
+    progress: bool = Field(True, description="Progress bars on stderr (only with jobs=1).")
+
+    @property
+    def replay_budget(self) -> int:
+        return max(1, round(self.replay_ratio * self.batch_prompts))
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def preset_names() -> list[str]:
+    """The presets shipped under `configs/experiments/`, by name."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_path(preset: str | Path) -> Path:
+    """A preset's file: a name (`bridge`) under `configs/experiments/`, or a YAML path."""
+    text = str(preset)
+    if text.endswith((".yaml", ".yml")) or "/" in text:
+        return Path(preset)
+    path = PRESETS_DIR / f"{text}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"unknown experiment preset {text!r}; valid: {', '.join(preset_names())}"
+            " (or the path of a YAML file)"
+        )
+    return path
+
+
+def read_preset(preset: str | Path) -> dict[str, Any]:
+    """The settings a preset file holds, checked against `ExperimentConfig` on their own: an
+    unknown key or a bad value is one UserError line naming the file."""
+    path = preset_path(preset)
+    data = read_config_file(path)
+    try:
+        ExperimentConfig.model_validate(data)
+    except ValidationError as err:
+        raise UserError(
+            f"preset {path}: {format_validation_error(err, ExperimentConfig)}"
+        ) from None
+    return data
+
+
+def quick_overlay(data: dict[str, Any]) -> str:
+    """The quick overlay for the settings so far: `quick-bridge` on the bridge task, whose
+    articles span the whole corpus (so its index stays whole) and whose turns it keeps."""
+    task = ExperimentConfig.model_validate(data).task
+    return "quick-bridge" if task == "wiki-bridge" else "quick"
+
+
+def experiment_config(
+    *presets: str | Path,
+    quick: bool = False,
+    overrides: Sequence[str] = (),
+    **fields: Any,
+) -> ExperimentConfig:
+    """`main`, then `presets` in order, then the task's quick overlay with `quick`, then
+    explicit fields, then `k=v` overrides; unknown keys, presets and arms are UserErrors."""
+    data: dict[str, Any] = {}
+    for preset in [MAIN_PRESET, *presets]:
+        data.update(read_preset(preset))
+    if quick:
+        data.update(read_preset(quick_overlay(data)))
+    data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+    cfg = build_config(ExperimentConfig, data, overrides)
+    for name in [*cfg.arms, *cfg.references]:
+        ARMS.get(name)  # UserError listing the valid arms on a typo
+    missing = [r for r in cfg.references if r not in cfg.arms]
+    if missing:
+        raise UserError(f"reference arms {missing} are not among the arms {cfg.arms}")
+    return cfg

@@ -1,0 +1,178 @@
+"""`results.md`: the experiment's summary as Markdown tables (the tables of docs/results.md):
+held-out quality, paired differences with their verdicts, the cost ledger and the times."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from evaluation.experiment.config import ExperimentConfig
+from evaluation.experiment.summary import CPU_KEYS, TIME_KEYS, ExperimentSummary
+from evaluation.metrics import Interval, Spread, markdown_table
+
+SFT_START = "sft_start"
+
+
+def format_spread(spread: Spread, digits: int = 3) -> str:
+    """`mean ± std` over seeds; the mean alone with one seed."""
+    if spread.n == 1:
+        return f"{spread.mean:.{digits}f}"
+    return f"{spread.mean:.{digits}f} ± {spread.std:.{digits}f}"
+
+
+def format_interval(interval: Interval) -> str:
+    """`+mean [+low, +high]`; the mean alone when there is no interval (one seed)."""
+    if math.isnan(interval.low):
+        return f"{interval.mean:+.3f}"
+    return f"{interval.mean:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}]"
+
+
+def format_bootstrap(interval: Interval) -> str:
+    return f"boot [{interval.low:+.3f}, {interval.high:+.3f}]"
+
+
+def results_markdown(
+    summary: ExperimentSummary, cfg: ExperimentConfig, charts: Sequence[Path] | None = None
+) -> str:
+    """The three tables of docs/results.md: held-out quality, paired differences, cost; then
+    links to `charts` (paths under the out dir's charts/)."""
+    k = summary.k
+    lines = [
+        f"Held-out: {summary.num_questions} {cfg.task} test questions, the same for every "
+        f"run; k={k} samples at the rollout temperature plus greedy. Mean ± sample std over "
+        f"seeds {cfg.seeds}.\n",
+    ]
+    rows = []
+    if summary.sft_start is not None:
+        start = summary.sft_start
+        rows.append(
+            [
+                f"({SFT_START})",
+                "–",
+                f"{start.mean_at_k:.3f}",
+                f"{start.best_at_k:.3f}",
+                f"{start.greedy_em:.3f}",
+            ]
+        )
+    for name, arm in summary.arms.items():
+        quality = [format_spread(spread) for _, spread in arm.quality().items()]
+        rows.append([name, len(arm.seeds), *quality])
+    lines.append(markdown_table(["arm", "seeds", f"Mean@{k}", f"Best@{k}", "greedy EM"], rows))
+    lines += paired_tables(summary)
+    lines += cost_tables(summary)
+    markdown = "\n".join(lines)
+    if charts is not None:
+        markdown += "\nCharts: " + ", ".join(f"[{p.name}](charts/{p.name})" for p in charts) + "\n"
+    return markdown
+
+
+def paired_tables(summary: ExperimentSummary) -> list[str]:
+    """Paired differences with seed-level intervals and their verdict (`paired_verdict`)."""
+    k, rows = summary.k, []
+    for name, arm in summary.arms.items():
+        for ref, stats in arm.seed_stats.items():
+            cells = [
+                f"{format_interval(st.t)}<br>{format_bootstrap(st.bootstrap)}"
+                for _, st in stats.items()
+            ]
+            verdicts = [st.verdict for _, st in stats.items()]
+            rows.append([name, ref, len(stats.mean_at_k.seeds), *cells, " ".join(verdicts)])
+    if not rows:
+        return []
+    return [
+        "\nPaired differences (arm − reference), seeds matched (same seed: same SFT start and "
+        "prompt order). First line: mean over seeds of the per-seed difference with its 95% "
+        "t-interval over seeds; `boot`: 95% bootstrap interval resampling seeds and questions. "
+        "Verdict per metric (Mean, Best, greedy): + or − when both intervals exclude 0 on the "
+        "same side, 0 when either does not (no difference shown), n/a with one seed.\n",
+        markdown_table(
+            ["arm", "vs", "seeds", f"Δ Mean@{k}", f"Δ Best@{k}", "Δ greedy EM", "verdict"], rows
+        ),
+    ]
+
+
+def cost_tables(summary: ExperimentSummary) -> list[str]:
+    """The cost ledger per run (machine-independent counts; CPU seconds), then wall times."""
+    ledger, walls = [], []
+    for name, arm in summary.arms.items():
+        c = {key: spread.mean for key, spread in arm.costs.items()}
+        steps = max(c["steps"], 1)
+        ledger.append(
+            [
+                name,
+                f"{c['cost_fresh_groups']:.0f}",
+                f"{c['cost_generated_tokens'] / 1e3:.1f}",
+                f"{c['cost_behaviour_tf_tokens'] / 1e3:.1f}",
+                f"{c['cost_scan_tf_tokens'] / 1e3:.1f}",
+                f"{c['cost_update_tf_tokens'] / 1e3:.1f}",
+                f"{c['cost_search_calls']:.0f}",
+                f"{c['cost_env_requests']:.0f}",
+                f"{c['cost_passages']:.0f}",
+                f"{c['cost_informative_groups'] / steps:.1f}"
+                f" / {c['cost_update_groups'] / steps:.1f}",
+                f"{c['cost_replayed_groups']:.0f} / {c['cost_scanned_groups']:.0f}",
+                f"{c['cost_cpu_s'] / 60:.1f}",
+                f"{c['cost_env_wait_s'] / 60:.1f}",
+            ]
+        )
+        walls.append(
+            [
+                name,
+                f"{c['wall_time'] / 60:.1f}",
+                f"{c['step_time_mean']:.2f}",
+                *(f"{c[key]:.0f}" for key in (*TIME_KEYS, "time_other")),
+                *(f"{c[key]:.0f}" for key in CPU_KEYS),
+                "–"
+                if math.isnan(c["acceptance_rate_mean"])
+                else f"{c['acceptance_rate_mean']:.2f}",
+            ]
+        )
+    return [
+        "\nCost ledger per run (mean over seeds; `cost_*` of metrics.jsonl summed over steps). "
+        "Counts are machine-independent: fresh groups rolled out (refills included), tokens in "
+        "thousands (generated by the policy; teacher-forced in behaviour scoring, replay scan "
+        "and update forward+backward), search tool calls, batched env requests, passages "
+        "returned; informative / all groups per update; replayed / scanned groups. CPU is "
+        "process CPU minutes over the four phases; env wait is wall minutes waiting on the "
+        "environment (emulated cost included).\n",
+        markdown_table(
+            [
+                "arm",
+                "fresh groups",
+                "gen tok (k)",
+                "behav tf (k)",
+                "scan tf (k)",
+                "update tf (k)",
+                "search calls",
+                "env req",
+                "passages",
+                "informative/update",
+                "replayed/scanned",
+                "CPU (min)",
+                "env wait (min)",
+            ],
+            ledger,
+        ),
+        "\nMachine-dependent times per run (mean over seeds, seconds unless stated): wall "
+        "time, mean step, the wall split by phase, and process CPU seconds by phase.\n",
+        markdown_table(
+            [
+                "arm",
+                "wall (min)",
+                "step (s)",
+                "generation",
+                "retrieval",
+                "scoring",
+                "selection",
+                "update",
+                "other",
+                "CPU rollout",
+                "CPU scoring",
+                "CPU selection",
+                "CPU update",
+                "acceptance",
+            ],
+            walls,
+        ),
+    ]

@@ -1,0 +1,164 @@
+"""Training and evaluating every arm x seed: the held-out set, one run, and the scheduler.
+
+Every run starts from the same SFT start with the same seeds (so the same prompt order) and
+is evaluated on one fixed held-out set. A finished run (its `final/` and `heldout/eval.json`)
+is reused when the experiment is run again with the same out dir.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evaluation.experiment.arms import ARMS, Arm
+from evaluation.experiment.config import ExperimentConfig
+from evaluation.experiment.server import die_with_parent
+from evaluation.experiment.train_configs import arm_train_config
+from hdr.progress import say
+
+if TYPE_CHECKING:
+    from evaluation.evaluate import EvalDataset, EvalReport
+
+
+def heldout_set(cfg: ExperimentConfig) -> list[EvalDataset]:
+    """The final evaluation's questions: the same for every arm and seed."""
+    from agent_env.data import load_task
+    from evaluation.evaluate import EvalDataset
+    from trainer.run import heldout_subset
+
+    examples = load_task(cfg.task, "test")
+    examples = heldout_subset(examples, 0, cfg.final_questions or len(examples))
+    return [EvalDataset(cfg.task, examples, (cfg.task,))]
+
+
+def final_eval(
+    cfg: ExperimentConfig, model_dir: Path, train_config, datasets: list[EvalDataset], out: Path
+) -> EvalReport:
+    """Held-out evaluation of one model (reused when `out/eval.json` exists)."""
+    from evaluation.evaluate import EvalConfig, evaluate, load_report
+
+    if (out / "eval.json").is_file():
+        return load_report(out)
+    eval_cfg = EvalConfig(
+        k=cfg.final_k,
+        greedy=True,
+        seed=0,
+        progress=cfg.progress,
+        rollout=train_config.rollout,
+        generation=train_config.generation,
+        retrieval=train_config.retrieval,
+    )
+    report = evaluate(model_dir, datasets, config=eval_cfg, out_dir=out)
+    a, k = report.average, report.k
+    say(
+        f"experiment: held-out {out.parent.name if out.name == 'heldout' else out.name}"
+        f" ({sum(d.num_questions for d in report.datasets)} questions): Mean@{k}"
+        f" {a['mean_at_k']:.3f}, Best@{k} {a['best_at_k']:.3f}, greedy EM {a['greedy_em']:.3f}"
+    )
+    return report
+
+
+@dataclass
+class RunResult:
+    """One finished arm x seed: its held-out report and its metrics.jsonl rows."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+    report: EvalReport
+    metrics: list[dict[str, Any]]
+    rollouts_per_step: int  # b x G of the arm: fresh episodes with the environment per step
+
+
+def run_arm(
+    cfg: ExperimentConfig, arm: Arm, seed: int, url: str, sft_dir: Path, datasets
+) -> RunResult:
+    """Train one arm x seed (continued from its checkpoint, or reused when finished) and
+    evaluate its final model on the held-out set."""
+    from evaluation.plots import read_jsonl
+    from trainer.checkpoint import list_checkpoints
+    from trainer.loop import train
+
+    run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"
+    config = arm_train_config(cfg, arm, url, sft_dir, run_dir, seed)
+    done = (run_dir / "final" / "config.json").is_file()
+    if not done:
+        print(f"experiment: training {arm.name} seed {seed}", file=sys.stderr, flush=True)
+        if list_checkpoints(run_dir / "checkpoints"):  # stopped with a checkpoint: continue
+            train(config, resume=run_dir)
+        else:
+            if run_dir.exists():  # stopped before any checkpoint: start it again
+                import shutil
+
+                shutil.rmtree(run_dir)
+            train(config)
+    report = final_eval(cfg, run_dir / "final", config, datasets, run_dir / "heldout")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    return RunResult(arm.name, seed, run_dir, report, metrics, config.grpo.fresh_rows)
+
+
+def run_arm_in_worker(
+    cfg_json: str, arm: str, seed: int, url: str, sft_dir: str, threads: int
+) -> RunResult:
+    """`run_arm` in a worker process (spawned: a clean torch with `threads` threads)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = ExperimentConfig.model_validate_json(cfg_json)
+    start = time.perf_counter()
+    result = run_arm(cfg, ARMS.get(arm), seed, url, Path(sft_dir), heldout_set(cfg))
+    print(
+        f"experiment: {arm} seed {seed} done in {time.perf_counter() - start:.0f}s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+def run_order(cfg: ExperimentConfig) -> list[tuple[str, int]]:
+    """(arm, seed) in the order runs start: seed by seed with every arm in turn
+    (`interleaved`), or arm by arm."""
+    if cfg.schedule == "interleaved":
+        return [(name, seed) for seed in cfg.seeds for name in cfg.arms]
+    return [(name, seed) for name in cfg.arms for seed in cfg.seeds]
+
+
+def run_all(cfg: ExperimentConfig, url: str, sft_dir: Path, datasets) -> list[RunResult]:
+    """Every arm x seed; with `jobs` > 1, that many at once in worker processes with
+    cpu/jobs torch threads each. `interleaved` (default) orders them seed by seed with every
+    arm in turn, so the arms share the machine alike; the ledger's CPU seconds and token
+    counts do not depend on that sharing, wall times do."""
+    tasks = run_order(cfg)
+    if cfg.jobs == 1:
+        return [run_arm(cfg, ARMS.get(n), s, url, sft_dir, datasets) for n, s in tasks]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = max(1, (os.cpu_count() or 1) // cfg.jobs)
+    quiet = cfg.model_copy(update={"progress": False}).model_dump_json()
+    pool = ProcessPoolExecutor(
+        cfg.jobs, mp_context=mp.get_context("spawn"), initializer=die_with_parent
+    )
+    try:
+        futures = [
+            pool.submit(run_arm_in_worker, quiet, n, s, url, str(sft_dir), threads)
+            for n, s in tasks
+        ]
+        results = [f.result() for f in futures]
+    except BaseException:
+        # a failed run or an interrupt: kill the other workers now (an unfinished run is started
+        # afresh on the next invocation). Not SIGTERM: a run would then finish its step, and
+        # with the server about to stop that step waits minutes for retrieval to come back.
+        workers = list(getattr(pool, "_processes", {}).values())
+        for proc in workers:
+            proc.kill()
+        for proc in workers:
+            proc.join(timeout=10)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return results

@@ -1,0 +1,106 @@
+"""The tiny policy and the SFT start every arm shares, built once and cached under the data dir.
+
+A cached start's folder name says what it was trained on and with, so starts of different
+tasks or settings never meet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from evaluation.experiment.config import ExperimentConfig
+from evaluation.experiment.train_configs import base_train_config
+from hdr.progress import say
+
+
+def short_hash(value: Any) -> str:
+    """8 hex digits naming a setting in a cache path ("" for an empty one: the default)."""
+    if not value:
+        return ""
+    return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def policy_hash(cfg: ExperimentConfig) -> str:
+    """The hash of the policy's non-default sizes ("" for the default policy)."""
+    return short_hash(cfg.policy.model_dump(exclude_defaults=True))
+
+
+def ensure_policy(cfg: ExperimentConfig) -> Path:
+    """The tiny policy under the data dir (`tiny-policy`, or `tiny-policy-<hash>` for a
+    non-default `policy`), built once."""
+    from agent_env.policy import init_tiny_policy, vital_corpus_texts
+
+    tag = policy_hash(cfg)
+    path = Path(cfg.data_dir) / ("tiny-policy" + (f"-{tag}" if tag else ""))
+    if not (path / "config.json").is_file():
+        changed = cfg.policy.model_dump(exclude_defaults=True)
+        say(f"experiment: building the tiny policy {path} {changed or ''}".rstrip())
+        init_tiny_policy(path, vital_corpus_texts(), cfg.policy)
+    return path
+
+
+def sft_start_dir(cfg: ExperimentConfig) -> Path:
+    """Where the SFT start lives under the data dir; its name tells what it was trained on and
+    with (`tiny-sft` for the defaults), so starts of different tasks or settings never meet."""
+    task = cfg.task if cfg.task != ExperimentConfig.model_fields["task"].default else ""
+    tag = "-".join(
+        f"{k}{v}"
+        for k, v in (
+            ("e", cfg.sft_epochs),
+            ("n", cfg.sft_max_examples),
+            ("c", cfg.corpus_limit),
+            ("p", policy_hash(cfg)),
+            ("s", short_hash(cfg.sft_overrides)),
+        )
+        if v
+    )
+    start = f"from-{cfg.sft_from_task}" if cfg.sft_from_task else ""
+    name = "-".join(part for part in ("tiny-sft", task, tag, start) if part)
+    return Path(cfg.data_dir) / name
+
+
+def sft_prerequisite(cfg: ExperimentConfig) -> ExperimentConfig | None:
+    """The experiment whose SFT start `cfg`'s start is fine-tuned from (`sft_from_task`): that
+    task on the defaults (its own prompt and turns, not `cfg`'s overrides), same data, base
+    config and policy."""
+    if not cfg.sft_from_task:
+        return None
+    return ExperimentConfig(
+        task=cfg.sft_from_task,
+        data_dir=cfg.data_dir,
+        out_dir=cfg.out_dir,
+        base_config=cfg.base_config,
+        policy=cfg.policy,
+        retriever=cfg.retriever,
+    )
+
+
+def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
+    """The shared SFT start (`sft_start_dir`), trained once (`run_sft`) and then reused."""
+    from trainer.sft import run_sft
+
+    sft_dir = sft_start_dir(cfg)
+    if (sft_dir / "config.json").is_file():
+        return sft_dir
+    prerequisite = sft_prerequisite(cfg)
+    init = ensure_sft(prerequisite, url, log) if prerequisite else ensure_policy(cfg)
+    extra = [
+        f"sft.init_model={init}",
+        f"sft.eval_questions={min(100, cfg.final_questions or 100)}",
+    ]
+    if cfg.sft_epochs:
+        extra.append(f"sft.epochs={cfg.sft_epochs}")
+    if cfg.sft_max_examples:
+        extra.append(f"sft.max_examples={cfg.sft_max_examples}")
+    extra += cfg.sft_overrides
+    config = base_train_config(cfg, url, sft_dir, Path(cfg.out_dir) / "sft", 0, extra)
+    say(f"experiment: SFT start -> {sft_dir} from {init} (once; cached)")
+    start = time.perf_counter()
+    run_sft(config)
+    with log.open("a") as fh:
+        fh.write(f"sft {sft_dir}: {time.perf_counter() - start:.0f}s\n")
+    return sft_dir

@@ -1,0 +1,293 @@
+"""The experiment's typed summary: per-arm quality and costs over seeds, paired comparisons
+with the reference arms, and the record of the run that `results.json` is written from.
+
+Every section is a dataclass whose field names are the JSON keys (`write_json_atomic` writes
+them as they are), so a new section of results (pre-declared contrasts, power, quality at
+matched cost) is one more dataclass and one more field of `ExperimentSummary`, filled in
+`summarize` and drawn by `evaluation.experiment.report`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from evaluation.experiment.config import ExperimentConfig
+from evaluation.metrics import (
+    Interval,
+    PairedDifference,
+    Spread,
+    bootstrap_seeds_questions,
+    mean_spread,
+    paired_difference,
+    paired_verdict,
+    seed_t_interval,
+)
+from hdr.errors import UserError
+from trainer.telemetry import cost_totals
+
+if TYPE_CHECKING:
+    from evaluation.evaluate import EvalReport
+    from evaluation.experiment.runs import RunResult
+
+# The held-out metrics: the summary's name and `EvalReport.per_question`'s name of each.
+QUALITY_METRICS = (("mean_at_k", "mean"), ("best_at_k", "best"), ("greedy_em", "greedy"))
+TIME_KEYS = ("time_generation", "time_retrieval", "time_scoring", "time_selection", "time_update")
+CPU_KEYS = ("cost_cpu_rollout_s", "cost_cpu_scoring_s", "cost_cpu_selection_s", "cost_cpu_update_s")
+TF_KEYS = ("cost_behaviour_tf_tokens", "cost_scan_tf_tokens", "cost_update_tf_tokens")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ByMetric(Generic[T]):
+    """One value for each held-out metric (`QUALITY_METRICS`)."""
+
+    mean_at_k: T
+    best_at_k: T
+    greedy_em: T
+
+    @classmethod
+    def build(cls, value: Callable[[str, str], T]) -> ByMetric[T]:
+        """`value(metric, per_question_name)` for each metric."""
+        return cls(*(value(metric, short) for metric, short in QUALITY_METRICS))
+
+    def items(self) -> list[tuple[str, T]]:
+        return [(metric, getattr(self, metric)) for metric, _ in QUALITY_METRICS]
+
+
+@dataclass(frozen=True)
+class SeedComparison:
+    """One metric of an arm against a reference, over the seeds both ran: the t-interval over
+    seeds of the per-seed paired difference and the seeds x questions bootstrap (95%)."""
+
+    seeds: list[int]
+    t: Interval
+    bootstrap: Interval
+
+    @property
+    def verdict(self) -> str:
+        """+, − or 0 by both intervals, n/a with one seed (`paired_verdict`)."""
+        return paired_verdict(self.t, self.bootstrap)
+
+
+@dataclass(frozen=True)
+class ArmSummary:
+    """One arm over its seeds. `diffs` and `seed_stats` are keyed by reference arm."""
+
+    seeds: list[int]
+    run_dirs: list[str]
+    per_seed: ByMetric[list[float]]
+    """Each seed's held-out score, in `seeds` order."""
+    costs_per_seed: list[dict[str, float]]
+    """`run_costs` of each seed's run."""
+    diffs: dict[str, ByMetric[PairedDifference]]
+    """Paired on the same questions, per-question scores averaged over seeds first."""
+    seed_stats: dict[str, ByMetric[SeedComparison]]
+    mean_at_k: Spread
+    best_at_k: Spread
+    greedy_em: Spread
+    costs: dict[str, Spread]
+    """Each `run_costs` total over the seeds."""
+
+    def quality(self) -> ByMetric[Spread]:
+        return ByMetric(self.mean_at_k, self.best_at_k, self.greedy_em)
+
+
+@dataclass(frozen=True)
+class ExperimentSummary:
+    """The statistics: every arm, on `num_questions` held-out questions with k samples."""
+
+    arms: dict[str, ArmSummary]
+    num_questions: int
+    k: int | None
+    sft_start: ByMetric[float] | None = None
+    """The shared SFT start's held-out scores, the row every arm started from."""
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    platform: str
+    python: str
+    cpu_count: int | None
+    torch: str
+    torch_threads: int
+    processor: str
+
+
+def machine_info() -> MachineInfo:
+    import torch
+
+    return MachineInfo(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        cpu_count=os.cpu_count(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        processor=platform.processor() or platform.machine(),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentResults(ExperimentSummary):
+    """`results.json`: the summary and the run that produced it."""
+
+    server: dict[str, Any]
+    """The retrieval server's /health at the end (emulated cost totals included)."""
+    config: ExperimentConfig
+    machine: MachineInfo
+    total_wall_time: float
+    sft_dir: str
+    server_url: str
+    """Where the server listened (stopped by the time the file is written)."""
+    charts: list[str]
+    """Chart paths relative to the out dir."""
+
+
+# ------------------------------------------------------------------------------ costs
+
+
+def run_costs(metrics: list[dict[str, Any]], rollouts_per_step: int) -> dict[str, float]:
+    """Totals of one run from its metrics.jsonl rows. `rollouts`: fresh episodes with the
+    environment (steps x b x G); `search_calls`: search tool calls sent to the retrieval
+    server; `env_calls`: the batched HTTP requests that carried them (one per search turn)."""
+    if not metrics:
+        raise UserError("a run has no metrics.jsonl rows")
+    last = metrics[-1]
+
+    def total(key: str) -> float:
+        return float(sum(r.get(key) or 0.0 for r in metrics))
+
+    out = {
+        "steps": len(metrics),
+        "rollouts": float(len(metrics) * rollouts_per_step),
+        "env_calls": float(last.get("env_calls_total") or total("env_calls")),
+        "search_calls": float(last.get("search_calls_total") or total("search_calls")),
+        "wall_time": float(last.get("wall_time_total") or total("time_step")),
+        "step_time_mean": total("time_step") / len(metrics),
+        "fresh_tokens": total("fresh_tokens"),
+        "replay_tokens": total("replay_tokens"),
+        "replayed_groups": total("replayed_groups"),
+    }
+    out.update(cost_totals(metrics))
+    out["cost_cpu_s"] = sum(out[k] for k in CPU_KEYS)
+    out["cost_tf_tokens"] = sum(out[k] for k in TF_KEYS)
+    for key in TIME_KEYS:
+        out[key] = total(key)
+    out["time_other"] = max(0.0, total("time_step") - sum(out[k] for k in TIME_KEYS))
+    rates = [r["acceptance_rate"] for r in metrics if _is_finite_number(r.get("acceptance_rate"))]
+    out["acceptance_rate_mean"] = float(np.mean(rates)) if rates else math.nan
+    return out
+
+
+def _is_finite_number(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+# ------------------------------------------------------------------------- statistics
+
+
+def per_question_scores(runs: list[RunResult], metric: str) -> np.ndarray:
+    """`[S, Q]`: each run's per-question score (`EvalReport.per_question` name), by seed."""
+    return np.stack([r.report.per_question(metric) for r in sorted(runs, key=lambda x: x.seed)])
+
+
+def paired_differences(runs: list[RunResult], refs: list[RunResult]) -> ByMetric[PairedDifference]:
+    """Per metric, `runs` - `refs` on the same questions, per-question scores averaged over
+    seeds first (`paired_difference`)."""
+    return ByMetric.build(
+        lambda _, short: paired_difference(
+            per_question_scores(runs, short), per_question_scores(refs, short)
+        )
+    )
+
+
+def seed_statistics(
+    runs: list[RunResult], refs: list[RunResult], resamples: int
+) -> ByMetric[SeedComparison]:
+    """Per metric, over the seeds both arms ran: the t-interval over seeds of the per-seed
+    paired difference and the seeds x questions bootstrap interval (95%)."""
+    mine, theirs = {r.seed: r for r in runs}, {r.seed: r for r in refs}
+    seeds = sorted(set(mine) & set(theirs))
+
+    def compare(metric: str, short: str) -> SeedComparison:
+        a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
+        b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
+        return SeedComparison(
+            seeds=seeds,
+            t=seed_t_interval(list(a.mean(axis=1) - b.mean(axis=1))),
+            bootstrap=bootstrap_seeds_questions(a, b, resamples=resamples),
+        )
+
+    return ByMetric.build(compare)
+
+
+def summarize_arm(
+    runs: list[RunResult],
+    arms: dict[str, list[RunResult]],
+    references: Sequence[str],
+    resamples: int,
+) -> ArmSummary:
+    """One arm's runs (sorted by seed) over seeds, compared with each reference arm it has
+    not already been compared with the other way round."""
+    name = runs[0].arm
+    costs = [run_costs(r.metrics, r.rollouts_per_step) for r in runs]
+    per_seed = ByMetric.build(lambda metric, _: [r.report.average[metric] for r in runs])
+    diffs, seed_stats = {}, {}
+    for ref in references:
+        if ref == name or ref not in arms or name in references[: references.index(ref)]:
+            continue  # itself, absent, or already shown as `name` vs `ref` the other way
+        diffs[ref] = paired_differences(runs, arms[ref])
+        seed_stats[ref] = seed_statistics(runs, arms[ref], resamples)
+    return ArmSummary(
+        seeds=[r.seed for r in runs],
+        run_dirs=[str(r.run_dir) for r in runs],
+        per_seed=per_seed,
+        costs_per_seed=costs,
+        diffs=diffs,
+        seed_stats=seed_stats,
+        mean_at_k=mean_spread(per_seed.mean_at_k),
+        best_at_k=mean_spread(per_seed.best_at_k),
+        greedy_em=mean_spread(per_seed.greedy_em),
+        costs={key: mean_spread([c[key] for c in costs]) for key in costs[0]},
+    )
+
+
+def summarize(
+    results: list[RunResult],
+    references: Sequence[str],
+    sft_report: EvalReport | None = None,
+    resamples: int = 2000,
+) -> ExperimentSummary:
+    """Per arm: held-out scores and costs over seeds, paired differences to the references.
+    Every run must have been evaluated on the same questions."""
+    arms: dict[str, list[RunResult]] = {}
+    for r in results:
+        arms.setdefault(r.arm, []).append(r)
+    for runs in arms.values():
+        runs.sort(key=lambda x: x.seed)
+    ids = None
+    for r in results:
+        q = r.report.question_ids()
+        if ids is None:
+            ids = q
+        elif q != ids:
+            raise UserError(f"{r.run_dir}: evaluated on other questions than the other runs")
+    return ExperimentSummary(
+        arms={
+            name: summarize_arm(runs, arms, references, resamples) for name, runs in arms.items()
+        },
+        num_questions=len(ids or []),
+        k=results[0].report.k if results else None,
+        sft_start=(
+            ByMetric.build(lambda metric, _: sft_report.average[metric])
+            if sft_report is not None
+            else None
+        ),
+    )

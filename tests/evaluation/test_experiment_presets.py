@@ -1,0 +1,132 @@
+"""The experiment's presets: every YAML under configs/experiments/ is a valid ExperimentConfig,
+a mistake in one is one line naming the file, and `--preset` takes a name or a path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evaluation.experiment.config import (
+    PRESETS_DIR,
+    ExperimentConfig,
+    experiment_config,
+    preset_names,
+    read_preset,
+)
+from hdr.errors import UserError
+
+HDR = str(Path(sys.executable).with_name("hdr"))
+PRESET_FILES = sorted(PRESETS_DIR.glob("*.yaml"))
+
+
+def test_the_shipped_presets_are_there():
+    assert {"main", "ablations", "bridge", "demo", "quick", "quick-bridge"} <= set(preset_names())
+
+
+@pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
+def test_every_preset_file_is_a_valid_experiment_config(path):
+    settings = read_preset(path)
+    assert settings, f"{path} sets nothing"
+    alone = ExperimentConfig.model_validate(settings).model_dump()
+    resolved = experiment_config(path.stem).model_dump()  # read on main: arms known, refs run
+    assert {key: resolved[key] for key in settings} == {key: alone[key] for key in settings}
+    experiment_config(path.stem, quick=True)  # and with its task's quick overlay
+
+
+def test_main_is_the_base_every_preset_is_read_on():
+    main = read_preset("main")
+    assert experiment_config().model_dump() == experiment_config("main").model_dump()
+    ablations = experiment_config("ablations")
+    assert (ablations.steps, ablations.seeds, ablations.task) == (
+        main["steps"],
+        main["seeds"],
+        main["task"],
+    )
+    assert ablations.arms == read_preset("ablations")["arms"]
+
+
+def test_quick_lays_the_tasks_own_overlay_over_the_preset():
+    vital = experiment_config(quick=True)
+    assert vital.corpus_limit == read_preset("quick")["corpus_limit"]
+    bridge = experiment_config("bridge", quick=True)
+    assert bridge.task == "wiki-bridge" and bridge.corpus_limit is None
+    assert bridge.train_overrides == read_preset("quick-bridge")["train_overrides"]
+    assert bridge.seeds == read_preset("bridge")["seeds"]  # what quick does not set stays
+
+
+def test_later_presets_explicit_fields_then_overrides_win(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("seeds: [3]\nsteps: 7\n")
+    cfg = experiment_config("bridge", mine, steps=9, overrides=["jobs=1"])
+    assert (cfg.task, cfg.seeds, cfg.steps, cfg.jobs) == ("wiki-bridge", [3], 9, 1)
+
+
+def test_a_preset_by_name_and_by_path_are_the_same(tmp_path):
+    copy = tmp_path / "bridge.yaml"
+    copy.write_text((PRESETS_DIR / "bridge.yaml").read_text())
+    by_name = experiment_config("bridge").model_dump()
+    assert experiment_config(PRESETS_DIR / "bridge.yaml").model_dump() == by_name
+    assert experiment_config(str(copy)).model_dump() == by_name
+
+
+def test_an_unknown_key_in_a_preset_is_one_line_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seedz: [1, 2]\n")
+    with pytest.raises(UserError) as err:
+        experiment_config(bad)
+    message = str(err.value)
+    assert "\n" not in message
+    assert str(bad) in message and "seedz" in message and "did you mean seeds?" in message
+
+
+def test_an_unknown_preset_name_lists_the_valid_ones():
+    with pytest.raises(UserError, match=r"unknown experiment preset 'brige'; valid: .*bridge"):
+        experiment_config("brige")
+    with pytest.raises(UserError, match="config file not found"):
+        experiment_config("no/such/preset.yaml")
+
+
+def _experiment(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`hdr experiment` on a data dir whose index is not one: the experiment resolves its
+    config, writes experiment_config.json, then stops in one line when `hdr serve` refuses
+    the index (before any SFT or training)."""
+    data = cwd / "data"
+    (data / "index-bm25").mkdir(parents=True, exist_ok=True)
+    (data / "index-bm25" / "manifest.json").write_text("{}")
+    cmd = [HDR, "experiment", "--data-dir", str(data), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def _resolved(out: Path, done: subprocess.CompletedProcess[str]) -> dict:
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("hdr: error: hdr serve exited")
+    assert "Traceback" not in done.stderr
+    return json.loads((out / "experiment_config.json").read_text())
+
+
+def test_cli_preset_by_name_and_by_path(tmp_path):
+    by_name = _experiment("--preset", "ablations", cwd=tmp_path)
+    resolved = _resolved(tmp_path / "runs" / "ablations", by_name)  # default out: its name
+    assert resolved["arms"] == read_preset("ablations")["arms"]
+    assert resolved["steps"] == read_preset("main")["steps"]
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("arms: [on_policy]\nreferences: []\nseeds: [7]\n")
+    by_path = _experiment("--preset", str(mine), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    resolved = _resolved(tmp_path / "o", by_path)
+    assert (resolved["arms"], resolved["seeds"]) == (["on_policy"], [7])
+
+
+def test_cli_a_bad_preset_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("arms: [on_policy]\nstepz: 3\n")
+    done = _experiment("--preset", str(bad), cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hdr: error: preset "), done.stderr
+    assert str(bad) in lines[0] and "did you mean steps?" in lines[0]
+    assert not (tmp_path / "runs").exists()  # refused before anything was written

@@ -1,4 +1,4 @@
-"""`hdr` subcommands of the agent_env package: `hdr init-model`, `hdr rollout`.
+"""`hdr` subcommands of the agent_env package: `hdr rollout`.
 
 Heavy imports (torch, transformers, the generation backends) happen inside the command bodies.
 """
@@ -9,12 +9,14 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import all_overrides, force_option, overrides_argument, register_config, set_option
+from core.options import (
+    all_overrides,
+    force_option,
+    overrides_argument,
+    register_config,
+    set_option,
+)
 
-INIT_MODEL_EXAMPLE = """Example:
-
-  hdr init-model --out data/tiny-policy hidden_size=256 num_layers=6
-"""
 ROLLOUT_EXAMPLES = """Examples (a retrieval server must be running, see `hdr serve`):
 
   hdr rollout --model data/tiny-sft --n 64 --group-size 8
@@ -26,31 +28,6 @@ A model saved by hdr carries the prompt and rollout settings it was trained with
 """
 
 
-def init_model_command(
-    out: Path = typer.Option(..., "--out", help="Directory to write the model and tokenizer to."),
-    arch: str = typer.Option(
-        "llama", "--arch", help="llama (hdr's BPE, fast bed) or qwen2 (Qwen2.5's tokenizer)."
-    ),
-    overrides: list[str] = overrides_argument("TinyPolicyConfig", "hidden_size=256"),
-    set_: list[str] = set_option(),
-    force: bool = force_option(),
-) -> None:
-    """Build a tiny policy and its tokenizer: a Llama on a BPE trained on the embedded corpus,
-    or (--arch qwen2) a Qwen2 model on Qwen2.5's tokenizer."""
-    import time
-
-    from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
-    from hdr.config import load_config
-    from hdr.paths import MODEL, check_output
-
-    config = load_config(TinyPolicyConfig, None, [f"arch={arch}", *all_overrides(overrides, set_)])
-    check_output(out, MODEL, force=force)  # before the tokenizer's seconds of training
-    start = time.perf_counter()
-    texts = vital_corpus_texts() if config.arch == "llama" else []
-    init_tiny_policy(out, texts, config, force=force)
-    typer.echo(f"wrote tiny {config.arch} policy to {out} in {time.perf_counter() - start:.1f}s")
-
-
 def _rollout_config(
     model: Path, config_path: Path | None, prompt: str | None, overrides: list[str]
 ):
@@ -59,8 +36,8 @@ def _rollout_config(
     from agent_env.policy_settings import SETTINGS_FILE, load_settings
     from agent_env.prompts import PromptConfig
     from agent_env.rollout import RolloutConfig
-    from hdr.config import build_config, read_config_file
-    from hdr.errors import UserError
+    from core.config import build_config, read_config_file
+    from core.errors import UserError
 
     data = read_config_file(config_path) if config_path is not None else {}
     if prompt is not None:
@@ -138,7 +115,5 @@ def rollout_command(
 
 def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
-    app.command("init-model", epilog=INIT_MODEL_EXAMPLE)(init_model_command)
     app.command("rollout", epilog=ROLLOUT_EXAMPLES)(rollout_command)
-    register_config("init-model", "agent_env.policy:TinyPolicyConfig")
     register_config("rollout", "agent_env.rollout:RolloutConfig")

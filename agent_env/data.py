@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 WIKI_VITAL = "wiki-vital"
 WIKI_BRIDGE = "wiki-bridge"

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 SETTINGS_FILE = "hdr_rollout.yaml"
 RETRIEVAL_KEYS = ("retriever", "topk")

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from hdr.config import StrictModel
+from core.config import StrictModel
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"

@@ -47,8 +47,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import Field, ValidationError, field_validator
 
-from hdr.config import StrictModel
-from hdr.errors import UserError
+from core.config import StrictModel
+from core.errors import UserError
 from retrieval_server.api import Document, PlainResponse, RetrieveRequest, ScoredResponse
 
 log = logging.getLogger(__name__)

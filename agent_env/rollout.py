@@ -47,7 +47,7 @@ from agent_env.prompts import (
 )
 from agent_env.retrieval_client import RetrievalClient, RetrievalFailed
 from agent_env.rewards import exact_match, f1_score, format_reward
-from hdr.config import StrictModel
+from core.config import StrictModel
 
 
 class RolloutConfig(StrictModel):

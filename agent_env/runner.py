@@ -13,8 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hdr.errors import UserError, warn
-from hdr.paths import TRAJECTORIES, check_output, local_model, looks_like_hub_id
+from core.errors import UserError, warn
+from core.paths import TRAJECTORIES, check_output, local_model, looks_like_hub_id
 
 
 @dataclass
@@ -87,8 +87,8 @@ def run_rollout_job(job: RolloutJob, config, console: Console | None = None) -> 
     from agent_env.data import load_task
     from agent_env.retrieval_client import RetrievalConfig, connect
     from agent_env.rollout import rollout_groups, summarize, trajectory_record
-    from hdr.config import build_config
-    from hdr.progress import progress
+    from core.config import build_config
+    from core.progress import progress
 
     console = console or Console()
     torch.manual_seed(job.seed)

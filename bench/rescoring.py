@@ -35,7 +35,7 @@ from agent_env.data import load_task
 from agent_env.generation import build_generator
 from agent_env.retrieval_client import RetrievalClient
 from agent_env.rollout import rollout_groups
-from hdr.config import load_config
+from core.config import load_config
 from trainer.config import TrainConfig
 from trainer.loop import sample_prompts
 from trainer.run import load_policy

@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from rich.console import Console
 from rich.table import Table
 
-from hdr.config import load_config
+from core.config import load_config
 from trainer.config import TrainConfig
 from trainer.loop import train
 

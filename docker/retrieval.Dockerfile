@@ -27,7 +27,9 @@ ARG BASE_IMAGE=python:3.11-slim
 # -------------------------------------------- src (the project's sources, not an image)
 FROM scratch AS src
 COPY pyproject.toml README.md /src/
+COPY core /src/core
 COPY hdr /src/hdr
+COPY models /src/models
 COPY retrieval_server /src/retrieval_server
 COPY agent_env /src/agent_env
 COPY trainer /src/trainer

@@ -21,7 +21,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 COPY pyproject.toml README.md /tmp/src/
+COPY core /tmp/src/core
 COPY hdr /tmp/src/hdr
+COPY models /tmp/src/models
 COPY retrieval_server /tmp/src/retrieval_server
 COPY agent_env /tmp/src/agent_env
 COPY trainer /tmp/src/trainer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import (
+from core.options import (
     all_overrides,
     force_option,
     overrides_argument,

@@ -41,6 +41,9 @@ from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rewards import best_at_k, mean_at_k, per_question_best, per_question_mean
 from agent_env.rollout import RolloutConfig
+from core.config import StrictModel
+from core.errors import UserError, warn
+from core.paths import EVAL, check_output, local_model, write_json_atomic, write_text_atomic
 from evaluation.metrics import (
     WIKI_VITAL,
     average_scores,
@@ -49,9 +52,6 @@ from evaluation.metrics import (
     recognize_dataset,
     score_dataset,
 )
-from hdr.config import StrictModel
-from hdr.errors import UserError, warn
-from hdr.paths import EVAL, check_output, local_model, write_json_atomic, write_text_atomic
 
 __all__ = [
     "DatasetResult",
@@ -218,7 +218,7 @@ def eval_config_for(
     run's `config.yaml` next to the model. The eval YAML's own settings win over it.
     """
     from agent_env.policy_settings import apply_saved, load_settings
-    from hdr.config import build_config, read_config_file
+    from core.config import build_config, read_config_file
 
     data = read_config_file(config_path) if config_path is not None else {}
     saved = load_settings(model_dir) if train_config is None else None
@@ -390,7 +390,7 @@ def _run_chunk(
 def _progress(total: int, enabled: bool, desc: str):
     if not enabled:
         return nullcontext(None)
-    from hdr.progress import progress
+    from core.progress import progress
 
     return progress(total=total, desc=desc, unit="q", leave=False)
 

@@ -30,7 +30,7 @@ carry the differing settings in their labels. The charts:
 A chart whose data no run has (for example the replay charts for on-policy arms only) is
 skipped; a run dir without `metrics.jsonl` is a `UserError`. `charts.json` beside the charts
 lists them and each line's run dirs; the charts are drawn into a staging folder and moved into
-the out dir (`hdr.paths`: a new or empty folder, or earlier charts with `--force`). A run
+the out dir (`core.paths`: a new or empty folder, or earlier charts with `--force`). A run
 still being written may end in a half line; that last line is ignored. matplotlib is used
 through `Figure` objects with the Agg canvas, never pyplot, so no display or global figure
 state is involved.
@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from hdr.errors import UserError
-from hdr.paths import CHARTS, check_output, staging_dir, swap_in
+from core.errors import UserError
+from core.paths import CHARTS, check_output, staging_dir, swap_in
 
 # Fixed colours so an arm looks the same in every chart and every report.
 ARM_COLORS = {
@@ -578,7 +578,7 @@ def plot_runs(
     runs: Sequence[RunData], out_dir: str | Path, per_seed: bool = False, force: bool = False
 ) -> list[Path]:
     """Write every chart the runs have data for into `out_dir` (new, empty, or earlier charts
-    with `force`: `hdr.paths.check_output`), with `charts.json` listing the charts and each
+    with `force`: `core.paths.check_output`), with `charts.json` listing the charts and each
     line's run dirs; return the charts' paths. `per_seed`: see `line_groups`."""
     if not runs:
         raise UserError("no run dirs to plot")

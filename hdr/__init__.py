@@ -1,7 +1,4 @@
-"""Shared plumbing for hdr's three packages: the `hdr` command, registries, config loading.
-
-The method lives in `retrieval_server`, `agent_env` and `trainer`; this package only holds
-what all three use so that none of them has to import another for plumbing.
-"""
+"""The `hdr` command: the top of the project, which registers every package's subcommands
+(`hdr.cli`). Nothing below imports it; the plumbing the packages share is `core`."""
 
 __version__ = "0.1.0"

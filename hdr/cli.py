@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
-from hdr.errors import RunInterrupted, UserError
+from core.errors import RunInterrupted, UserError
 
 app = typer.Typer(
     name="hdr",
@@ -59,10 +59,12 @@ def _root(
 def _register_all() -> None:
     from agent_env.cli import register as register_agent_env
     from evaluation.cli import register as register_evaluation
+    from models.cli import register as register_models
     from retrieval_server.cli import register as register_retrieval
     from trainer.cli import register as register_trainer
 
     register_retrieval(app)
+    register_models(app)
     register_agent_env(app)
     register_trainer(app)
     register_evaluation(app)
@@ -102,7 +104,7 @@ def no_such_option(option: str, ctx) -> str:
     """An unknown option, with the option it probably meant (`--confg`: `--config`) or else
     the KEY=VALUE setting (settings are not options: `hdr train steps=4`, not `--steps 4`).
     Hidden synonyms (`--set`) are never suggested."""
-    from hdr.options import keys_like_option
+    from core.options import keys_like_option
 
     visible = [
         name

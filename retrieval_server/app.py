@@ -42,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hdr.errors import UserError
+from core.errors import UserError
 from retrieval_server.api import (
     Document,
     ErrorResponse,

@@ -13,7 +13,13 @@ from typing import Any
 
 import typer
 
-from hdr.options import all_overrides, force_option, overrides_argument, register_config, set_option
+from core.options import (
+    all_overrides,
+    force_option,
+    overrides_argument,
+    register_config,
+    set_option,
+)
 from retrieval_server.build_defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
@@ -71,7 +77,7 @@ def encoder_options(
     backend: str, device: str, fp16: bool, batch_size: int, threads: int | None = None
 ):
     """An `EncoderConfig` from command-line options (validated: a bad value is one line)."""
-    from hdr.config import build_config
+    from core.config import build_config
     from retrieval_server.config import EncoderConfig
 
     values = {"backend": backend, "device": device, "fp16": fp16, "batch_size": batch_size}
@@ -84,7 +90,7 @@ def spec_options(
     encoder: str, query_prefix: str | None, passage_prefix: str | None, pooling: str | None
 ):
     """The `EncoderSpec` of a new index: the model's defaults, overridden where given."""
-    from hdr.errors import UserError
+    from core.errors import UserError
     from retrieval_server.encoder import encoder_spec
 
     if pooling not in (None, "mean", "cls", "max"):
@@ -303,7 +309,7 @@ def serve_command(
 
     The port is taken before the index loads, so a busy port fails at once; a problem found
     while loading (an index that does not match its manifest) is one line and exit code 2."""
-    from hdr.errors import UserError, warn
+    from core.errors import UserError, warn
     from retrieval_server.config import API_TOKEN_ENV
     from retrieval_server.index import validate_index
     from retrieval_server.retrievers import RETRIEVERS
@@ -352,7 +358,7 @@ def serve_command(
 def server_config_from(config_file: Path | None, options: dict[str, Any], overrides: list[str]):
     """The `ServerConfig` of `hdr serve`: the YAML file's fields, then the options given on the
     command line (typed values, nested by section; None: not given), then KEY=VALUE overrides."""
-    from hdr.config import build_config, read_config_file
+    from core.config import build_config, read_config_file
     from retrieval_server.config import ServerConfig
 
     data = read_config_file(config_file) if config_file is not None else {}

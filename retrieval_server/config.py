@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeInt, SecretStr, field_validator
 
-from hdr.config import StrictModel
+from core.config import StrictModel
 from retrieval_server.emulated_cost import EmulatedCostConfig
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hdr.errors import UserError
-from hdr.paths import CORPUS, check_output
+from core.errors import UserError
+from core.paths import CORPUS, check_output
 
 if TYPE_CHECKING:
     import numpy as np
@@ -108,7 +108,7 @@ def write_corpus(path: Path, contents: Iterable[str]) -> int:
 
 def prepare_wiki(path: Path, limit: int | None = None, force: bool = False) -> int:
     """Write the embedded corpus (optionally its first `limit` articles) to `path`: a new
-    file, or an existing corpus with `force` (`hdr.paths.check_output`)."""
+    file, or an existing corpus with `force` (`core.paths.check_output`)."""
     check_output(path, CORPUS, force=force)
     articles = itertools.islice(iter_vital_articles(), limit)
     return write_corpus(path, (article_contents(article) for article in articles))

@@ -22,7 +22,7 @@ import time
 
 from pydantic import Field
 
-from hdr.config import StrictModel
+from core.config import StrictModel
 from retrieval_server.api import EmulatedCostReport
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 if TYPE_CHECKING:
     import numpy as np

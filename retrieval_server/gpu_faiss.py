@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hdr.errors import UserError, warn
+from core.errors import UserError, warn
 
 if TYPE_CHECKING:
     import faiss

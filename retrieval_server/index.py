@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hdr.errors import UserError
+from core.errors import UserError
 from retrieval_server.encoder import EncoderSpec, guess_prefixes
 
 if TYPE_CHECKING:

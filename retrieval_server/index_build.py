@@ -1,7 +1,7 @@
 """Writing index directories: build from a corpus, convert to another FAISS index, import one.
 
 Every writer follows the same steps: check where it writes (`DIR` new, empty, or an index it
-may replace with `force`; never one of its inputs: `hdr.paths`) and all its input (the whole
+may replace with `force`; never one of its inputs: `core.paths`) and all its input (the whole
 corpus, the factory string, the encoder), then work in `DIR.partial/`, then write the manifest
 and move the new index into `DIR`, replacing only an older index's own files. An interrupted
 or failed run never leaves a directory that looks like an index; `DIR.partial` (marked as
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from hdr.errors import UserError
-from hdr.paths import INDEX, check_output, swap_in
+from core.errors import UserError
+from core.paths import INDEX, check_output, swap_in
 from retrieval_server.build_defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
@@ -306,7 +306,7 @@ def fresh_partial(out_dir: Path) -> Path:
 def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManifest:
     """Record the files' sizes in the manifest, write it, and move the new index into
     `out_dir`: a new or empty folder is renamed into place; over an older index only the old
-    index's own files are replaced or removed (`hdr.paths.swap_in`), the manifest last, and
+    index's own files are replaced or removed (`core.paths.swap_in`), the manifest last, and
     nothing else in the folder is touched."""
     (partial / STAGING_MARK).unlink(missing_ok=True)
     files = [partial / OFFSETS_FILE]
@@ -400,7 +400,7 @@ def build_index(
     """
     import numpy as np
 
-    from hdr.progress import progress as progress_bar
+    from core.progress import progress as progress_bar
 
     corpus, out_dir = Path(corpus), Path(out_dir)
     if not corpus.is_file():  # the input first: a missing corpus is the mistake to name
@@ -507,7 +507,7 @@ def convert_index(
     stored vectors (no re-encoding); BM25 and offsets are carried over (hard-linked if possible).
     `refine` also links the source's Flat vectors as REFINE_FILE, which the server memory-maps
     to re-rank the compressed index's candidates exactly."""
-    from hdr.progress import progress as progress_bar
+    from core.progress import progress as progress_bar
 
     started = time.perf_counter()
     source_dir, out_dir = Path(source_dir), Path(out_dir)

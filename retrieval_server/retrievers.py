@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from hdr.errors import UserError
-from hdr.registry import Registry
+from core.errors import UserError
+from core.registry import Registry
 
 if TYPE_CHECKING:
     import numpy as np

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

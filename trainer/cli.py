@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from hdr.options import (
+from core.options import (
     all_overrides,
     force_option,
     overrides_argument,
@@ -69,7 +69,7 @@ def sft_command(
     """Supervised warm start on scripted trajectories (search, then the gold title when
     retrieved, else Doc 1's), through the real rollout loop; saves with save_pretrained,
     together with the prompt and rollout settings `hdr rollout` and `hdr eval` then use."""
-    from hdr.config import load_config
+    from core.config import load_config
     from trainer.config import TrainConfig
     from trainer.sft import run_sft
 
@@ -91,8 +91,8 @@ def calibrate_command(
     force: bool = force_option(),
 ) -> None:
     """Three-point log-spaced tau sweep: acceptance rate per point and a recommendation."""
-    from hdr.config import load_config
-    from hdr.errors import UserError
+    from core.config import load_config
+    from core.errors import UserError
     from trainer.calibrate import calibrate
     from trainer.config import TrainConfig
 

@@ -2,7 +2,7 @@
 
 `configs/tiny-cpu.yaml` and `configs/search-r1-qwen2.5-3b.yaml` are instances of
 `TrainConfig`; `hdr train --config FILE a.b=value ...` loads one with dotted overrides
-(`hdr.config.load_config`). Unknown keys are errors. Every default lives here and only here.
+(`core.config.load_config`). Unknown keys are errors. Every default lives here and only here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pydantic import Field, field_validator, model_validator
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
-from hdr.config import StrictModel
-from trainer.replay import SELECTORS
+from core.config import StrictModel
+from trainer.selectors import SELECTORS
 
 
 class ModelConfig(StrictModel):
@@ -213,6 +213,25 @@ class SFTConfig(StrictModel):
     eval_questions: int = Field(
         200, ge=0, description="Held-out questions decoded greedily after each epoch (0: none)."
     )
+    stop: Literal["epochs", "plateau"] = Field(
+        "epochs",
+        description="epochs: a cosine schedule over exactly `epochs`. plateau: a constant lr"
+        " after warmup until the held-out loss (the scripted trajectories of the held-out"
+        " questions) has not improved for `patience` epochs, at most `epochs`, then the best"
+        " epoch's weights: a start that converges whenever copying begins.",
+    )
+    patience: int = Field(2, ge=1, description="plateau: epochs without improvement to stop.")
+    min_improvement: float = Field(
+        0.01, ge=0, description="plateau: the relative drop in held-out loss that counts."
+    )
+
+    @model_validator(mode="after")
+    def _plateau_needs_heldout(self) -> SFTConfig:
+        if self.stop == "plateau" and self.eval_questions == 0:
+            raise ValueError(
+                "sft.stop=plateau watches the held-out loss: add sft.eval_questions=100 (or more)"
+            )
+        return self
 
 
 class TrainConfig(StrictModel):

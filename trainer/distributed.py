@@ -67,7 +67,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from hdr.errors import UserError
+from core.errors import UserError
 from trainer.scoring import behaviour_groups, forward_logprobs
 
 T = TypeVar("T")
@@ -144,9 +144,9 @@ class Dist:
         whole result in `items`' order. `fn` maps a list to a same-length list."""
         if self.world == 1:
             return fn(list(items))
-        mine = fn([items[i] for i in self.share(len(items))])
+        done_here = fn([items[i] for i in self.share(len(items))])
         out: list[Any] = [None] * len(items)
-        for rank, part in enumerate(self.all_gather(mine)):
+        for rank, part in enumerate(self.all_gather(done_here)):
             out[rank :: self.world] = part
         return out
 
@@ -244,7 +244,7 @@ def rollout_sharded(run, examples: list, step: int, round_: int = 0):
     cfg = run.config
     bounds = shard_bounds(len(examples), cfg.distributed.rollout_shards)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    mine = []
+    rolled_here = []
     for shard in run.dist.share(len(bounds)):
         if not bounds[shard]:
             continue
@@ -258,8 +258,8 @@ def rollout_sharded(run, examples: list, step: int, round_: int = 0):
                 cfg.grpo.group_size,
                 cfg.rollout,
             )
-        mine.append((shard, result))
-    parts = run.dist.all_gather(mine)
+        rolled_here.append((shard, result))
+    parts = run.dist.all_gather(rolled_here)
     results = [r for _, r in sorted((p for part in parts for p in part), key=lambda p: p[0])]
 
     def slowest(name: str) -> float:
@@ -282,23 +282,23 @@ def split_behaviour(run, groups: list[list], step: int) -> tuple[list, float]:
     step order (ids by step index), the token-weighted mean entropy, and the ledger's
     behaviour tokens of all ranks."""
     cfg = run.config
-    mine = run.dist.share(len(groups))
-    local, entropy, forwarded = behaviour_groups(
+    dealt = run.dist.share(len(groups))
+    scored, entropy, forwarded = behaviour_groups(
         run.model,
-        [groups[i] for i in mine],
+        [groups[i] for i in dealt],
         step,
-        mine,
+        dealt,
         cfg.grpo.score_chunk,
         cfg.rollout.temperature,
         run.autocast,
     )
     if run.dist.world == 1:
         run.cost.behaviour_tf_tokens += forwarded
-        return local, entropy
-    tokens = sum(g.num_tokens for g in local)
+        return scored, entropy
+    tokens = sum(g.num_tokens for g in scored)
     totals = run.dist.sum({"entropy": entropy * tokens, "tokens": tokens, "forwarded": forwarded})
     run.cost.behaviour_tf_tokens += int(totals["forwarded"])
-    pairs = [p for part in run.dist.all_gather(list(zip(mine, local, strict=True))) for p in part]
+    pairs = [p for part in run.dist.all_gather(list(zip(dealt, scored, strict=True))) for p in part]
     fresh = [g for _, g in sorted(pairs, key=lambda p: p[0])]
     return fresh, totals["entropy"] / max(totals["tokens"], 1.0)
 

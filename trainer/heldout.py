@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from agent_env.rewards import best_at_k, mean_at_k
-from hdr.errors import UserError, warn
+from core.errors import UserError, warn
 
 
 def heldout_eval(run, step: int) -> dict[str, Any] | None:

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hdr.errors import UserError
-from hdr.progress import progress, say
+from core.errors import UserError
+from core.progress import progress, say
 from trainer import distributed
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainConfig
@@ -62,9 +62,10 @@ from trainer.grpo import (
     truncated_is_weights,
     weighted_advantages,
 )
-from trainer.replay import SELECTORS, Selection, StoredGroup, headroom, policy_drift
+from trainer.replay import Selection, StoredGroup, headroom, policy_drift
 from trainer.run import Run, StopSignals, save, save_final, setup_run
 from trainer.scoring import align, concat_left_padded, forward_logprobs, left_pad
+from trainer.selectors import SELECTORS
 from trainer.telemetry import StepCost, StepRecord, quantiles
 
 if TYPE_CHECKING:
@@ -352,8 +353,8 @@ class Batch:
     def shard(self, rank: int, world: int) -> Batch:
         """This process's round-robin share of the groups. A process dealt none takes the
         first group with `scale` 0, so it still joins the gradient all-reduce."""
-        mine = list(range(rank, len(self.groups), world))
-        take = mine or [0]
+        dealt = list(range(rank, len(self.groups), world))
+        take = dealt or [0]
         return Batch(
             groups=[self.groups[j] for j in take],
             advantages=[self.advantages[j] for j in take],
@@ -362,7 +363,7 @@ class Batch:
             ],
             positions=[self.positions[j] for j in take],
             first_replayed=self.first_replayed,
-            scale=1.0 if mine else 0.0,
+            scale=1.0 if dealt else 0.0,
         )  # fmt: skip
 
     def rows(self) -> Rows:
@@ -441,11 +442,9 @@ class Chunk:
 
 
 def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -> UpdateStats:
-    """`grpo.updates_per_step` optimizer passes over `batch`, in micro-batches whose gradients
-    add up to the token mean over the whole batch: each process trains on its share of the
-    groups and the gradients are summed across processes (trainer/distributed.py).
-    `scanned`: the replayed groups' scan log-probs with their graphs (one process), which the
-    first pass backpropagates through instead of forwarding those rows again."""
+    """`grpo.updates_per_step` optimizer passes over `batch` in micro-batches whose gradients
+    add up to the whole batch's token mean (each process trains on its share, gradients are
+    summed across processes). `scanned`: see `pass_chunks`."""
     cfg = run.config.grpo
     run.cost.update_tf_tokens += sum(int(g.attention_mask.sum()) for g in batch.groups) * (
         cfg.updates_per_step
@@ -454,8 +453,8 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
         run.scheduler.step()
         return UpdateStats(0.0, 0.0, 0.0, [], [])
     total = batch.policy_tokens  # global: every process divides by the whole batch's tokens
-    mine = batch.shard(run.dist.rank, run.dist.world)
-    rows = mine.rows()
+    shard = batch.shard(run.dist.rank, run.dist.world)
+    rows = shard.rows()
     first_pass = torch.zeros_like(rows.old_logprobs)
     run.model.train()
     loss_sum = kl_sum = 0.0
@@ -463,10 +462,10 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
         run.optimizer.zero_grad(set_to_none=True)
         work = pass_chunks(rows, cfg.micro_batch, scanned if p == 0 else None)
         for c, chunk in enumerate(work):
-            share = float(rows.loss_mask[chunk.rows].sum() / total) * mine.scale
+            share = float(rows.loss_mask[chunk.rows].sum() / total) * shard.scale
             with distributed.accumulate(run.policy, sync=c == len(work) - 1):
                 loss, kl, lp = chunk_loss(run, rows, chunk)
-                (loss * rows.loss_mask[chunk.rows].sum() / total * mine.scale).backward()
+                (loss * rows.loss_mask[chunk.rows].sum() / total * shard.scale).backward()
             loss_sum += float(loss.detach()) * share / cfg.updates_per_step
             kl_sum += kl * share / cfg.updates_per_step
             if p == 0:
@@ -476,9 +475,9 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
         run.optimizer.zero_grad(set_to_none=True)  # gradients freed before the next phase
     run.scheduler.step()
     run.model.eval()
-    drift, room = replay_telemetry(run, mine, first_pass)
+    drift, refreshed_headroom = replay_telemetry(run, shard, first_pass)
     sums = run.dist.sum({"loss": loss_sum, "kl": kl_sum})
-    return UpdateStats(sums["loss"], grad_norm, sums["kl"], drift, room)
+    return UpdateStats(sums["loss"], grad_norm, sums["kl"], drift, refreshed_headroom)
 
 
 def micro_batches(attention_mask: Tensor, size: int) -> list[Chunk]:
@@ -530,13 +529,13 @@ def chunk_loss(run: Run, rows: Rows, chunk: Chunk) -> tuple[Tensor, float, Tenso
     return loss, kl, lp.detach().float().cpu()
 
 
-def replay_telemetry(run: Run, mine: Batch, first_pass: Tensor) -> tuple[list[float], list[float]]:
+def replay_telemetry(run: Run, shard: Batch, first_pass: Tensor) -> tuple[list[float], list[float]]:
     """Drift and headroom of each replayed group under the pre-update policy (the update's
     first pass), in selection order; each process measures the groups it trained on."""
     found, row = [], 0
-    for at, g in zip(mine.positions, mine.groups, strict=True):
+    for at, g in zip(shard.positions, shard.groups, strict=True):
         G, T = g.input_ids.shape
-        if at >= mine.first_replayed and mine.scale:
+        if at >= shard.first_replayed and shard.scale:
             lp = first_pass[row : row + G, first_pass.shape[1] - T :]
             norm = run.config.replay.drift_norm
             drift = float(policy_drift(lp, g.gen_logprobs, g.loss_mask, norm))

@@ -21,16 +21,17 @@ re-scoring x gate x norm, all sharing that scan: `on_policy` (no replay), `repla
 `drift_only` (recency order, gated), `headroom_drift` (headroom order, gated, norm from the
 config, L2 by default), `headroom_drift_l1` (the same with the L1 gate). Two published GRPO
 replay rules are `SampledReplay`s (random draws by a score, no re-scoring):
-`replay_freshness_per` and `replay_zero_variance_swap`. Every rule is registered by name in
-`SELECTORS` and reads its own small params dataclass (`ScanParams`, `FreshnessParams`,
-`SwapParams`).
+`replay_freshness_per` and `replay_zero_variance_swap`. Every rule is in `RULES` by name
+(`trainer.selectors` registers them for configs) and reads its own small params dataclass
+(`ScanParams`, `FreshnessParams`, `SwapParams`).
 
 Departures from the paper: the scan's chunk is never larger than the number of slots still
 open, so the scan never scores a candidate it could not admit; candidates that entered at or
 after the current step are skipped (ingress happens after the update, so in the training loop
 there are none). The initial stored headroom is computed from the generation-time log-probs.
 
-This module is pure tensor code: it knows nothing of models, HTTP or config.
+This module is pure tensor code: it imports torch and `trainer.grpo` only and knows nothing
+of models, HTTP or config, so another trainer can lift it (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from hdr.registry import Registry
 from trainer.grpo import masked_mean
 
 DRIFT_NORMS = ("l2", "l1")
@@ -282,9 +282,6 @@ class Selector(Protocol):
     ) -> Selection: ...
 
 
-SELECTORS: Registry[Selector] = Registry("replay selector")
-
-
 def eligible(buffer: ReplayBuffer, step: int) -> list[StoredGroup]:
     """Groups that entered before `step` (never the step's own groups), oldest first."""
     return [g for g in buffer if g.entered_step < step]
@@ -374,10 +371,6 @@ ORDERED_ARMS = {
     "headroom_drift": OrderedReplay(by_headroom, rescore=True, gated=True),
     "headroom_drift_l1": OrderedReplay(by_headroom, rescore=True, gated=True, norm="l1"),
 }
-for _name, _arm in ORDERED_ARMS.items():
-    SELECTORS.register(_name)(_arm)
-
-
 # --- published replay rules for GRPO (no re-scoring, stored behaviour log-probs) -----------
 
 
@@ -476,5 +469,10 @@ def draw_for_flat_groups(
     )
 
 
-SELECTORS.register("replay_freshness_per")(SampledReplay(draw_by_freshness, FreshnessParams))
-SELECTORS.register("replay_zero_variance_swap")(SampledReplay(draw_for_flat_groups, SwapParams))
+PUBLISHED_RULES = {
+    "replay_freshness_per": SampledReplay(draw_by_freshness, FreshnessParams),
+    "replay_zero_variance_swap": SampledReplay(draw_for_flat_groups, SwapParams),
+}
+
+RULES: dict[str, Selector] = {**ORDERED_ARMS, **PUBLISHED_RULES}
+"""Every replay rule by name (`trainer.selectors.SELECTORS` registers them for configs)."""

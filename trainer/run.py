@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hdr.config import dump_config, load_config
-from hdr.errors import RunInterrupted, UserError
-from hdr.paths import RUN, check_output, local_model
-from hdr.progress import say
+from core.config import dump_config, load_config
+from core.errors import RunInterrupted, UserError
+from core.paths import RUN, check_output, local_model
+from core.progress import say
 from trainer import distributed
 from trainer.checkpoint import (
     Checkpoint,

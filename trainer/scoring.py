@@ -284,7 +284,7 @@ def behaviour_groups(
     forwarded = forwarded_tokens(ids, attn, mask)
     with torch.no_grad(), compute():
         lp, ent = token_logprobs(model, ids, attn, mask, chunk_size, temperature, with_entropy=True)
-    gen, ent = align(lp) * mask, align(ent)  # (b*G, T)
+    gen_logprobs, ent = align(lp) * mask, align(ent)  # (b*G, T)
     rewards = torch.tensor([[t.reward for t in group] for group in groups])  # (b, G)
     advantages = group_advantages(rewards)
     fresh, G = [], len(groups[0])
@@ -295,7 +295,14 @@ def behaviour_groups(
         gid = f"s{step}/{indices[k]}/{group[0].example.id}"
         fresh.append(
             make_group(
-                gid, ids[own], attn[own], mask[own], gen[own], rewards[k], advantages[k], step
+                gid,
+                ids[own],
+                attn[own],
+                mask[own],
+                gen_logprobs[own],
+                rewards[k],
+                advantages[k],
+                step,
             )
         )
     return fresh, float(masked_mean(ent, mask)), forwarded

@@ -23,8 +23,8 @@ from typing import Literal, Protocol
 
 from pydantic import Field, field_validator
 
-from hdr.config import StrictModel
-from hdr.registry import Registry
+from core.config import StrictModel
+from core.registry import Registry
 
 FinishReason = Literal["eos", "stop", "length"]
 

@@ -30,7 +30,7 @@ import os
 
 from agent_env.generation.base import GENERATORS, Completion, SamplingParams
 from agent_env.prompts import STOP_STRINGS
-from hdr.errors import UserError
+from core.errors import UserError
 
 VLLM_RANGE = (">=0.10.2", "<0.12")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hdr.registry import Registry
+from core.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from agent_env.policy import TinyPolicyConfig
+from core.config import StrictModel, build_config, format_validation_error, read_config_file
+from core.errors import UserError
 from evaluation.experiment.arms import ARMS
-from hdr.config import StrictModel, build_config, format_validation_error, read_config_file
-from hdr.errors import UserError
+from models.tiny import TinyPolicyConfig
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
 MAIN_PRESET = "main"

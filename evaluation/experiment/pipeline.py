@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from core.errors import RunInterrupted
+from core.paths import EXPERIMENT, check_folder, check_output, write_json_atomic, write_text_atomic
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.experiment.report import results_markdown
 from evaluation.experiment.runs import RunResult, final_eval, heldout_set, run_all
@@ -14,8 +16,6 @@ from evaluation.experiment.server import ensure_index, serve
 from evaluation.experiment.sft_start import ensure_sft
 from evaluation.experiment.summary import ExperimentResults, machine_info, summarize
 from evaluation.experiment.train_configs import base_train_config
-from hdr.errors import RunInterrupted
-from hdr.paths import EXPERIMENT, check_folder, check_output, write_json_atomic, write_text_atomic
 
 
 @contextmanager

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.progress import say
 from evaluation.experiment.arms import ARMS, Arm
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.experiment.server import die_with_parent
 from evaluation.experiment.train_configs import arm_train_config
-from hdr.progress import say
 
 if TYPE_CHECKING:
     from evaluation.evaluate import EvalDataset, EvalReport

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from core.errors import UserError
 from evaluation.experiment.config import ExperimentConfig
-from hdr.errors import UserError
 
 
 def run_hdr_subcommand(*args: str, log: Path | None = None) -> None:

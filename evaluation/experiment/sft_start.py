@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.progress import say
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.experiment.train_configs import base_train_config
-from hdr.progress import say
 
 
 def short_hash(value: Any) -> str:
@@ -32,7 +32,7 @@ def policy_hash(cfg: ExperimentConfig) -> str:
 def ensure_policy(cfg: ExperimentConfig) -> Path:
     """The tiny policy under the data dir (`tiny-policy`, or `tiny-policy-<hash>` for a
     non-default `policy`), built once."""
-    from agent_env.policy import init_tiny_policy, vital_corpus_texts
+    from models.tiny import init_tiny_policy, vital_corpus_texts
 
     tag = policy_hash(cfg)
     path = Path(cfg.data_dir) / ("tiny-policy" + (f"-{tag}" if tag else ""))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+from core.errors import UserError
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.metrics import (
     Interval,
@@ -29,7 +30,6 @@ from evaluation.metrics import (
     paired_verdict,
     seed_t_interval,
 )
-from hdr.errors import UserError
 from trainer.telemetry import cost_totals
 
 if TYPE_CHECKING:

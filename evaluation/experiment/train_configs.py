@@ -7,9 +7,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from core.errors import UserError
 from evaluation.experiment.arms import Arm
 from evaluation.experiment.config import ExperimentConfig
-from hdr.errors import UserError
 
 
 def base_train_config(
@@ -21,7 +21,7 @@ def base_train_config(
     extra: Sequence[str] = (),
 ):
     """The TrainConfig every arm starts from: the base YAML + the experiment's settings."""
-    from hdr.config import load_config
+    from core.config import load_config
     from trainer.config import TrainConfig
 
     overrides = [

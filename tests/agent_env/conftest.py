@@ -12,7 +12,7 @@ import pytest
 def tiny_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`hdr init-model` in-process on a corpus sample. init_std 0.3 makes the random model's
     distributions peaked, so a log-prob mismatch (top-k, position ids) shows clearly."""
-    from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
+    from models.tiny import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
 
     out = tmp_path_factory.mktemp("tiny-policy")
     config = TinyPolicyConfig(max_texts=6000, init_std=0.3)

@@ -54,7 +54,7 @@ def test_hdr_rollout_writes_trajectories(tiny_policy_dir, retrieval_url, tmp_pat
 
 
 def test_bad_override_is_one_line(tiny_policy_dir, retrieval_url) -> None:
-    from hdr.errors import UserError
+    from core.errors import UserError
 
     result = CliRunner().invoke(
         app, ["rollout", "--model", str(tiny_policy_dir), "--set", "max_turn=3"]

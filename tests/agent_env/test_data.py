@@ -14,7 +14,7 @@ from agent_env.data import (
     load_task,
     wiki_vital_examples,
 )
-from hdr.errors import UserError
+from core.errors import UserError
 
 
 def test_flashrag_jsonl(tmp_path: Path) -> None:

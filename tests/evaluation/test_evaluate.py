@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from core.errors import UserError
 from evaluation.evaluate import (
     PARTIAL,
     EvalConfig,
@@ -25,13 +26,12 @@ from evaluation.evaluate import (
     load_eval_datasets,
     load_report,
 )
-from hdr.errors import UserError
 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory) -> Path:
     """A real tiny Llama + BPE tokenizer (untrained), small enough to build in seconds."""
-    from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
+    from models.tiny import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
 
     config = TinyPolicyConfig(
         vocab_size=1024,

@@ -16,6 +16,7 @@ from agent_env.rewards import (
     per_question_best,
     per_question_mean,
 )
+from core.paths import write_json_atomic, write_text_atomic
 from evaluation.metrics import (
     DatasetScore,
     average_scores,
@@ -27,7 +28,6 @@ from evaluation.metrics import (
     recognize_dataset,
     score_dataset,
 )
-from hdr.paths import write_json_atomic, write_text_atomic
 
 
 def test_mean_and_best_at_k_by_hand():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from processes import alive, children
 
+from core.errors import UserError
 from evaluation.evaluate import DatasetResult, EvalReport
 from evaluation.experiment.arms import ARMS
 from evaluation.experiment.config import experiment_config, read_preset
@@ -22,7 +23,6 @@ from evaluation.experiment.runs import RunResult, run_order
 from evaluation.experiment.sft_start import ensure_policy, sft_prerequisite, sft_start_dir
 from evaluation.experiment.summary import run_costs, summarize
 from evaluation.experiment.train_configs import arm_train_config
-from hdr.errors import UserError
 from trainer.telemetry import StepCost
 
 REPO = Path(__file__).resolve().parents[2]

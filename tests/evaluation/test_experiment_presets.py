@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import UserError
 from evaluation.experiment.config import (
     PRESETS_DIR,
     ExperimentConfig,
@@ -17,7 +18,6 @@ from evaluation.experiment.config import (
     preset_names,
     read_preset,
 )
-from hdr.errors import UserError
 
 HDR = str(Path(sys.executable).with_name("hdr"))
 PRESET_FILES = sorted(PRESETS_DIR.glob("*.yaml"))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
+from core.errors import UserError
 from evaluation.plots import load_run, plot_run_dirs, read_jsonl, run_label
-from hdr.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -58,8 +58,8 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
 def work(tmp_path_factory) -> Path:
     """A user's folder: a corpus, a BM25 index of it, a tiny model, a finished-looking run, a
     training config pointing at them, and unrelated files of their own."""
-    from agent_env.policy import TinyPolicyConfig, init_tiny_policy
-    from hdr.config import dump_config, load_config
+    from core.config import dump_config, load_config
+    from models.tiny import TinyPolicyConfig, init_tiny_policy
     from retrieval_server.index_build import build_index
     from trainer.config import TrainConfig
 
@@ -214,8 +214,8 @@ def test_a_model_is_replaced_only_with_force_and_other_files_stay(work: Path) ->
 
 
 def test_a_finished_run_is_started_over_only_with_force(work: Path, tmp_path: Path) -> None:
-    from hdr.config import load_config
-    from hdr.errors import UserError
+    from core.config import load_config
+    from core.errors import UserError
     from trainer.config import TrainConfig
     from trainer.run import check_run_dir, clear_run
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from servers import running_server
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 
 def timed_post(url: str, queries: list[str]) -> float:
@@ -52,7 +52,7 @@ def test_rate_limit_spaces_requests(small_index: Path) -> None:
 
 
 def test_emulated_cost_is_off_by_default_and_validated(small_index: Path) -> None:
-    from hdr.config import load_config
+    from core.config import load_config
     from retrieval_server.config import ServerConfig
 
     config = load_config(ServerConfig, None, [f"index_dir={small_index}"])

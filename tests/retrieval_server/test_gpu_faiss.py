@@ -12,8 +12,8 @@ from pathlib import Path
 import faiss
 import pytest
 
-from hdr.config import build_config
-from hdr.errors import UserError
+from core.config import build_config
+from core.errors import UserError
 from retrieval_server.config import DenseSearchConfig, ServerConfig
 from retrieval_server.gpu_faiss import (
     GPU_MAX_K,

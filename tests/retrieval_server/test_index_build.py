@@ -17,7 +17,7 @@ import pytest
 from corpora import WIKI18_SAMPLE
 from servers import running_server
 
-from hdr.errors import UserError
+from core.errors import UserError
 from retrieval_server.config import EncoderConfig, ServerConfig
 from retrieval_server.encoder import Encoder, encoder_spec
 from retrieval_server.index import MANIFEST, load_index, read_manifest, validate_index

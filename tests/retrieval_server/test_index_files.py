@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hdr.errors import UserError
+from core.errors import UserError
 from retrieval_server.config import ServerConfig
 from retrieval_server.encoder import DEFAULT_ENCODER, guess_prefixes, resolve_encoder
 from retrieval_server.index import MANIFEST, corpus_fingerprint, load_index, validate_index

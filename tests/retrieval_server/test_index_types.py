@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from servers import running_server
 
-from hdr.errors import UserError
+from core.errors import UserError
 from retrieval_server.config import DenseSearchConfig
 from retrieval_server.corpus import iter_vital_articles
 from retrieval_server.index import MANIFEST, load_index, read_manifest

@@ -88,7 +88,7 @@ def test_entrypoint_commands_are_real_hdr_subcommands(image):
 def test_trainer_overrides_name_real_config_keys(tmp_path):
     """The dotted overrides the trainer entrypoint gives `hdr sft` and `hdr train` are keys
     of TrainConfig in both shipped configs."""
-    from hdr.config import load_config
+    from core.config import load_config
     from trainer.config import TrainConfig
 
     script = ENTRYPOINTS["trainer"].read_text()

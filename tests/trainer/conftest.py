@@ -57,7 +57,7 @@ def small_qa(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> Path:
     """An untrained tiny Llama + BPE tokenizer from agent_env (smaller than the default)."""
-    from agent_env.policy import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
+    from models.tiny import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
 
     out = tmp_path_factory.mktemp("policy") / "tiny"
     config = TinyPolicyConfig(
@@ -101,7 +101,7 @@ def tiny_overrides(url: str, model: Path, qa: Path, out: Path, *extra: str) -> l
 @pytest.fixture(scope="session")
 def sft_policy(tiny_policy, small_qa, retrieval_url, tmp_path_factory) -> Path:
     """The tiny policy after a short `hdr sft` on the small task (uses the tags)."""
-    from hdr.config import load_config
+    from core.config import load_config
     from trainer.config import TrainConfig
     from trainer.sft import run_sft
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from hdr.config import load_config
-from hdr.errors import UserError
+from core.config import load_config
+from core.errors import UserError
 from trainer.config import TrainConfig
 from trainer.loop import sample_prompts
 from trainer.run import lr_lambda

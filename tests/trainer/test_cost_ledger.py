@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import TINY_CPU, tiny_overrides
 
-from hdr.config import load_config
+from core.config import load_config
 from trainer.config import TrainConfig
 from trainer.loop import FreshBatch, record_cost, sample_prompts, train
 from trainer.replay import Selection, StoredGroup

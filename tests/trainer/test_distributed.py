@@ -17,14 +17,15 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from conftest import tiny_llama
 
-from hdr.errors import UserError
+from core.errors import UserError
 from trainer import distributed
 from trainer.checkpoint import Checkpoint, TrainState, capture_rng, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import assemble_batch, update_policy
-from trainer.replay import SELECTORS, ReplayBuffer, make_group
+from trainer.replay import ReplayBuffer, make_group
 from trainer.run import Run, build_optimizer
 from trainer.scoring import score_groups
+from trainer.selectors import SELECTORS
 
 STEPS = 3
 TIMEOUT_S = 480  # a hang guard; a loaded 2-core machine needs minutes to start torch twice

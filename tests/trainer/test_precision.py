@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import TINY_CPU, tiny_llama, tiny_overrides
 
-from hdr.config import load_config
-from hdr.errors import UserError
+from core.config import load_config
+from core.errors import UserError
 from trainer.config import TrainConfig
 from trainer.scoring import forward_logprobs
 

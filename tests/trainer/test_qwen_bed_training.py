@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, TINY_CPU, tiny_overrides
 
-from hdr.config import load_config
+from core.config import load_config
 from trainer.config import TrainConfig
 
 SEARCH_R1_3B = REPO / "configs" / "search-r1-qwen2.5-3b.yaml"

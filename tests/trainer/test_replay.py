@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from hdr.errors import UserError
+from core.errors import UserError
 from trainer.replay import (
-    SELECTORS,
     FreshnessParams,
     ReplayBuffer,
     ScanParams,
@@ -20,6 +19,7 @@ from trainer.replay import (
     policy_drift,
     zero_variance_swap_score,
 )
+from trainer.selectors import SELECTORS
 
 LN = math.log
 

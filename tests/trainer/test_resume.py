@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY_CPU, tiny_overrides
 from safetensors.torch import load_file
 
-from hdr.errors import UserError
+from core.errors import UserError
 from trainer.checkpoint import list_checkpoints, open_checkpoint
 from trainer.telemetry import COUNT_KEYS
 

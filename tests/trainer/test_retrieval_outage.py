@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY_CPU, tiny_overrides
 
-from hdr.config import load_config
-from hdr.errors import UserError
+from core.config import load_config
+from core.errors import UserError
 from trainer.checkpoint import list_checkpoints, open_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import train

@@ -4,8 +4,9 @@ padding, target masks, and the drift of a stored group before and after an updat
 import torch
 
 from trainer.grpo import policy_loss, token_entropy
-from trainer.replay import SELECTORS, ReplayBuffer, ScanParams, make_group, policy_drift
+from trainer.replay import ReplayBuffer, ScanParams, make_group, policy_drift
 from trainer.scoring import align, left_pad, score_groups, token_logprobs
+from trainer.selectors import SELECTORS
 
 
 def plain_logits(model, row: list[int]) -> torch.Tensor:

@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import TINY_CPU, tiny_overrides
 
-from hdr.config import load_config
+from core.config import load_config
 from trainer.calibrate import CalibrationPoint, calibrate, log_spaced, recommend
 from trainer.config import TrainConfig
 

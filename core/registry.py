@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 T = TypeVar("T")
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hdr.errors import UserError
+from core.errors import UserError
 
 FORCE_HELP = "Replace an existing output of the same kind (never other files, never inputs)."
 

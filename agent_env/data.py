@@ -5,6 +5,9 @@ the question is an article's short description ("1968 film by Stanley Kubrick"),
 its title. Descriptions that several articles share ("Country in Europe") are dropped, since
 they have no single answer, and so are empty ones. The split is by a hash of the title
 (md5 mod 10 == 0 is test, about 10%), so it never changes when articles are added or reordered.
+The training questions split once more, by the same hash, into `sft` (three quarters) and
+`rl` (one quarter), so a supervised start, RL and the test can use disjoint questions;
+`train` is both.
 Example ids are the article's position in the package file (= its corpus line id as written
 by `hdr index prepare-wiki`), prefixed with the data source as every QAExample id is.
 
@@ -133,12 +136,33 @@ def is_test_title(title: str) -> bool:
     return int(hashlib.md5(title.encode("utf-8")).hexdigest(), 16) % 10 == 0
 
 
+SPLITS = ("all", "train", "sft", "rl", "test")
+
+
+def split_of(title: str) -> str:
+    """The finest split a title falls in: `test` (md5 mod 10 == 0, as `is_test_title`), else
+    `rl` when the quotient's remainder mod 4 is 0 (a quarter of the training questions), else
+    `sft`."""
+    digest = int(hashlib.md5(title.encode("utf-8")).hexdigest(), 16)
+    if digest % 10 == 0:
+        return "test"
+    return "rl" if (digest // 10) % 4 == 0 else "sft"
+
+
+def in_split(title: str, split: str) -> bool:
+    """Whether a title belongs to `split` (one of `SPLITS`; `train` is `sft` + `rl`)."""
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    finest = split_of(title)
+    return split == "all" or finest == split or (split == "train" and finest != "test")
+
+
 def wiki_vital_examples(split: str = "test") -> list[QAExample]:
     """The embedded task: description -> title, unique non-empty descriptions only."""
     from retrieval_server.corpus import iter_vital_articles
 
-    if split not in ("train", "test", "all"):
-        raise UserError(f"unknown wiki-vital split {split!r}; valid: all, test, train")
+    if split not in SPLITS:
+        raise UserError(f"unknown wiki-vital split {split!r}; valid: {', '.join(SPLITS)}")
     articles = list(iter_vital_articles())
     counts = Counter(a.description.strip() for a in articles)
     examples = []
@@ -146,7 +170,7 @@ def wiki_vital_examples(split: str = "test") -> list[QAExample]:
         question = article.description.strip()
         if not question or counts[question] > 1:
             continue
-        if split != "all" and is_test_title(article.title) != (split == "test"):
+        if not in_split(article.title, split):
             continue
         examples.append(
             QAExample(
@@ -201,13 +225,13 @@ def wiki_bridge_examples(split: str = "test", limit: int | None = None) -> list[
 
     from retrieval_server.corpus import iter_vital_articles
 
-    if split not in ("train", "test", "all"):
-        raise UserError(f"unknown wiki-bridge split {split!r}; valid: all, test, train")
+    if split not in SPLITS:
+        raise UserError(f"unknown wiki-bridge split {split!r}; valid: {', '.join(SPLITS)}")
     articles = list(itertools.islice(iter_vital_articles(), limit))
     examples = []
     for i, j in bridge_pairs(articles):
         bridge = articles[i]
-        if split != "all" and is_test_title(bridge.title) != (split == "test"):
+        if not in_split(bridge.title, split):
             continue
         examples.append(
             QAExample(

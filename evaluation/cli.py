@@ -100,6 +100,63 @@ def plot_command(
         typer.echo(str(path))
 
 
+POWER_EXAMPLE = """Example (a pilot: on_policy and headroom_drift, 2 seeds, the design's settings):
+
+  hdr power --pilot runs/pilot --seeds 3,5,8 --questions 910 --k 8
+"""
+
+
+def power_command(
+    pilot: list[Path] = typer.Option(..., "--pilot", help="Pilot experiment out dir (repeatable)."),
+    seeds: str = typer.Option("3,5,8", "--seeds", help="Seed counts to size (comma-separated)."),
+    questions: str = typer.Option("910", "--questions", help="Held-out question counts."),
+    k: str = typer.Option("8", "--k", help="Samples per question (comma-separated)."),
+    pair: list[str] = typer.Option(
+        None,
+        "--pair",
+        help="ARM,REFERENCE[,METRIC] to size (repeatable; default: the pilot's contrasts).",
+    ),
+    alpha: float = typer.Option(0.05, "--alpha", min=1e-6, max=0.5, help="Two-sided level."),
+    power: float = typer.Option(0.8, "--power", min=0.05, max=0.999, help="Power to detect."),
+) -> None:
+    """The minimum detectable effect of each contrast for each design (seeds x questions x
+    k), from the variances measured on pilot runs; and each pilot run's gain over the SFT
+    start against three times the primary contrast's MDE (the go/no-go)."""
+    from core.errors import UserError
+    from evaluation.experiment.power import Design, power_table, print_power
+
+    def counts(text: str, what: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise UserError(f"--{what} takes comma-separated whole numbers, not {text!r}") from None
+        if not values or min(values) < 1:
+            raise UserError(f"--{what} needs positive whole numbers, not {text!r}")
+        return values
+
+    designs = [
+        Design(s, q, kk)
+        for s in counts(seeds, "seeds")
+        for q in counts(questions, "questions")
+        for kk in counts(k, "k")
+    ]
+    if min(d.seeds for d in designs) < 2:
+        raise UserError("--seeds: an interval over seeds needs at least 2")
+    pairs = None
+    if pair:
+        pairs = []
+        for text in pair:
+            parts = [p.strip() for p in text.split(",")]
+            if len(parts) not in (2, 3):
+                raise UserError(f"--pair takes ARM,REFERENCE[,METRIC], not {text!r}")
+            metric = parts[2] if len(parts) == 3 else "mean_at_k"
+            if metric not in ("mean_at_k", "best_at_k", "greedy_em"):
+                raise UserError("--pair metric must be mean_at_k, best_at_k or greedy_em")
+            pairs.append((parts[0], parts[1], metric, not pairs))
+    rows, notes = power_table(pilot, designs, pairs, alpha, power)
+    typer.echo(print_power(rows, notes, designs))
+
+
 def experiment_command(
     data_dir: Path = typer.Option(
         Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
@@ -186,6 +243,7 @@ def register(app: typer.Typer) -> None:
     app.command("eval", epilog=EVAL_EXAMPLES)(eval_command)
     app.command("plot", epilog=PLOT_EXAMPLE)(plot_command)
     app.command("experiment", epilog=EXPERIMENT_EXAMPLES)(experiment_command)
+    app.command("power", epilog=POWER_EXAMPLE)(power_command)
     app.command("demo", epilog=DEMO_EXAMPLE)(demo_command)
     register_config("eval", "evaluation.evaluate:EvalConfig")
     for command in ("experiment", "demo"):

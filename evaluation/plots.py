@@ -424,19 +424,22 @@ COST_AXES = {
 }
 
 
-def _with_cumulative_cost(run: RunData) -> list[dict[str, Any]]:
-    """The run's eval rows with `cum_<axis>`: each cost axis summed over steps <= the row's."""
+def with_cumulative_cost(
+    metrics: list[dict[str, Any]], evals: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A run's eval rows with `cum_<axis>`: each cost axis of `COST_AXES` summed over the
+    steps up to the row's (from metrics.jsonl's ledger), and `cum_wall_seconds`."""
     totals = dict.fromkeys(COST_AXES, 0.0)
-    by_step: dict[int, dict[str, float]] = {0: dict(totals)}
-    for row in run.metrics:
+    by_step: dict[int, dict[str, float]] = {0: {**totals, "wall_seconds": 0.0}}
+    for row in metrics:
         if not all(k in row for keys, _, _ in COST_AXES.values() for k in keys):
             return []  # a run logged before the cost ledger existed
         for axis, (keys, _, _) in COST_AXES.items():
             totals[axis] += sum(float(row[k]) for k in keys)
-        by_step[int(row["step"])] = dict(totals)
+        by_step[int(row["step"])] = {**totals, "wall_seconds": float(row["wall_time_total"])}
     return [
         {**e, **{f"cum_{a}": v for a, v in by_step[int(e["step"])].items()}}
-        for e in run.evals
+        for e in evals
         if int(e.get("step", -1)) in by_step
     ]
 
@@ -445,7 +448,14 @@ def plot_quality_vs_cost(groups: dict[str, list[RunData]], out_dir: Path) -> lis
     """Held-out Mean@k and Best@k against each cumulative cost axis, one line per arm."""
     costed = {
         label: [
-            RunData(r.path, r.label, r.seed, r.metrics, _with_cumulative_cost(r), config=r.config)
+            RunData(
+                r.path,
+                r.label,
+                r.seed,
+                r.metrics,
+                with_cumulative_cost(r.metrics, r.evals),
+                config=r.config,
+            )
             for r in runs
         ]
         for label, runs in groups.items()

@@ -64,7 +64,9 @@ class GRPOConfig(StrictModel):
 
     batch_prompts: int = Field(16, ge=1, description="b: fresh prompts per step.")
     group_size: int = Field(8, ge=2, description="G: sampled responses per prompt.")
-    lr: float = Field(5e-5, gt=0, description="AdamW peak learning rate.")
+    lr: float = Field(
+        5e-5, ge=0, description="AdamW peak learning rate (0: a control run that never moves)."
+    )
     warmup_steps: int = Field(3, ge=0, description="Linear warmup steps from 0 to `lr`.")
     schedule: Literal["constant", "cosine"] = Field(
         "constant", description="After warmup: constant, or cosine decay to 0 at the last step."
@@ -203,6 +205,11 @@ class SFTConfig(StrictModel):
     grad_clip: float = Field(1.0, gt=0, description="Gradient L2-norm clip.")
     max_examples: int | None = Field(
         None, ge=1, description="Use only the first N training questions (None: all)."
+    )
+    split: str | None = Field(
+        None,
+        description="Split of the training task the trajectories come from (None:"
+        " data.train_split); `sft` keeps them apart from the `rl` questions RL then trains on.",
     )
     rollout_chunk: int = Field(512, ge=1, description="Questions per scripted rollout call.")
     length_batches: bool = Field(

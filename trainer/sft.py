@@ -198,7 +198,8 @@ def run_sft(config, force: bool = False) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(init))
     model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
     model = model.to(config.model.device)
-    examples = load_task(config.data.train, config.data.train_split)[: sft.max_examples]
+    examples = load_task(config.data.train, sft.split or config.data.train_split)
+    examples = examples[: sft.max_examples]
     if not examples:
         raise UserError(f"training task {config.data.train!r} has no questions")
     heldout = heldout_subset(

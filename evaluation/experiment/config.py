@@ -10,6 +10,7 @@ is named by its file stem (`bridge`) or given as a path to any YAML file.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,11 +18,36 @@ from pydantic import Field, ValidationError
 
 from core.config import StrictModel, build_config, format_validation_error, read_config_file
 from core.errors import UserError
-from evaluation.experiment.arms import ARMS
+from evaluation.experiment.arms import ARMS, Arm
 from models.tiny import TinyPolicyConfig
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
 MAIN_PRESET = "main"
+
+
+class Contrast(StrictModel):
+    """A comparison declared before the runs: `arm` minus `reference` on one held-out metric,
+    paired by seed and question."""
+
+    arm: str = Field(description="The arm (or variant) under test.")
+    reference: str = Field(description="The arm (or variant) it is compared with.")
+    metric: Literal["mean_at_k", "best_at_k", "greedy_em"] = Field(
+        "mean_at_k", description="The held-out metric of the final evaluation."
+    )
+    primary: bool = Field(
+        False,
+        description="A pre-declared primary contrast, tested at `alpha` on its own; all the"
+        " others are Holm-corrected together.",
+    )
+
+
+class ArmVariant(StrictModel):
+    """A registered arm trained with extra overrides under a name of its own (an lr = 0
+    control, the drift gate at another tau)."""
+
+    name: str = Field(description="The variant's name in `arms`, `references`, `contrasts`.")
+    arm: str = Field(description="The registered arm it varies.")
+    overrides: list[str] = Field(description="Dotted TrainConfig overrides, after the arm's.")
 
 
 class ExperimentConfig(StrictModel):
@@ -68,6 +94,12 @@ class ExperimentConfig(StrictModel):
         description="replay_freshness_per's age scale in steps; None: steps / 4 (the published"
         " 500 steps is a quarter of a 2,000-step run).",
     )
+    train_split: str = Field(
+        "train", description="The task's split RL trains on (`rl`: disjoint from `sft`)."
+    )
+    sft_split: str | None = Field(
+        None, description="The split the SFT start is trained on; None: `train_split`."
+    )
     eval_every: int = Field(15, ge=0, description="Periodic held-out eval (eval.jsonl) interval.")
     eval_num_questions: int = Field(48, ge=1, description="Periodic held-out subset size.")
     eval_k: int = Field(4, ge=1, description="Samples per question in the periodic eval.")
@@ -77,6 +109,26 @@ class ExperimentConfig(StrictModel):
         description="Final held-out questions (a fixed set); None: the whole test split.",
     )
     final_k: int = Field(5, ge=1, description="Samples per question in the final evaluation.")
+    final_eval_seed: Literal["fixed", "per_run"] = Field(
+        "fixed",
+        description="The final evaluation's sampling seed: fixed (0 for every run, so its"
+        " sampling noise is shared across runs) or per_run (each arm x seed its own draws).",
+    )
+    variants: list[ArmVariant] = Field(
+        [], description="Arms with extra overrides under names of their own."
+    )
+    contrasts: list[Contrast] = Field(
+        [],
+        description="Comparisons declared before the runs (`primary` ones tested alone, the"
+        " others Holm-corrected); results.json reports each under `contrasts`.",
+    )
+    alpha: float = Field(0.05, gt=0, lt=1, description="Two-sided level of every contrast.")
+    power: float = Field(0.8, gt=0, lt=1, description="Power at which the MDE is reported.")
+    budget_fractions: list[float] = Field(
+        [0.25, 0.5, 0.75, 1.0],
+        description="Quality at matched cost: budgets at these fractions of the smallest"
+        " total any arm reached on each cost axis, read off each run's in-training curve.",
+    )
     policy: TinyPolicyConfig = Field(
         default_factory=TinyPolicyConfig,
         description="The tiny policy the SFT start is trained from (built once under the data"
@@ -116,6 +168,18 @@ class ExperimentConfig(StrictModel):
     @property
     def replay_budget(self) -> int:
         return max(1, round(self.replay_ratio * self.batch_prompts))
+
+    def arm(self, name: str) -> Arm:
+        """The registered arm or variant called `name` (a variant: its arm with its overrides
+        added); an unknown name is one line listing the valid ones."""
+        for variant in self.variants:
+            if variant.name == name:
+                base = ARMS.get(variant.arm)
+                return replace(base, name=name, overrides=(*base.overrides, *variant.overrides))
+        if name not in ARMS:
+            valid = [*ARMS.names(), *(v.name for v in self.variants)]
+            raise UserError(f"unknown experiment arm {name!r}; valid: {', '.join(valid)}")
+        return ARMS.get(name)
 
 
 # ----------------------------------------------------------------------------- presets
@@ -176,9 +240,12 @@ def experiment_config(
         data.update(read_preset(quick_overlay(data)))
     data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
     cfg = build_config(ExperimentConfig, data, overrides)
-    for name in [*cfg.arms, *cfg.references]:
-        ARMS.get(name)  # UserError listing the valid arms on a typo
+    named = [*cfg.arms, *cfg.references]
+    named += [name for c in cfg.contrasts for name in (c.arm, c.reference)]
+    for name in named:
+        cfg.arm(name)  # UserError listing the valid arms on a typo
     missing = [r for r in cfg.references if r not in cfg.arms]
+    missing += [n for c in cfg.contrasts for n in (c.arm, c.reference) if n not in cfg.arms]
     if missing:
-        raise UserError(f"reference arms {missing} are not among the arms {cfg.arms}")
+        raise UserError(f"compared arms {missing} are not among the arms {cfg.arms}")
     return cfg

@@ -38,7 +38,8 @@ def results_markdown(
     """The three tables of docs/results.md: held-out quality, paired differences, cost; then
     links to `charts` (paths under the out dir's charts/)."""
     k = summary.k
-    lines = [
+    lines = [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
+    lines += [
         f"Held-out: {summary.num_questions} {cfg.task} test questions, the same for every "
         f"run; k={k} samples at the rollout temperature plus greedy. Mean ± sample std over "
         f"seeds {cfg.seeds}.\n",
@@ -65,6 +66,92 @@ def results_markdown(
     if charts is not None:
         markdown += "\nCharts: " + ", ".join(f"[{p.name}](charts/{p.name})" for p in charts) + "\n"
     return markdown
+
+
+METRIC_NAMES = {"mean_at_k": "Mean@k", "best_at_k": "Best@k", "greedy_em": "greedy EM"}
+
+
+def contrast_tables(summary: ExperimentSummary, cfg: ExperimentConfig) -> list[str]:
+    """The declared contrasts, primary ones first: estimate, interval, MDE, verdict."""
+    if not summary.contrasts:
+        return []
+    level = round(100 * (1 - cfg.alpha))
+    rows = [
+        [
+            "**primary**" if c.primary else "secondary",
+            f"{c.arm} − {c.reference}",
+            METRIC_NAMES[c.metric].replace("k", str(summary.k)),
+            f"{len(c.seeds)} x {c.questions}",
+            f"{c.estimate:+.4f}",
+            f"[{c.low:+.4f}, {c.high:+.4f}]",
+            f"[{c.seed_t.low:+.4f}, {c.seed_t.high:+.4f}]",
+            f"{c.p:.3f}" + (f" (Holm {c.p_holm:.3f})" if c.p_holm is not None else ""),
+            f"{c.mde:.4f}",
+            c.verdict,
+        ]
+        for c in summary.contrasts
+    ]
+    return [
+        f"Contrasts declared before the runs (arm − reference, paired by seed and question)."
+        f" Interval: {level}% crossed random effects over seeds x questions (seed and question"
+        f" effects and their interaction, each counted once); beside it the {level}% t-interval"
+        f" over seeds. MDE: the smallest true difference this design (seeds x questions x"
+        f" k={summary.k}) detects with power {cfg.power:.0%} at alpha {cfg.alpha}, from the"
+        " variances it measured. Verdict: + or − when p < alpha (secondary contrasts:"
+        " Holm-adjusted over all of them), 0 otherwise (no difference shown).\n",
+        markdown_table(
+            [
+                "",
+                "contrast",
+                "metric",
+                "seeds x questions",
+                "estimate",
+                "interval",
+                "seed t-interval",
+                "p",
+                "MDE",
+                "verdict",
+            ],
+            rows,
+        ),
+    ]
+
+
+AXIS_NAMES = {
+    "generated_tokens": "generated tokens",
+    "env_requests": "env requests",
+    "cpu_seconds": "CPU seconds",
+    "wall_seconds": "wall seconds",
+}
+
+
+def matched_cost_tables(summary: ExperimentSummary) -> list[str]:
+    """Held-out quality at equal budgets, one table per cost axis: arms as rows, budgets as
+    columns, mean over seeds with its t-interval."""
+    if not summary.matched_cost:
+        return []
+    lines = [
+        "\nQuality at matched cost: in-training held-out Mean@k of each run read off its"
+        " curve at equal budgets (linear interpolation between evaluations; budgets are"
+        " fractions of the smallest total any arm reached), mean over seeds [95% t-interval]."
+        " Generated tokens and env requests are machine-independent; CPU and wall seconds are"
+        " not (compare only runs made side by side).\n"
+    ]
+    for axis, name in AXIS_NAMES.items():
+        rows = [r for r in summary.matched_cost if r.axis == axis]
+        if not rows:
+            continue
+        budgets = sorted({r.budget for r in rows})
+        arms = list(dict.fromkeys(r.arm for r in rows))
+        cell = {(r.arm, r.budget): r for r in rows}
+        table = [
+            [arm, *(f"{cell[arm, b].estimate:.3f} [{cell[arm, b].low:.3f}, {cell[arm, b].high:.3f}]"
+                    for b in budgets)]
+            for arm in arms
+        ]  # fmt: skip
+        lines.append(f"\n{name}:\n")
+        lines.append(markdown_table(["arm", *(f"{b:,.0f}" for b in budgets)], table))
+    return lines
 
 
 def paired_tables(summary: ExperimentSummary) -> list[str]:

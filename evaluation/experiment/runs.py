@@ -7,6 +7,7 @@ is reused when the experiment is run again with the same out dir.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.progress import say
-from evaluation.experiment.arms import ARMS, Arm
+from evaluation.experiment.arms import Arm
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.experiment.server import die_with_parent
 from evaluation.experiment.train_configs import arm_train_config
@@ -35,10 +36,25 @@ def heldout_set(cfg: ExperimentConfig) -> list[EvalDataset]:
     return [EvalDataset(cfg.task, examples, (cfg.task,))]
 
 
+def eval_seed(cfg: ExperimentConfig, arm: str | None, seed: int) -> int:
+    """The final evaluation's sampling seed: 0 (`final_eval_seed: fixed`), or one of each
+    arm x seed's own (`per_run`, a stable hash), so no two runs share their draws."""
+    if cfg.final_eval_seed == "fixed" or arm is None:
+        return 0
+    digest = hashlib.sha256(f"{arm}/{seed}".encode()).hexdigest()
+    return int(digest[:8], 16)
+
+
 def final_eval(
-    cfg: ExperimentConfig, model_dir: Path, train_config, datasets: list[EvalDataset], out: Path
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    train_config,
+    datasets: list[EvalDataset],
+    out: Path,
+    seed: int = 0,
 ) -> EvalReport:
-    """Held-out evaluation of one model (reused when `out/eval.json` exists)."""
+    """Held-out evaluation of one model with sampling seed `seed` (reused when
+    `out/eval.json` exists)."""
     from evaluation.evaluate import EvalConfig, evaluate, load_report
 
     if (out / "eval.json").is_file():
@@ -46,7 +62,7 @@ def final_eval(
     eval_cfg = EvalConfig(
         k=cfg.final_k,
         greedy=True,
-        seed=0,
+        seed=seed,
         progress=cfg.progress,
         rollout=train_config.rollout,
         generation=train_config.generation,
@@ -96,7 +112,14 @@ def run_arm(
 
                 shutil.rmtree(run_dir)
             train(config)
-    report = final_eval(cfg, run_dir / "final", config, datasets, run_dir / "heldout")
+    report = final_eval(
+        cfg,
+        run_dir / "final",
+        config,
+        datasets,
+        run_dir / "heldout",
+        eval_seed(cfg, arm.name, seed),
+    )
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     return RunResult(arm.name, seed, run_dir, report, metrics, config.grpo.fresh_rows)
 
@@ -110,7 +133,7 @@ def run_arm_in_worker(
     torch.set_num_threads(threads)
     cfg = ExperimentConfig.model_validate_json(cfg_json)
     start = time.perf_counter()
-    result = run_arm(cfg, ARMS.get(arm), seed, url, Path(sft_dir), heldout_set(cfg))
+    result = run_arm(cfg, cfg.arm(arm), seed, url, Path(sft_dir), heldout_set(cfg))
     print(
         f"experiment: {arm} seed {seed} done in {time.perf_counter() - start:.0f}s",
         file=sys.stderr,
@@ -134,7 +157,7 @@ def run_all(cfg: ExperimentConfig, url: str, sft_dir: Path, datasets) -> list[Ru
     counts do not depend on that sharing, wall times do."""
     tasks = run_order(cfg)
     if cfg.jobs == 1:
-        return [run_arm(cfg, ARMS.get(n), s, url, sft_dir, datasets) for n, s in tasks]
+        return [run_arm(cfg, cfg.arm(n), s, url, sft_dir, datasets) for n, s in tasks]
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 

@@ -43,10 +43,16 @@ def ensure_policy(cfg: ExperimentConfig) -> Path:
     return path
 
 
+def sft_split(cfg: ExperimentConfig) -> str:
+    """The split the SFT start learns from: `sft_split`, else RL's own `train_split`."""
+    return cfg.sft_split or cfg.train_split
+
+
 def sft_start_dir(cfg: ExperimentConfig) -> Path:
     """Where the SFT start lives under the data dir; its name tells what it was trained on and
     with (`tiny-sft` for the defaults), so starts of different tasks or settings never meet."""
     task = cfg.task if cfg.task != ExperimentConfig.model_fields["task"].default else ""
+    split = sft_split(cfg)
     tag = "-".join(
         f"{k}{v}"
         for k, v in (
@@ -55,6 +61,7 @@ def sft_start_dir(cfg: ExperimentConfig) -> Path:
             ("c", cfg.corpus_limit),
             ("p", policy_hash(cfg)),
             ("s", short_hash(cfg.sft_overrides)),
+            ("split", split if split != "train" else None),
         )
         if v
     )
@@ -90,6 +97,7 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     init = ensure_sft(prerequisite, url, log) if prerequisite else ensure_policy(cfg)
     extra = [
         f"sft.init_model={init}",
+        f"sft.split={sft_split(cfg)}",
         f"sft.eval_questions={min(100, cfg.final_questions or 100)}",
     ]
     if cfg.sft_epochs:

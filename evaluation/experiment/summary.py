@@ -13,7 +13,7 @@ import math
 import os
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -29,6 +29,19 @@ from evaluation.metrics import (
     paired_difference,
     paired_verdict,
     seed_t_interval,
+)
+from evaluation.statistics import (
+    Components,
+    Estimate,
+    at_budgets,
+    components,
+    crossed_interval,
+    holm,
+    mean_interval,
+    minimum_detectable_effect,
+    sampling_noise,
+    seed_t,
+    verdict,
 )
 from trainer.telemetry import cost_totals
 
@@ -101,6 +114,49 @@ class ArmSummary:
 
 
 @dataclass(frozen=True)
+class ContrastResult:
+    """A declared contrast (`ExperimentConfig.contrasts`) as measured: arm minus reference on
+    the metric, paired by seed and question (`evaluation.statistics`)."""
+
+    arm: str
+    reference: str
+    metric: str
+    primary: bool
+    seeds: list[int]
+    questions: int
+    estimate: float
+    low: float
+    high: float
+    method: str
+    p: float
+    p_holm: float | None
+    """Holm-adjusted over the non-primary contrasts (None for a primary one)."""
+    mde: float
+    """The minimum detectable effect of this design (its seeds, questions, k) at the
+    experiment's alpha and power, from the variance components it measured."""
+    verdict: str
+    """+ / − / 0: significant at alpha (primary: own p; others: Holm-adjusted p)."""
+    seed_t: Estimate
+    """The t-interval over seeds of the per-seed difference, beside the primary interval."""
+    components: Components
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """Quality at one matched budget on one cost axis: each seed's value read off its run's
+    in-training curve (linear interpolation), their mean and t-interval over seeds."""
+
+    axis: str
+    budget: float
+    arm: str
+    metric: str
+    per_seed: list[float]
+    estimate: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
 class ExperimentSummary:
     """The statistics: every arm, on `num_questions` held-out questions with k samples."""
 
@@ -109,6 +165,10 @@ class ExperimentSummary:
     k: int | None
     sft_start: ByMetric[float] | None = None
     """The shared SFT start's held-out scores, the row every arm started from."""
+    contrasts: list[ContrastResult] = field(default_factory=list)
+    """The declared contrasts, primary ones first."""
+    matched_cost: list[BudgetRow] = field(default_factory=list)
+    """Quality at equal budgets of generated tokens, env requests, CPU and wall seconds."""
 
 
 @dataclass(frozen=True)
@@ -259,11 +319,113 @@ def summarize_arm(
     )
 
 
+def contrast_results(
+    arms: dict[str, list[RunResult]], cfg: ExperimentConfig
+) -> list[ContrastResult]:
+    """Every declared contrast over the seeds both arms ran, primary ones first: the crossed
+    random-effects interval, its p-value (Holm-adjusted across the non-primary ones), the
+    design's MDE and the verdict (`evaluation.statistics`)."""
+    measured = []
+    for c in sorted(cfg.contrasts, key=lambda c: not c.primary):
+        mine = {r.seed: r for r in arms.get(c.arm, [])}
+        theirs = {r.seed: r for r in arms.get(c.reference, [])}
+        seeds = sorted(set(mine) & set(theirs))
+        if len(seeds) < 2:
+            continue  # an interval needs two seeds at least
+        short = dict(QUALITY_METRICS)[c.metric]
+        a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
+        b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
+        noise = 0.0
+        if c.metric == "mean_at_k":
+            noise = sampling_noise(
+                np.stack([correct_samples(mine[s].report) for s in seeds]),
+                np.stack([correct_samples(theirs[s].report) for s in seeds]),
+            )
+        k = mine[seeds[0]].report.k
+        parts = components(a - b, noise, k)
+        measured.append((c, seeds, crossed_interval(a - b, 1 - cfg.alpha), seed_t(a - b), parts))
+    secondary = [i for i, (c, *_) in enumerate(measured) if not c.primary]
+    adjusted = dict(zip(secondary, holm([measured[i][2].p for i in secondary]), strict=True))
+    out = []
+    for i, (c, seeds, est, by_seed, parts) in enumerate(measured):
+        p_holm = adjusted.get(i)
+        out.append(
+            ContrastResult(
+                arm=c.arm,
+                reference=c.reference,
+                metric=c.metric,
+                primary=c.primary,
+                seeds=seeds,
+                questions=parts.questions,
+                estimate=est.estimate,
+                low=est.low,
+                high=est.high,
+                method=est.method,
+                p=est.p,
+                p_holm=p_holm,
+                mde=minimum_detectable_effect(
+                    parts, len(seeds), parts.questions, parts.k, cfg.alpha, cfg.power
+                ),
+                verdict=verdict(est, cfg.alpha, p_holm),
+                seed_t=by_seed,
+                components=parts,
+            )
+        )
+    return out
+
+
+def correct_samples(report: EvalReport) -> np.ndarray:
+    """`[Q, k]` 0/1: which of each question's k samples were correct, all datasets."""
+    return np.concatenate([np.asarray(d.correct, dtype=np.float64) for d in report.datasets])
+
+
+COST_AXES_MATCHED = ("generated_tokens", "env_requests", "cpu_seconds", "wall_seconds")
+
+
+def matched_cost(
+    arms: dict[str, list[RunResult]], cfg: ExperimentConfig, metric: str = "mean_at_k"
+) -> list[BudgetRow]:
+    """Quality at equal budgets: on each cost axis, budgets at `cfg.budget_fractions` of the
+    smallest total any arm reached; each run's in-training held-out `metric` read off its
+    (cumulative cost, quality) curve at each budget, then mean and t-interval over seeds."""
+    from evaluation.plots import read_jsonl, with_cumulative_cost
+
+    curves = {
+        name: [
+            with_cumulative_cost(r.metrics, read_jsonl(r.run_dir / "eval.jsonl"))
+            for r in runs
+            if (r.run_dir / "eval.jsonl").is_file()
+        ]
+        for name, runs in arms.items()
+    }
+    curves = {name: c for name, c in curves.items() if c and all(len(rows) > 1 for rows in c)}
+    if not curves:
+        return []  # no run evaluated during training: no curve to read budgets off
+    rows: list[BudgetRow] = []
+    for axis in COST_AXES_MATCHED:
+        reached = min(rows_[-1][f"cum_{axis}"] for c in curves.values() for rows_ in c)
+        for fraction in cfg.budget_fractions:
+            budget = fraction * reached
+            for name, seeds in curves.items():
+                values = [
+                    float(at_budgets([r[f"cum_{axis}"] for r in run],
+                                     [r[metric] for r in run], [budget])[0])
+                    for run in seeds
+                ]  # fmt: skip
+                interval = mean_interval(values)
+                rows.append(
+                    BudgetRow(axis, budget, name, metric, values, interval.estimate,
+                              interval.low, interval.high)
+                )  # fmt: skip
+    return rows
+
+
 def summarize(
     results: list[RunResult],
     references: Sequence[str],
     sft_report: EvalReport | None = None,
     resamples: int = 2000,
+    cfg: ExperimentConfig | None = None,
 ) -> ExperimentSummary:
     """Per arm: held-out scores and costs over seeds, paired differences to the references.
     Every run must have been evaluated on the same questions."""
@@ -290,4 +452,6 @@ def summarize(
             if sft_report is not None
             else None
         ),
+        contrasts=contrast_results(arms, cfg) if cfg is not None else [],
+        matched_cost=matched_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
     )

@@ -32,6 +32,7 @@ def base_train_config(
         f"retrieval.urls=[{json.dumps(url)}]",
         f"retrieval.retriever={cfg.retriever}",
         f"data.train={cfg.task}",
+        f"data.train_split={cfg.train_split}",
         f"data.eval={cfg.task}",
         f"replay.tau_age={cfg.tau_age or max(1.0, cfg.steps / 4)}",
         f"grpo.batch_prompts={cfg.batch_prompts}",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from agent_env.data import (
+    SPLITS,
     is_test_title,
     load_flashrag_jsonl,
     load_searchr1_parquet,
@@ -85,3 +86,18 @@ def test_wiki_vital_split_is_the_documented_one() -> None:
 def test_unknown_task_is_a_user_error() -> None:
     with pytest.raises(UserError, match="wiki-vital"):
         load_task("nope.csv")
+
+
+def test_sft_rl_and_test_questions_are_disjoint_and_train_is_sft_plus_rl():
+    from agent_env.data import split_of
+
+    ids = {split: {ex.id for ex in wiki_vital_examples(split)} for split in SPLITS}
+    assert not ids["sft"] & ids["rl"] and not ids["sft"] & ids["test"]
+    assert not ids["rl"] & ids["test"]
+    assert ids["sft"] | ids["rl"] == ids["train"]
+    assert ids["train"] | ids["test"] == ids["all"]
+    assert 0.2 < len(ids["rl"]) / len(ids["train"]) < 0.3  # a quarter, by the title's hash
+    for ex in wiki_vital_examples("rl")[:50]:
+        assert split_of(ex.golden_answers[0]) == "rl"
+    with pytest.raises(UserError, match="valid: all, train, sft, rl, test"):
+        wiki_vital_examples("validation")

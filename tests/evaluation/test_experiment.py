@@ -371,3 +371,130 @@ def test_runs_are_interleaved_so_every_arm_meets_the_same_machine():
     ]  # fmt: skip
     by_arm = cfg.model_copy(update={"schedule": "by_arm"})
     assert run_order(by_arm)[:2] == [("on_policy", 1), ("on_policy", 2)]
+
+
+def _runs(tmp_path, arm: str, shift: float, seeds=(1, 2, 3), questions=40, k=4):
+    """Runs of `arm` whose per-question correctness is drawn at p = 0.3 + shift."""
+    rng = np.random.default_rng(abs(hash(arm)) % 2**32)
+    out = []
+    for s in seeds:
+        correct = (rng.random((questions, k)) < 0.3 + shift).astype(int)
+        report = _report(correct, correct[:, 0])
+        out.append(
+            RunResult(
+                arm, s, tmp_path / "runs" / arm / f"seed-{s}", report, _metrics(2, 1, False), 4
+            )
+        )
+    return out
+
+
+def test_declared_contrasts_are_read_from_the_config_and_the_secondary_ones_holm_corrected(
+    tmp_path,
+):
+    from evaluation.statistics import crossed_interval, holm
+
+    cfg = experiment_config(
+        "powered", seeds=[1, 2, 3], arms=["on_policy", "on_policy_larger", "replay_recency",
+                                          "headroom_drift", "on_policy_lr0"],
+    )  # fmt: skip
+    results = [
+        *_runs(tmp_path, "on_policy", 0.05),
+        *_runs(tmp_path, "on_policy_larger", 0.06),
+        *_runs(tmp_path, "replay_recency", 0.05),
+        *_runs(tmp_path, "headroom_drift", 0.07),
+        *_runs(tmp_path, "on_policy_lr0", 0.0),
+    ]
+    summary = summarize(results, cfg.references, cfg=cfg)
+    got = summary.contrasts
+    assert [(c.arm, c.reference, c.metric) for c in got[:2]] == [
+        ("headroom_drift", "on_policy_larger", "mean_at_k"),
+        ("headroom_drift", "replay_recency", "best_at_k"),
+    ]
+    assert all(c.primary and c.p_holm is None for c in got[:2])
+    assert len(got) == len(cfg.contrasts) and not any(c.primary for c in got[2:])
+    assert [c.p_holm for c in got[2:]] == pytest.approx(holm([c.p for c in got[2:]]))
+    # the estimate is the paired grand mean; its interval the crossed random-effects one
+    first = got[0]
+    hd = {r.seed: r.report.per_question("mean") for r in results if r.arm == "headroom_drift"}
+    big = {r.seed: r.report.per_question("mean") for r in results if r.arm == "on_policy_larger"}
+    d = np.stack([hd[s] - big[s] for s in (1, 2, 3)])
+    expected = crossed_interval(d)
+    assert (first.estimate, first.low, first.high) == pytest.approx(
+        (expected.estimate, expected.low, expected.high)
+    )
+    assert first.mde > 0 and first.method == "crossed random effects"
+    assert first.verdict == ("0" if expected.p >= 0.05 else "+" if d.mean() > 0 else "−")
+    md = results_markdown(summary, cfg)
+    assert md.index("**primary**") < md.index("Held-out:")  # the contrasts lead
+
+
+def test_variants_and_contrasts_name_only_known_arms():
+    cfg = experiment_config("powered")
+    assert cfg.arm("on_policy_lr0").overrides == ("grpo.lr=0",)
+    with pytest.raises(UserError, match="unknown experiment arm 'nope'"):
+        experiment_config("powered", overrides=["contrasts=[{arm: nope, reference: on_policy}]"])
+    with pytest.raises(UserError, match="not among the arms"):
+        experiment_config("powered", overrides=["arms=[on_policy, headroom_drift]"])
+
+
+def test_the_sft_start_of_another_split_gets_its_own_name(tmp_path):
+    base = experiment_config(data_dir=tmp_path)
+    disjoint = experiment_config("powered", data_dir=tmp_path)
+    assert "split" not in sft_start_dir(base).name
+    assert "splitsft" in sft_start_dir(disjoint).name
+
+
+def test_power_from_a_pilot_dir_matches_the_components_formula(tmp_path):
+    from evaluation.experiment.power import Design, power_table
+    from evaluation.statistics import minimum_detectable_effect
+
+    for run in [*_runs(tmp_path, "on_policy", 0.05), *_runs(tmp_path, "headroom_drift", 0.08)]:
+        (run.run_dir / "heldout").mkdir(parents=True)
+        (run.run_dir / "heldout" / "eval.json").write_text(run.report.model_dump_json())
+    start = _report(np.zeros((40, 4), dtype=int), [0] * 40)
+    (tmp_path / "sft_start").mkdir()
+    (tmp_path / "sft_start" / "eval.json").write_text(start.model_dump_json())
+    designs = [Design(5, 40, 4), Design(8, 400, 8)]
+    rows, notes = power_table(
+        [tmp_path], designs, [("headroom_drift", "on_policy", "mean_at_k", True)]
+    )
+    (row,) = rows
+    assert row.source == "paired"
+    for d in designs:
+        assert row.mde[d] == pytest.approx(
+            minimum_detectable_effect(row.parts, d.seeds, d.questions, d.k)
+        )
+    assert row.mde[designs[1]] < row.mde[designs[0]]  # more seeds, questions and samples
+    # go/no-go: every pilot run's gain over the (all-wrong) SFT start against 3 x MDE
+    assert len(notes) == 6 and all("GO" in n for n in notes)
+    # one arm only: the proxy from that arm's own seeds
+    rows, _ = power_table(
+        [tmp_path], designs[:1], [("replay_recency", "on_policy", "mean_at_k", True)]
+    )
+    assert rows[0].source == "proxy: on_policy's 3 seeds" and rows[0].parts.question == 0.0
+
+
+def test_quality_at_matched_cost_reads_each_seed_off_its_curve(tmp_path):
+    from evaluation.experiment.summary import matched_cost
+
+    cfg = experiment_config(
+        arms=["on_policy", "headroom_drift"], references=[], budget_fractions=[0.5, 1.0]
+    )
+    results = []
+    for arm, end in (("on_policy", 0.4), ("headroom_drift", 0.3)):
+        for seed, lift in ((1, 0.0), (2, 0.02)):
+            run = _runs(tmp_path, arm, 0.0, seeds=(seed,))[0]
+            run.run_dir.mkdir(parents=True)
+            rows = [{"step": 0, "mean_at_k": 0.2 + lift}, {"step": 2, "mean_at_k": end + lift}]
+            (run.run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            results.append(run)
+    arms = {"on_policy": results[:2], "headroom_drift": results[2:]}
+    rows = {(r.axis, r.budget, r.arm): r for r in matched_cost(arms, cfg)}
+    # 100 generated tokens a step (_metrics): 200 reached; half of it is step 1 of 2
+    half = rows["generated_tokens", 100.0, "on_policy"]
+    assert half.per_seed == pytest.approx([0.3, 0.32])
+    assert half.estimate == pytest.approx(0.31) and half.low < 0.31 < half.high
+    assert rows["generated_tokens", 200.0, "headroom_drift"].per_seed == pytest.approx([0.3, 0.32])
+    assert {axis for axis, _, _ in rows} == {
+        "generated_tokens", "env_requests", "cpu_seconds", "wall_seconds"
+    }  # fmt: skip

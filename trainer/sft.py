@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +170,71 @@ class Best:
         return epoch - self.epoch >= sft.patience
 
 
+class EpochCheckpoint:
+    """What an interrupted `hdr sft` resumes from: after every epoch the model, optimizer,
+    schedule, batch order RNG and the plateau's best epoch, in a hidden folder beside the
+    output (`.NAME.sft-resume`), written whole (a temporary folder renamed into place). A
+    rerun with the same settings continues after the last finished epoch; other settings
+    start over. The folder is removed once the model is saved."""
+
+    def __init__(self, out: Path, config) -> None:
+        self.path = out.parent / f".{out.name}.sft-resume"
+        settings = {
+            s: config.model_dump(mode="json")[s] for s in ("seed", "sft", "data", "rollout")
+        }
+        self.fingerprint = json.dumps({**settings, "model": str(out)}, sort_keys=True)
+
+    def save(self, epoch, model, optimizer, scheduler, rng, best: Best) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # an unfinished write of our own
+        tmp.mkdir(parents=True)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "best": best.state},
+            tmp / "state.pt",
+        )  # fmt: skip
+        state = {
+            "fingerprint": self.fingerprint,
+            "epoch": epoch,
+            "rng": rng.getstate(),
+            "best": {"loss": best.loss, "epoch": best.epoch, "greedy_em": best.greedy_em},
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.replace(tmp, self.path)
+
+    def restore(self, model, optimizer, scheduler, rng, best: Best, log_path: Path) -> int:
+        """The last finished epoch restored (0: nothing to resume, or other settings)."""
+        try:
+            state = json.loads((self.path / "state.json").read_text())
+        except (OSError, ValueError):
+            return 0
+        if state.get("fingerprint") != self.fingerprint:
+            say(f"hdr sft: {self.path} holds an earlier run with other settings; starting over")
+            self.remove()
+            return 0
+        tensors = torch.load(self.path / "state.pt", map_location="cpu", weights_only=True)
+        model.load_state_dict(tensors["model"])
+        optimizer.load_state_dict(tensors["optimizer"])
+        scheduler.load_state_dict(tensors["scheduler"])
+        version, internal, gauss = state["rng"]
+        rng.setstate((version, tuple(internal), gauss))
+        best.loss, best.epoch, best.greedy_em = (
+            state["best"]["loss"], state["best"]["epoch"], state["best"]["greedy_em"]
+        )  # fmt: skip
+        best.state = tensors["best"]
+        epoch = int(state["epoch"])
+        if log_path.is_file():  # keep the log of the epochs being resumed from
+            kept = [line for line in log_path.read_text().splitlines()
+                    if line and json.loads(line)["epoch"] <= epoch]  # fmt: skip
+            log_path.write_text("".join(line + "\n" for line in kept))
+        say(f"hdr sft: resuming after epoch {epoch} ({self.path})")
+        return epoch
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 def ensure_init_model(path: Path) -> None:
     """The starting model at `path`: a model folder there, or the tiny policy built there
     when nothing is (a folder of other files is refused by `local_model`)."""
@@ -221,8 +288,10 @@ def run_sft(config, force: bool = False) -> Path:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(config.seed)
     best = Best()
-    with log_path.open("w") as log:
-        for epoch in range(1, sft.epochs + 1):
+    resume = EpochCheckpoint(out, config)
+    done = resume.restore(model, optimizer, scheduler, rng, best, log_path)
+    with log_path.open("a" if done else "w") as log:
+        for epoch in range(done + 1, sft.epochs + 1):
             model.train()
             losses = []
             batches = progress(
@@ -251,7 +320,9 @@ def run_sft(config, force: bool = False) -> Path:
                 f" {record['heldout_loss']:.4f}, greedy EM {record['greedy_em']:.3f} on"
                 f" {len(heldout)} held-out questions, {record['wall_time']:.0f}s"
             )
-            if sft.stop == "plateau" and best.update(model, epoch, record, sft):
+            stop = sft.stop == "plateau" and best.update(model, epoch, record, sft)
+            resume.save(epoch, model, optimizer, scheduler, rng, best)
+            if stop:
                 break
     if sft.stop == "plateau":
         model.load_state_dict(best.state)
@@ -261,4 +332,6 @@ def run_sft(config, force: bool = False) -> Path:
         )
     from trainer.run import model_files
 
-    return save_model(model, tokenizer, out, model_files(config))
+    saved = save_model(model, tokenizer, out, model_files(config))
+    resume.remove()
+    return saved

@@ -93,3 +93,53 @@ def test_sft_batches_cover_every_row_once_with_little_padding():
     assert sum(len(b) != 32 for b in batches) <= 2  # a short batch per pool at most
     padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
     assert padded < 1.05 * sum(lengths)  # random batches of 32 pad to ~1.3x here
+
+
+def test_a_killed_sft_resumes_after_its_last_epoch_and_ends_where_an_unbroken_one_does(
+    tiny_policy, small_qa, retrieval_url, tmp_path
+):
+    """SIGKILL after the first epoch's checkpoint; the same command continues from it and
+    writes the same weights as a run that was never stopped (plateau stop included)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    hdr = [sys.executable, "-m", "hdr"]
+
+    def command(name: str) -> list[str]:
+        out = tmp_path / name
+        settings = tiny_overrides(retrieval_url, out, small_qa, tmp_path / "unused")
+        return [*hdr, "sft", "--config", str(TINY_CPU), *settings, f"sft.init_model={tiny_policy}",
+                "sft.epochs=3", "sft.max_examples=64", "sft.eval_questions=8", "sft.stop=plateau",
+                "sft.patience=3"]  # fmt: skip
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    whole = subprocess.run(command("whole"), env=env, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert not (tmp_path / ".whole.sft-resume").exists()  # removed once the model is saved
+
+    checkpoint = tmp_path / ".broken.sft-resume" / "state.json"
+    proc = subprocess.Popen(command("broken"), env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not checkpoint.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert json.loads(checkpoint.read_text())["epoch"] == 1
+    assert not (tmp_path / "broken").exists()
+
+    again = subprocess.run(command("broken"), env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming after epoch 1" in again.stderr
+    a = load_file(tmp_path / "whole" / "model.safetensors")
+    b = load_file(tmp_path / "broken" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    logs = [tmp_path / f"{n}.sft-log.jsonl" for n in ("whole", "broken")]
+    assert [json.loads(x)["epoch"] for x in logs[1].read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(x)["loss"] for x in logs[0].read_text().splitlines()] == [
+        json.loads(x)["loss"] for x in logs[1].read_text().splitlines()
+    ]

@@ -224,14 +224,17 @@ def line_groups(runs: Sequence[RunData], per_seed: bool) -> dict[str, list[RunDa
         for settings, members in variants.items():
             base = f"{arm} ({settings})" if settings else arm
             seeds = [run.seed for run in members]
-            repeated = len(set(seeds)) < len(seeds)
-            if not per_seed and not repeated:
-                lines[base] = members
-                continue
-            folders = _folder_names(members)
-            for run, folder in zip(members, folders, strict=True):
+            folders = dict(zip((id(r) for r in members), _folder_names(members), strict=True))
+            averaged = []
+            for run in members:
+                repeated = seeds.count(run.seed) > 1
+                if not per_seed and not repeated:
+                    averaged.append(run)  # one seed among the arm's seeds: averaged below
+                    continue
                 label = f"{base} seed {run.seed}" if per_seed else base
-                lines[f"{label} [{folder}]" if repeated else label] = [run]
+                lines[f"{label} [{folders[id(run)]}]" if repeated else label] = [run]
+            if averaged:
+                lines[base] = averaged
     return lines
 
 

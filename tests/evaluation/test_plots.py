@@ -174,3 +174,57 @@ def test_final_evaluation_is_read_beside_the_in_training_curve(tmp_path: Path) -
     assert load_run(_write_run(tmp_path / "other", "on_policy", 2)).final is None
     names = {p.name for p in plot_run_dirs([run, tmp_path / "other"], tmp_path / "charts")}
     assert {"heldout_vs_env_calls.png", "heldout_vs_wall_time.png"} <= names
+
+
+def test_hdr_plot_draws_a_line_per_run_and_never_counts_one_seed_twice(tmp_path):
+    a = _write_run(tmp_path / "runs" / "a", "headroom_drift", 0)
+    b = _write_run(tmp_path / "runs" / "b", "headroom_drift", 0)
+    c = _write_run(tmp_path / "runs" / "c", "headroom_drift", 1)
+    made = plot_run_dirs([a, b, c], tmp_path / "charts")
+    lines = json.loads((tmp_path / "charts" / "charts.json").read_text())["lines"]
+    # one line per run; the two seed-0 runs are told apart by their folders
+    assert sorted(lines) == [
+        "headroom_drift seed 0 [a]", "headroom_drift seed 0 [b]", "headroom_drift seed 1"
+    ]  # fmt: skip
+    assert all(len(runs) == 1 for runs in lines.values())
+    assert {p.name for p in made} >= {"heldout_vs_env_calls.png"}
+
+
+def test_the_experiment_averages_seeds_but_labels_other_settings_apart(tmp_path):
+    from evaluation.plots import line_groups
+
+    def run_with_lr(path: Path, seed: int, lr: float) -> Path:
+        run = _write_run(path, "headroom_drift", seed)
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["grpo"]["lr"] = lr
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        return run
+
+    runs = [
+        load_run(run_with_lr(tmp_path / "e" / "headroom_drift" / f"seed-{s}", s, 5e-5))
+        for s in (1, 2)
+    ]
+    other = load_run(run_with_lr(tmp_path / "lr" / "headroom_drift" / "seed-3", 3, 1e-4))
+    groups = line_groups([*runs, other], per_seed=False)
+    assert list(groups) == ["headroom_drift (grpo.lr=5e-05)", "headroom_drift (grpo.lr=0.0001)"]
+    assert [len(v) for v in groups.values()] == [2, 1]
+    # the same seed twice is never averaged as two seeds
+    import shutil
+
+    copy = shutil.copytree(runs[0].path, tmp_path / "copy" / "headroom_drift" / "seed-1")
+    twice = [runs[0], load_run(copy)]
+    assert [len(v) for v in line_groups(twice, per_seed=False).values()] == [1, 1]
+
+
+def test_charts_replace_earlier_charts_only_with_force(tmp_path):
+    run = _write_run(tmp_path / "headroom_drift" / "seed-1", "headroom_drift", 1)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds other files"):
+        plot_run_dirs([run], tmp_path / "mine")
+    plot_run_dirs([run], tmp_path / "charts")
+    (tmp_path / "charts" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="--force"):
+        plot_run_dirs([run], tmp_path / "charts")
+    assert plot_run_dirs([run], tmp_path / "charts", force=True)
+    assert (tmp_path / "charts" / "notes.txt").read_text() == "mine"  # not hdr's: untouched

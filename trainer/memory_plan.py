@@ -194,12 +194,6 @@ class MemoryPlan:
 
     def refusal(self) -> str | None:
         """Why the config cannot run on this GPU and the setting to turn (None: it fits)."""
-        if self.sequences_at_full_length is not None and self.sequences_at_full_length < 1:
-            return (
-                f"vLLM's share leaves {self.kv_cache_gib:.1f} GiB of KV cache, less than one"
-                " sequence of max_model_len: raise generation.gpu_memory_utilization or lower"
-                " generation.max_model_len"
-            )
         for phase in PHASES:
             need = self.total(phase)
             if need <= self.usable_gib:
@@ -220,6 +214,12 @@ class MemoryPlan:
             return (
                 f"{where}; the largest part a setting shrinks is {largest.component}"
                 f" ({largest.gib:.1f} GiB): {largest.knob_in(phase)}"
+            )
+        if self.sequences_at_full_length is not None and self.sequences_at_full_length < 1:
+            return (
+                f"vLLM's share leaves {self.kv_cache_gib:.1f} GiB of KV cache, less than one"
+                " sequence of max_model_len: raise generation.gpu_memory_utilization or lower"
+                " generation.max_model_len"
             )
         return None
 

@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from conftest import TINY_CPU, tiny_overrides
@@ -41,7 +40,7 @@ def _build_on_rank(rank: int, world: int, port: int, out: str, model_dir: str) -
             "distributed": {"rollout_shards": 2},
         }
     )
-    dist, config = distributed.init_distributed(config)
+    _, config = distributed.init_distributed(config)
     try:
         build_generator(
             config.generation,

@@ -274,10 +274,13 @@ def rollout_sharded(run, examples: list, step: int, round_: int = 0):
     from agent_env.rollout import RolloutResult
 
     bounds = shard_bounds(len(examples), run.config.distributed.rollout_shards)
-    mine = [shard for shard in run.dist.share(len(bounds)) if bounds[shard]]
+    mine = [  # (shard, its examples) of this rank
+        (shard, [examples[i] for i in bounds[shard]])
+        for shard in run.dist.share(len(bounds))
+        if bounds[shard]
+    ]
     roll = _rollout_together if run.generator.per_request_seeds else _rollout_one_by_one
-    pieces, spent = roll(run, [(shard, [examples[i] for i in bounds[shard]]) for shard in mine],
-                         step, round_)  # fmt: skip
+    pieces, spent = roll(run, mine, step, round_)
     parts = run.dist.all_gather((pieces, spent))
     ordered = sorted((piece for part, _ in parts for piece in part), key=lambda p: p[0])
     spends = [spend for _, spend in parts]
@@ -302,10 +305,10 @@ def _rollout_one_by_one(run, shards: list[tuple[int, list]], step: int, round_: 
     for shard, examples in shards:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(shard_seed(cfg.seed, step, round_, shard))
+            G = cfg.grpo.group_size
             result = rollout_groups(
-                run.generator, run.client, run.tokenizer, examples, cfg.grpo.group_size,
-                cfg.rollout,
-            )  # fmt: skip
+                run.generator, run.client, run.tokenizer, examples, G, cfg.rollout
+            )
         spent.add(result)
         pieces.append((shard, result.groups, result.dropped))
     return pieces, spent

@@ -15,14 +15,13 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from conftest import tiny_llama
-from test_distributed import TIMEOUT_S, free_port, make_groups, small_config
+from test_distributed import TIMEOUT_S, bare_run, free_port, make_groups, small_config
 
 from core.errors import RunInterrupted
 from trainer import distributed
 from trainer.checkpoint import list_checkpoints, open_checkpoint
 from trainer.loop import assemble_batch, update_policy
-from trainer.replay import ReplayBuffer
-from trainer.run import Run, StopSignals, build_optimizer
+from trainer.run import StopSignals
 from trainer.telemetry import RunLogs
 
 SIGNALLED_RANK, SIGNALLED_STEP = 1, 2
@@ -34,25 +33,9 @@ def _worker(rank: int, world: int, port: int, run_dir: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     dist = distributed.Dist(rank=rank, world=world, owns_group=True)
-    config = small_config()
     model = tiny_llama(seed=0)
-    optimizer, scheduler = build_optimizer(model, config)
-    run = Run(
-        config=config,
-        run_dir=Path(run_dir),
-        model=model,
-        tokenizer=None,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        buffer=ReplayBuffer(config.replay.capacity),
-        generator=None,
-        client=None,
-        train_examples=[],
-        eval_examples=[],
-        logs=RunLogs(Path(run_dir), tensorboard=False) if rank == 0 else distributed.SilentLogs(),
-        dist=dist,
-        policy=distributed.wrap_policy(model, dist),
-    )
+    logs = RunLogs(Path(run_dir), tensorboard=False) if rank == 0 else None
+    run = bare_run(dist, small_config(), model, Path(run_dir), logs)
     result = {"rank": rank, "steps_started": []}
     with StopSignals() as stop:
         try:

@@ -94,6 +94,9 @@ def model_shape(path: str) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from core.paths import local_model
+
+    local_model(path)  # a missing local folder: one line, no hub asked
     if path in PUBLISHED and not Path(path).is_dir():
         values = dict(PUBLISHED[path])
         config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -161,9 +164,17 @@ class MemoryPlan:
     @property
     def minimum_gpu_gib(self) -> float:
         """The smallest card every phase fits on, vLLM keeping its share of the card."""
+        return self._smallest_card(lambda line, phase: True)
+
+    @property
+    def floor_gpu_gib(self) -> float:
+        """The smallest card for what no setting shrinks (weights, gradients, AdamW, ...)."""
+        return self._smallest_card(lambda line, phase: not line.knob_in(phase))
+
+    def _smallest_card(self, counts) -> float:
         need = 0.0
         for phase in PHASES:
-            held = [x for x in self.lines if phase in x.phases]
+            held = [x for x in self.lines if phase in x.phases and counts(x, phase)]
             fixed = sum(x.gib for x in held if not x.gpu_fraction)
             share = sum(x.gpu_fraction for x in held)
             need = max(need, fixed / (USABLE - share) if share < USABLE else math.inf)
@@ -206,9 +217,9 @@ class MemoryPlan:
             fixed = need - sum(x.gib for x in shrinkable)
             if not shrinkable or fixed > self.usable_gib:
                 return (
-                    f"{where}, more than settings can save: use a GPU of at least"
-                    f" {math.ceil(self.minimum_gpu_gib)} GiB, or train sharded through the TRL"
-                    " integration"
+                    f"{where}, more than settings can save: what no setting shrinks needs a GPU"
+                    f" of at least {math.ceil(self.floor_gpu_gib)} GiB; or train sharded"
+                    " through the TRL integration"
                 )
             largest = max(shrinkable, key=lambda x: x.gib)
             return (
@@ -263,6 +274,7 @@ def activation_lines(config: TrainConfig, shape: ModelShape, gib) -> list[Line]:
                 "KL reference forward, no grad",
                 gib(tokens * shape.no_grad_bytes_per_token() + head_no_grad),
                 ("update",),
+                "grpo.beta=0",
             )
         )
     if config.replay.reuse_scan_forward and config.replays:

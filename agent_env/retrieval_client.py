@@ -119,6 +119,15 @@ class RetrievalConfig(StrictModel):
         "HDR_API_TOKEN", description="Env variable whose value, if set, is sent as Bearer token."
     )
     max_connections: int = Field(32, ge=1, description="Connection pool size.")
+    expect_encoder: str | None = Field(
+        None,
+        description="The encoder every server's index must be built with, as its /health"
+        " reports it (compared by the name's last path part: e5-base-v2 matches"
+        " /data/e5-base-v2); None: not checked.",
+    )
+    expect_documents: int | None = Field(
+        None, ge=1, description="The passages every server must serve (/health); None: any."
+    )
 
     @field_validator("urls", mode="before")
     @classmethod
@@ -359,6 +368,42 @@ class RetrievalClient:
                 "`hdr serve --index DIR` (or `make serve`) or point retrieval.urls at it"
             )
 
+    def require_expected_index(self) -> None:
+        """Refuse, in one line, a server whose index is not the one the config expects
+        (`expect_encoder`, `expect_documents`): training against another corpus or encoder
+        would run to the end and mean nothing."""
+        c = self.config
+        if c.expect_encoder is None and c.expect_documents is None:
+            return
+        wanted = {"encoder": c.expect_encoder, "documents": c.expect_documents}
+        for base in (url.rstrip("/") for url in c.urls):
+            served = self._run(self._served(base))
+            if not served:
+                raise UserError(
+                    f"retrieval server {base} reports no index on /health, so"
+                    " retrieval.expect_encoder / expect_documents cannot be checked; set them"
+                    " to null to train against it unchecked"
+                )
+            if not expected_index(served, c.expect_encoder, c.expect_documents):
+                found = ", ".join(f"{key} {value}" for key, value in served.items())
+                want = ", ".join(f"{k} {v}" for k, v in wanted.items() if v is not None)
+                raise UserError(
+                    f"retrieval server {base} serves {found}, but the config expects {want}"
+                    " (retrieval.expect_encoder / expect_documents): serve the index the"
+                    " config is for, or change those settings"
+                )
+
+    async def _served(self, base: str) -> dict[str, Any]:
+        """The encoder and passage count a server's /health reports ({} if it has none)."""
+        try:
+            response = await self._http.get(base + "/health", timeout=HEALTH_TIMEOUT_S)
+            body = response.json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        if not isinstance(body, dict) or "encoder" not in body or "documents" not in body:
+            return {}
+        return {"encoder": body["encoder"], "documents": body["documents"]}
+
     async def _wait_for_recovery(self, reason: str) -> None:
         """Pause until some URL is healthy again; one shared wait for all chunks."""
         if self._recovery is None or self._recovery.done():
@@ -407,11 +452,24 @@ class RetrievalClient:
         self.close()
 
 
+def expected_index(served: dict[str, Any], encoder: str | None, documents: int | None) -> bool:
+    """Whether a server's /health `served` (encoder, documents) is what is expected (None:
+    anything); encoders compare by the last part of their name or path."""
+    if documents is not None and served["documents"] != documents:
+        return False
+    if encoder is None:
+        return True
+    name = str(served["encoder"]).rstrip("/").rsplit("/", 1)[-1]
+    return name == encoder.rstrip("/").rsplit("/", 1)[-1]
+
+
 def connect(config: RetrievalConfig, seed: int | None = None) -> RetrievalClient:
-    """A client whose servers answer now (`require_reachable`); closed again if none does."""
+    """A client whose servers answer now (`require_reachable`) and serve the expected index
+    (`require_expected_index`); closed again if not."""
     client = RetrievalClient(config, seed=seed)
     try:
         client.require_reachable()
+        client.require_expected_index()
     except BaseException:
         client.close()
         raise

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 from pydantic import Field
 
 from agent_env.data import QAExample
@@ -78,6 +79,12 @@ class RolloutConfig(StrictModel):
         description="Retrieval gave up: keep the marked trajectories, drop their groups"
         " (into RolloutResult.dropped), or raise RetrievalFailed.",
     )
+
+    @property
+    def longest_response(self) -> int:
+        """The most tokens a response can reach: it is checked against `max_response_tokens`
+        only after a turn, which may add a full turn and an observation."""
+        return self.max_response_tokens + self.max_tokens_per_turn + self.max_obs_tokens
 
 
 @dataclass
@@ -159,6 +166,7 @@ class _Live:
     traj: Trajectory
     prefix: str  # text in the context that opens the coming turn
     done: bool = False
+    seed: int | None = None  # the trajectory's sampling seed (per-request seeding backends)
 
     @property
     def context(self) -> list[int]:
@@ -215,9 +223,14 @@ def _step_policy(live: _Live, completion: Completion, tokenizer, final: bool):
     The completion says why it ended. On "eos" its last id is the sampled EOS: a policy token
     (kept, mask 1) that is left out of the parsed text. On "stop" the text may run past the
     stop string (`</search>\n\n` from one `>\n\n` token): the action is parsed from it as
-    written. On "length" an open `<search>` is closed by the environment.
+    written. On "length" an open `<search>` is closed by the environment; a "length" with no
+    token (the context already fills the engine's `max_model_len`) ends the trajectory as
+    truncated.
     """
     traj = live.traj
+    if completion.finish_reason == "length" and not completion.token_ids:
+        live.done = traj.truncated = True  # the context fills the engine: nothing more fits
+        return Action("invalid")
     traj.add_policy(completion.token_ids, completion.logprobs)
     traj.turns += 1
     ended_by_eos = completion.finish_reason == "eos"
@@ -245,6 +258,11 @@ def _score(traj: Trajectory, tokenizer, config: RolloutConfig) -> float:
     return (1 - config.format_weight) * score + config.format_weight * format_reward(text)
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of one trajectory's turn, from the trajectory's seed."""
+    return int(np.random.SeedSequence([seed, turn]).generate_state(1, np.uint32)[0])
+
+
 def rollout_groups(
     generator: Generator,
     client: RetrievalClient,
@@ -252,8 +270,15 @@ def rollout_groups(
     examples: list[QAExample],
     group_size: int,
     config: RolloutConfig,
+    seeds: list[int] | None = None,
 ) -> RolloutResult:
-    """Roll out `group_size` responses per example; returns groups in example order."""
+    """Roll out `group_size` responses per example; returns groups in example order.
+
+    `seeds` (one per trajectory, example-major) go to a backend that samples each request
+    from its own seed (`Generator.per_request_seeds`), one per turn (`turn_seed`): a
+    trajectory's tokens then do not depend on the other trajectories of the call."""
+    if seeds is not None and len(seeds) != len(examples) * group_size:
+        raise ValueError(f"{len(seeds)} seeds for {len(examples) * group_size} trajectories")
     wall_start = time.perf_counter()
     stats_before = (client.stats.requests, client.stats.calls)
     states: list[_Live] = []
@@ -262,7 +287,8 @@ def rollout_groups(
         group_id = f"{example.id}#{uuid.uuid4().hex[:12]}"
         for _ in range(group_size):
             traj = Trajectory(group_id=group_id, example=example, prompt_ids=list(prompt_ids))
-            states.append(_Live(traj, prefix=config.prompt.response_prefix))
+            seed = None if seeds is None else seeds[len(states)]
+            states.append(_Live(traj, prefix=config.prompt.response_prefix, seed=seed))
     gen_time = retrieval_time = 0.0
     params = SamplingParams(config.temperature, config.top_p, config.max_tokens_per_turn)
     for turn in range(config.max_turns + 1):
@@ -271,7 +297,12 @@ def rollout_groups(
             break
         final = turn == config.max_turns
         start = time.perf_counter()
-        completions = generator.generate([s.context for s in live], params)
+        contexts = [s.context for s in live]
+        if seeds is None:
+            completions = generator.generate(contexts, params)
+        else:
+            turn_seeds = [turn_seed(s.seed, turn) for s in live]
+            completions = generator.generate(contexts, params, seeds=turn_seeds)
         elapsed = time.perf_counter() - start
         gen_time += elapsed
         searches: list[tuple[_Live, Action]] = []
@@ -295,8 +326,7 @@ def rollout_groups(
     ]
     kept, dropped = groups, []
     if config.on_failure == "drop_group":
-        kept = [g for g in groups if not any(t.failed for t in g)]
-        dropped = [g for g in groups if any(t.failed for t in g)]
+        kept, dropped = split_failed(groups)
     return RolloutResult(
         groups=kept,
         env_calls=client.stats.requests - stats_before[0],
@@ -305,6 +335,15 @@ def rollout_groups(
         retrieval_time=retrieval_time,
         wall_time=time.perf_counter() - wall_start,
         dropped=dropped,
+    )
+
+
+def split_failed(groups: list[list[Trajectory]]) -> tuple[list, list]:
+    """(groups none of whose trajectories failed, the others), each in order."""
+    failed = [any(t.failed for t in g) for g in groups]
+    return (
+        [g for g, bad in zip(groups, failed, strict=True) if not bad],
+        [g for g, bad in zip(groups, failed, strict=True) if bad],
     )
 
 

@@ -1,15 +1,19 @@
-# The hdr GPU trainer: CUDA runtime base with the project's `gpu` extra (vLLM, which brings
-# the CUDA torch build it pins); runs configs/search-r1-qwen2.5-3b.yaml. Non-root user.
+# The hdr GPU trainer: CUDA runtime base with the project's `gpu` extra (vllm 0.33.0, torch
+# 2.14.0 and transformers 5.20.2, one set that goes together; torch's wheels bring CUDA 13,
+# so the host needs an NVIDIA driver for CUDA 13); runs configs/search-r1-qwen2.5-3b.yaml.
+# Non-root user.
 #
 #   docker build -f docker/trainer-gpu.Dockerfile -t hdr-trainer:gpu .
 #
 # Unbuilt where hdr's stack is tested (no GPU, no registry): written against its real base.
-# It runs docker/trainer-entrypoint.sh like the CPU trainer (docker/trainer.Dockerfile).
+# It runs docker/trainer-entrypoint.sh like the CPU trainer (docker/trainer.Dockerfile), with
+# docker/trainer-gpu-launch.sh as its `hdr`: `hdr train` under torchrun, one process per GPU.
 #
 # Build arguments:
-#   CUDA_IMAGE   nvidia/cuda:12.4.1-runtime-ubuntu22.04   (Ubuntu's python3 is 3.10)
+#   CUDA_IMAGE   nvidia/cuda:13.0.1-runtime-ubuntu24.04   (Ubuntu's python3 is 3.12; vLLM
+#                                                          0.33 needs 3.11 or later)
 
-ARG CUDA_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
 
 # ------------------------------------------------------- venv (build stage, not shipped)
 FROM ${CUDA_IMAGE} AS venv
@@ -28,7 +32,7 @@ COPY retrieval_server /tmp/src/retrieval_server
 COPY agent_env /tmp/src/agent_env
 COPY trainer /tmp/src/trainer
 COPY evaluation /tmp/src/evaluation
-# vLLM pins the CUDA torch build it was compiled against; let it choose.
+# The extra pins vLLM, the CUDA torch build it was compiled against, and transformers.
 RUN /opt/venv/bin/pip install "/tmp/src[gpu]" \
     && rm -rf /tmp/src /root/.cache
 
@@ -36,6 +40,7 @@ RUN /opt/venv/bin/pip install "/tmp/src[gpu]" \
 FROM scratch AS app
 COPY configs /app/configs
 COPY docker/trainer-entrypoint.sh docker/entrypoint-signals.sh /app/docker/
+COPY docker/trainer-gpu-launch.sh /app/docker/
 
 # ------------------------------------------------------------------------ gpu (final)
 FROM ${CUDA_IMAGE} AS gpu
@@ -58,6 +63,7 @@ USER hdr
 ENV HDR_CONFIG=/app/configs/search-r1-qwen2.5-3b.yaml \
     HDR_RUNS_DIR=/runs \
     HDR_MODEL= \
+    HDR_BIN=/app/docker/trainer-gpu-launch.sh \
     HF_HOME=/runs/.cache/huggingface
 VOLUME ["/runs"]
 # Relative paths a run may write land on the volume, not in the root-owned /app.

@@ -77,3 +77,30 @@ def qwen_model(qwen_policy_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(qwen_policy_dir), dtype=torch.float32).eval()
+
+
+FAKES = Path(__file__).resolve().parent / "fakes"
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch):
+    """tests/fakes/vllm, a recording stand-in for vLLM 0.33's offline API, importable as `vllm`
+    for one test (with its dist-info, so `importlib.metadata.version("vllm")` answers 0.33.0).
+    Its records start empty; the environment variables vLLM reads are restored afterwards."""
+    import importlib
+    import sys
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default; hdr overrides
+    monkeypatch.syspath_prepend(str(FAKES))
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    vllm = importlib.import_module("vllm")
+    assert vllm.__file__.startswith(str(FAKES)), vllm.__file__
+    vllm.EVENTS.clear()
+    vllm.DROPPED.clear()
+    vllm.LLM.responder = None
+    yield vllm
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]

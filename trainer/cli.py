@@ -1,5 +1,5 @@
-"""`hdr` subcommands of the trainer package: `sft`, `train`, `calibrate`. Heavy imports happen
-inside the bodies."""
+"""`hdr` subcommands of the trainer package: `sft`, `train`, `calibrate`, `plan-memory`. Heavy
+imports happen inside the bodies."""
 
 from __future__ import annotations
 
@@ -107,10 +107,49 @@ def calibrate_command(
     typer.echo(report.table())
 
 
+PLAN_MEMORY_EXAMPLE = """Examples:
+
+  hdr plan-memory --config configs/search-r1-qwen2.5-3b.yaml --gpu-gb 80
+
+  hdr plan-memory --config configs/search-r1-qwen2.5-3b.yaml --gpu-gb 80 --gpus 8 grpo.micro_batch=8
+"""
+
+
+def plan_memory_command(
+    overrides: list[str] = overrides_argument("training config", "grpo.micro_batch=4"),
+    config: Path = typer.Option(..., "--config", "-c", help="Training config YAML."),
+    gpu_gb: float = typer.Option(
+        ..., "--gpu-gb", min=1, help="Memory of one GPU in GiB (nvidia-smi's MiB / 1024)."
+    ),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs, one training process each."),
+    set_: list[str] = set_option(),
+) -> None:
+    """The GPU memory one training process needs, by component and phase (rollout, scoring,
+    update), from the config and the model's shape; refuses a config that cannot fit, naming
+    the setting to turn."""
+    from core.config import load_config
+    from core.errors import UserError
+    from trainer.config import TrainConfig
+    from trainer.memory_plan import model_shape, plan_memory
+
+    cfg = load_config(TrainConfig, config, all_overrides(overrides, set_))
+    if cfg.distributed.rollout_shards % gpus:
+        raise UserError(
+            f"distributed.rollout_shards={cfg.distributed.rollout_shards} cannot be split over"
+            f" {gpus} GPUs; set it to a multiple of {gpus}"
+        )
+    plan = plan_memory(cfg, model_shape(cfg.model.path), gpu_gb, gpus, name=str(config))
+    typer.echo(plan.table())
+    refusal = plan.refusal()
+    if refusal is not None:
+        raise UserError(f"{config} does not fit: {refusal}")
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
     app.command("sft", epilog=SFT_EXAMPLE)(sft_command)
     app.command("train", epilog=TRAIN_EXAMPLES)(train_command)
     app.command("calibrate", epilog=CALIBRATE_EXAMPLE)(calibrate_command)
-    for command in ("sft", "train", "calibrate"):
+    app.command("plan-memory", epilog=PLAN_MEMORY_EXAMPLE)(plan_memory_command)
+    for command in ("sft", "train", "calibrate", "plan-memory"):
         register_config(command, "trainer.config:TrainConfig")

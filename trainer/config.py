@@ -305,6 +305,18 @@ class TrainConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _engine_holds_a_response(self) -> TrainConfig:
+        limit, longest = self.generation.max_model_len, self.rollout.longest_response
+        if self.generation.backend == "vllm" and limit is not None and limit <= longest:
+            room = -(-(longest + 1024) // 1024) * 1024  # a 1,024-token prompt, rounded up
+            raise ValueError(
+                f"generation.max_model_len={limit} leaves no room for the prompt beside a"
+                f" response of up to {longest} tokens (rollout.max_response_tokens +"
+                f" max_tokens_per_turn + max_obs_tokens): add generation.max_model_len={room}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _shards_hold_prompts(self) -> TrainConfig:
         if self.distributed.rollout_shards > self.grpo.batch_prompts:
             raise ValueError(

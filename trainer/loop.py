@@ -178,8 +178,10 @@ def train_step(run: Run, step: int) -> StepRecord:
     # 1-2. rollout of b prompts x G responses, each rewarded by agent_env
     with run.phase("rollout"):
         batch = rollout_fresh(run, step)
-    # 3. behaviour log-probs and advantages (each process scores its share)
+    # 3. behaviour log-probs and advantages (each process scores its share); a vLLM engine in
+    # sleep mode hands its GPU memory to the trainer until the weight sync wakes it
     with run.phase("scoring"):
+        run.generator.sleep()
         fresh, entropy = distributed.split_behaviour(run, batch.groups, step)
         gap, tis = sampler_gap(fresh, sampler_logprobs(batch.groups, fresh), cfg.grpo.tis_cap)
     # 4. replay selection: one decision, the same on every process
@@ -199,7 +201,7 @@ def train_step(run: Run, step: int) -> StepRecord:
         kept_tis = None if tis is None else [tis[k] for k in kept]
         update_batch = assemble_batch(trained, selection.groups, selection.weights, kept_tis)
         update = update_policy(run, update_batch, run.scan_graphs(selection))
-        run.generator.sync_weights(run.model)
+        run.generator.sync_weights(run.model)  # wakes a sleeping engine
     # 6. ingress after the update
     for group in selection.groups:
         group.replay_count += 1

@@ -299,6 +299,9 @@ def setup_run(
         prompt=config.rollout.prompt,
         model=model if config.generation.backend == "hf" else None,
     )
+    # the weights it already has, through the sync every update uses: a name mismatch (an
+    # engine parameter the state dict does not reach) fails here, not after a step's work
+    generator.sync_weights(model)
     run = Run(
         config=config,
         run_dir=run_dir,
@@ -387,8 +390,14 @@ def save_final(run: Run) -> Path | None:
 class StopSignals:
     """SIGINT/SIGTERM as a request to stop at the next step boundary (see `train`). Across
     processes the request is agreed at every boundary, so all ranks checkpoint the same step
-    and stop together, whichever rank (or ranks) the signal reached. Outside the main thread
-    (no signal handlers there) it does nothing."""
+    and stop together, whichever rank (or ranks) the signal reached; no rank leaves before
+    rank 0 has written the checkpoint (`distributed.shutdown`'s barrier), because torchrun
+    stops the others 30 s after the first rank exits. Outside the main thread (no signal
+    handlers there) it does nothing.
+
+    torchrun itself, on SIGTERM, passes it to every rank and SIGKILLs them after
+    `--shutdown-timeout` seconds (30 unless that or TORCH_ELASTIC_SHUTDOWN_TIMEOUT says
+    otherwise): launch with more than a step, a held-out evaluation and a checkpoint take."""
 
     SIGNALS = ("SIGINT", "SIGTERM")
 

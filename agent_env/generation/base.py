@@ -61,12 +61,25 @@ class Completion:
 
 
 class Generator(Protocol):
-    def generate(self, contexts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    per_request_seeds: bool
+    """Whether `generate` samples each context from its own `seeds` entry, so what a context
+    gets does not depend on which contexts share the call (vllm). Backends that sample from
+    torch's global RNG (hf) ignore `seeds`."""
+
+    def generate(
+        self, contexts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Completion]:
         """Continue each context; one Completion per context, in order."""
         ...
 
+    def sleep(self) -> None:
+        """Free the GPU memory generation holds until the next `sync_weights` (vllm's sleep
+        mode, while the trainer scores and updates); a no-op for backends that hold none."""
+        ...
+
     def sync_weights(self, model) -> None:
-        """Take the trainer's current weights (no-op when the module is shared)."""
+        """Take the trainer's current weights (no-op when the module is shared); wakes a
+        sleeping engine."""
         ...
 
 
@@ -89,6 +102,27 @@ class GenerationConfig(StrictModel):
     )
     seed: int | None = Field(
         None, description="vllm: sampling seed; None: the run's seed (hdr train), else 0."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="vllm: the longest context (prompt + response so far + the turn) the"
+        " engine accepts and sizes its KV cache for; None: the model's own (32,768 for"
+        " Qwen2.5, far more than a rollout needs). A context at the limit comes back as"
+        " 'length' with no tokens.",
+    )
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="vllm: most sequences decoded at once; None: vLLM's default."
+    )
+    enable_sleep_mode: bool = Field(
+        False,
+        description="vllm: free the engine's GPU memory (weights and KV cache) while the"
+        " trainer scores and updates, and wake it for the weight sync (vLLM's sleep mode).",
+    )
+    sleep_level: Literal[1, 2] = Field(
+        2,
+        description="vllm with enable_sleep_mode: 1 moves the engine's weights to CPU memory"
+        " while asleep; 2 discards them (the weight sync after each update reloads every one).",
     )
     tensor_parallel_size: int = Field(
         1,

@@ -196,12 +196,19 @@ class HFGenerator:
         self.stop_ids = single_token_ids(tokenizer, STOP_STRINGS)
         self.stop_strings = () if self.stop_ids is not None else tuple(STOP_STRINGS)
 
+    per_request_seeds = False  # samples from torch's RNG (the trainer forks it per shard)
+
     def sync_weights(self, model) -> None:
         """No-op when the trainer's module is this one; otherwise copy its weights in."""
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
 
-    def generate(self, contexts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def sleep(self) -> None:
+        """Nothing to free: the module is the trainer's (or a plain copy)."""
+
+    def generate(
+        self, contexts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Completion]:
         size = self.max_batch or max(len(contexts), 1)
         out: list[Completion] = []
         for start in range(0, len(contexts), size):

@@ -95,10 +95,17 @@ class ScriptedGenerator:
         self.after_close = after_close
         self._question = _question_pattern(prompt.template)
 
+    per_request_seeds = False  # deterministic: nothing is sampled
+
     def sync_weights(self, model) -> None:
         """Nothing to sync: the policy has no weights."""
 
-    def generate(self, contexts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def sleep(self) -> None:
+        """Nothing to free."""
+
+    def generate(
+        self, contexts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Completion]:
         return [self._act(ctx, params) for ctx in contexts]
 
     def _act(self, context: list[int], params: SamplingParams) -> Completion:

@@ -59,6 +59,22 @@ def test_eos_and_length() -> None:
     assert (length.finish_reason, length.finished) == ("length", False)
 
 
+@pytest.mark.parametrize("eos_id", sorted(EOS))
+def test_an_eos_sampled_as_the_last_allowed_token_is_an_eos(eos_id) -> None:
+    """vLLM 0.11's V1 `check_stop` tested the token limit before the stop ids, so an EOS that
+    was the turn's last allowed token came back as "length" (0.33 tests the ids first; hdr
+    accepts both shapes)."""
+    at_limit = completion_from_output(output([12095, 9217, eos_id], "length", None), EOS)
+    assert (at_limit.finish_reason, at_limit.token_ids[-1]) == ("eos", eos_id)
+    assert at_limit.finished and at_limit.logprobs == pytest.approx([-0.1, -0.2, -0.3])
+    # the same tokens as 0.33 reports them
+    stopped = completion_from_output(output([12095, 9217, eos_id], "stop", eos_id), EOS)
+    assert stopped == at_limit
+    # a limit that cut a non-EOS token stays a cut
+    cut = completion_from_output(output([12095, 9217, 522], "length", None), EOS)
+    assert cut.finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("sample", "message"),
     [
@@ -75,14 +91,15 @@ def test_malformed_outputs_are_refused(sample, message) -> None:
 def test_sampling_settings() -> None:
     kw = sampling_kwargs(SamplingParams(temperature=1.0, top_p=1.0, max_tokens=500), EOS)
     assert kw["stop"] == ["</search>", "</answer>"] and kw["stop_token_ids"] == sorted(EOS)
-    assert kw["include_stop_str_in_output"] and kw["logprobs"] == 0 and kw["top_k"] == -1
-    assert kw["skip_special_tokens"] is False
+    assert kw["include_stop_str_in_output"] and kw["logprobs"] == 0 and kw["top_k"] == 0
+    assert kw["skip_special_tokens"] is False and kw["seed"] is None
+    assert sampling_kwargs(SamplingParams(), EOS, seed=7)["seed"] == 7
 
 
 def test_version_range_and_tensor_parallel_are_checked() -> None:
-    check_vllm_version("0.10.2")
-    check_vllm_version("0.11.1")
-    for old_or_new in ("0.8.5", "0.10.1", "0.12.0"):
+    check_vllm_version("0.33.0")
+    check_vllm_version("0.33.1")
+    for old_or_new in ("0.11.2", "0.32.0", "0.34.0"):
         with pytest.raises(UserError, match=r"written for vllm"):
             check_vllm_version(old_or_new)
     with pytest.raises(UserError, match="tensor_parallel_size > 1 is not supported"):

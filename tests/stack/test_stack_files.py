@@ -173,8 +173,17 @@ def test_gpu_profile_reserves_gpus_and_switches_config(compose):
     assert gpu["environment"]["HDR_CONFIG"] == "/app/configs/search-r1-qwen2.5-3b.yaml"
     assert gpu["environment"]["HDR_MODEL"] == ""  # the config's own model.path
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert devices == [{"driver": "nvidia", "count": "1", "capabilities": ["gpu"]}]
     assert "hdr-runs:/runs" in gpu["volumes"]
+    # one training process per reserved GPU (docker/trainer-gpu-launch.sh runs torchrun), and
+    # torchrun's grace for the ranks' checkpoint after a SIGTERM inside compose's own
+    assert gpu["environment"]["HDR_NPROC"] == devices[0]["count"]
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-gpu"]
+    eight = interpolate(raw, {"HDR_GPU_COUNT": "8"})
+    assert eight["environment"]["HDR_NPROC"] == "8"
+    assert eight["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "8"
+    torchrun_grace = float(gpu["environment"]["HDR_SHUTDOWN_TIMEOUT"])
+    assert 20 * 60 <= torchrun_grace < duration_s(gpu["stop_grace_period"])
 
 
 def duration_s(value: str) -> float:
@@ -280,8 +289,10 @@ def test_trainer_dockerfiles_have_cpu_and_gpu_targets():
     assert stage_names(DOCKERFILES["trainer-gpu"])[-1] == "gpu"
     gpu = DOCKERFILES["trainer-gpu"].read_text()
     assert re.search(r"^FROM \$\{CUDA_IMAGE\} AS gpu$", gpu, re.M)
-    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.\S*-runtime", gpu, re.M)
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:13\.\S*-runtime-ubuntu24\.04$", gpu, re.M)
     assert 'pip install "/tmp/src[gpu]"' in gpu
+    assert re.search(r"HDR_BIN=/app/docker/trainer-gpu-launch\.sh", gpu)
+    assert "COPY docker/trainer-gpu-launch.sh /app/docker/" in gpu
 
 
 def test_images_run_as_non_root_and_start_their_entrypoint_script():

@@ -28,6 +28,12 @@ def test_search_r1_config_is_the_papers_setting():
     assert cfg.model.path == "Qwen/Qwen2.5-3B-Instruct"
     assert cfg.generation.backend == "vllm" and cfg.retrieval.retriever == "dense"
     assert (cfg.grpo.batch_prompts, cfg.replay.budget) == (128, 64)
+    # sized for an 80 GB GPU (tests/trainer/test_memory_plan.py) and for its index
+    assert cfg.generation.enable_sleep_mode and cfg.generation.max_model_len == 6144
+    assert (cfg.retrieval.expect_encoder, cfg.retrieval.expect_documents) == (
+        "e5-base-v2",
+        21_015_324,
+    )
     larger = load_config(
         TrainConfig,
         CONFIGS / "search-r1-qwen2.5-3b.yaml",

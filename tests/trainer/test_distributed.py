@@ -81,6 +81,28 @@ class _Rows:
         self.input_ids, self.attention_mask, self.loss_mask = ids, attn, mask
 
 
+def bare_run(dist: distributed.Dist, config: TrainConfig, model, run_dir=Path("."), logs=None):
+    """A Run of `model` with no generator, server or data: what the protocol's update, replay
+    scoring and checkpoints touch."""
+    optimizer, scheduler = build_optimizer(model, config)
+    return Run(
+        config=config,
+        run_dir=run_dir,
+        model=model,
+        tokenizer=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        buffer=ReplayBuffer(config.replay.capacity),
+        generator=None,
+        client=None,
+        train_examples=[],
+        eval_examples=[],
+        logs=logs or distributed.SilentLogs(),
+        dist=dist,
+        policy=distributed.wrap_policy(model, dist),
+    )
+
+
 def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> dict:
     """STEPS steps of: make fresh groups, select (headroom_drift) with the split scorer,
     update on fresh + replayed, ingest. Returns what a comparison needs, and the rows the
@@ -91,24 +113,7 @@ def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> di
     model.model.register_forward_pre_hook(
         lambda module, args, kwargs: forwarded.append(len(kwargs["input_ids"])), with_kwargs=True
     )
-    policy = distributed.wrap_policy(model, dist)
-    optimizer, scheduler = build_optimizer(model, config)
-    run = Run(
-        config=config,
-        run_dir=Path("."),
-        model=model,
-        tokenizer=None,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        buffer=ReplayBuffer(config.replay.capacity),
-        generator=None,
-        client=None,
-        train_examples=[],
-        eval_examples=[],
-        logs=distributed.SilentLogs(),
-        dist=dist,
-        policy=policy,
-    )
+    run = bare_run(dist, config, model)
     selected, scanned, grad_norms, losses, update_rows = [], [], [], [], []
     for step in range(1, STEPS + 1):
         fresh = make_groups(model, step, count=4, seed=step)

@@ -220,3 +220,48 @@ def test_resume_under_one_process_continues(runs):
     a, b = weights(runs["two"]), weights(runs["cut1"])
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-5), name
+
+
+def test_sigterm_to_one_worker_stops_the_job_after_a_step_with_its_checkpoint(
+    sft_policy, small_qa, retrieval_url, tmp_path
+):
+    """`hdr train` under torchrun; one worker (rank 1) gets SIGTERM after step 1 was logged.
+    Both ranks agree at the next step boundary, rank 0 writes that step's checkpoint (with
+    both ranks' RNG states), and the job ends by itself: no rank is SIGKILLed, and no rank
+    leaves before the checkpoint is whole (torchrun stops the others 30 s after one exits)."""
+    out = tmp_path / "stopped"
+    args = [
+        "train",
+        "--config",
+        str(TINY_CPU),
+        *tiny_overrides(
+            retrieval_url, sft_policy, small_qa, out, "steps=40", "distributed.rollout_shards=2",
+            "eval.every=0", "eval.at_start=false", "checkpoint.save_every=0",
+        ),
+    ]  # fmt: skip
+    log = tmp_path / "stderr.log"
+    with log.open("w") as sink:
+        job = subprocess.Popen(torchrun(2, *args), env=env(), stderr=sink)
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not (out / "metrics.jsonl").is_file() or not rows(out):
+            assert job.poll() is None, log.read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pids = worker_pids(job.pid)
+        os.kill(pids[1], signal.SIGTERM)
+        code = job.wait(timeout=FAIL_TIMEOUT_S)
+    stderr = log.read_text()
+    stopped = [line for line in stderr.splitlines() if "hdr: stopped: stopped by SIGTERM" in line]
+    assert stopped, stderr
+    steps = {int(line.split("after step ")[1].split()[0]) for line in stopped}
+    (step,) = steps  # every rank that reported names the same step
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [step]
+    ckpt = open_checkpoint(out)
+    assert sorted(p.name for p in (ckpt.path / "rng").glob("*.json")) == [
+        "rank-0.json",
+        "rank-1.json",
+    ]
+    assert [r["step"] for r in rows(out)] == list(range(1, step + 1))
+    assert "SIGKILL" not in stderr and "Signals.SIGKILL" not in stderr
+    assert not any(alive(pid) for pid in pids.values())
+    assert code != 0  # torchrun reports the workers' exit code 143 as a failed job

@@ -101,8 +101,9 @@ def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
     """configs/search-r1-qwen2.5-3b.yaml as written (instruct prompt through the chat
     template, 4 turns x 500 tokens, 4,096 response tokens, bf16 autocast on fp32 master
     weights, k3 KL to a bf16 reference, gradient checkpointing), with only what the CPU
-    forces substituted: the tiny model, the hf backend, the CPU, the test server and data,
-    2 steps of 2 prompts x 2 responses (so 2 rollout shards), and no periodic evaluation."""
+    forces substituted: the tiny model, the hf backend, the CPU, the test server and data
+    (and so no check of the server's index), 2 steps of 2 prompts x 2 responses (so 2 rollout
+    shards), and no periodic evaluation."""
     from transformers import AutoModelForCausalLM
 
     from trainer.loop import train
@@ -118,6 +119,8 @@ def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
         f"data.train={data}",
         f"data.eval={data}",
         f"retrieval.urls=[{retrieval_url}]",
+        "retrieval.expect_encoder=null",  # the test server's index, not wiki-18 with e5
+        "retrieval.expect_documents=null",
         f"out_dir={tmp_path / 'run'}",
         "steps=2",
         "grpo.warmup_steps=0",

@@ -1,0 +1,131 @@
+"""`hdr plan-memory`'s arithmetic against a case worked out by hand, the parameter count
+against a hand count and a real model, and its refusals as one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from core.config import load_config
+from trainer.config import TrainConfig
+from trainer.memory_plan import ModelShape, model_shape, plan_memory
+
+GIB = 2**30
+
+# A 1-billion-parameter model: hidden 2048, MLP 8192, 16 layers, K/V width 256, 32,000 tokens.
+SHAPE = ModelShape("hand", 10**9, 2048, 8192, 16, 256, 32000, 32768)
+CONFIG = TrainConfig.model_validate(
+    {
+        "model": {"path": "x", "compute_dtype": "bfloat16", "gradient_checkpointing": True},
+        "grpo": {"beta": 0.001, "micro_batch": 4, "score_chunk": 8},
+        "generation": {
+            "backend": "vllm",
+            "dtype": "bfloat16",
+            "gpu_memory_utilization": 0.3,
+            "enable_sleep_mode": True,
+            "max_model_len": 4096,
+        },
+    }
+)
+
+
+def test_the_plan_of_a_hand_worked_case():
+    plan = plan_memory(CONFIG, SHAPE, gpu_gib=80)
+    got = {line.component.split(":")[0]: (line.gib, line.phases) for line in plan.lines}
+    every = ("rollout", "scoring", "update")
+    hand = {  # bytes, worked out by hand
+        "fp32 master weights": (4e9, every),
+        "AdamW moments (2 x fp32)": (8e9, every),
+        "fp32 gradients (freed after the step)": (4e9, ("update",)),
+        "bf16 KL reference model": (2e9, every),
+        "autocast's bf16 weight copies": (2e9, ("scoring", "update")),
+        "CUDA context and workspaces": (GIB, every),
+        # 8 rows x 4096 tokens x (8*2048 + 6*8192 = 65,536 B) = 2 GiB; head 512 x 32000 x 6
+        "scoring activations": (2 * GIB + 98_304_000, ("scoring",)),
+        # 4 x 4096 tokens x (16 layers x 4 x 2048 + 40*2048 + 14*8192 + 10*256 = 330,240 B);
+        # head 512 x 32000 x 14
+        "update activations": (16_384 * 330_240 + 229_376_000, ("update",)),
+        # 4 x 4096 tokens x 65,536 B = 1 GiB; head 512 x 32000 x 6
+        "KL reference forward, no grad": (GIB + 98_304_000, ("update",)),
+        "vLLM engine": (0.3 * 80 * GIB, ("rollout",)),
+        "vLLM asleep": (GIB, ("scoring", "update")),
+    }
+    assert got.keys() == hand.keys()
+    for name, (n_bytes, phases) in hand.items():
+        assert got[name][0] == pytest.approx(n_bytes / GIB, rel=1e-12), name
+        assert got[name][1] == phases, name
+    assert plan.total("rollout") == pytest.approx(38.0385160, abs=1e-6)
+    assert plan.total("scoring") == pytest.approx(18.9927138, abs=1e-6)
+    assert plan.total("update") == pytest.approx(26.9706896, abs=1e-6)
+    assert plan.peak[0] == "rollout"
+    # KV: 24 GiB - 2e9 B of bf16 weights - 2 GiB of vLLM's own; a 4096-token sequence holds
+    # 4096 x (2 x 16 layers x 256 x 2 B) = 1/16 GiB
+    assert plan.kv_cache_gib == pytest.approx(24 - 2e9 / GIB - 2, abs=1e-9)
+    assert plan.sequences_at_full_length == 322
+    # the update's 26.97 GiB needs 26.97 / 0.95; the rollout 14.04 GiB / (0.95 - 0.3)
+    assert plan.minimum_gpu_gib == pytest.approx(26.9706896 / 0.95, abs=1e-6)
+    assert plan.refusal() is None
+
+
+def test_a_config_that_cannot_fit_names_the_setting_to_turn():
+    plan = plan_memory(CONFIG, SHAPE, gpu_gib=24)
+    assert plan.refusal() == (
+        "the update phase needs 27.0 GiB per GPU, over the 22.8 GiB usable of 24; the largest"
+        " part a setting shrinks is update activations: 4 rows x 4096 tokens, checkpointed"
+        " (5.3 GiB): grpo.micro_batch=2"
+    )
+    awake = CONFIG.model_copy(
+        update={"generation": CONFIG.generation.model_copy(update={"enable_sleep_mode": False})}
+    )
+    assert (
+        plan_memory(awake, SHAPE, gpu_gib=36)
+        .refusal()
+        .endswith(
+            "vLLM engine: gpu_memory_utilization 0.3 of the GPU (10.8 GiB):"
+            " generation.enable_sleep_mode=true"
+        )
+    )
+    # what no setting shrinks, at its largest in the update: master 4e9 + AdamW 8e9 + grads
+    # 4e9 + autocast 2e9 bytes + context 1 + asleep 1 GiB = 18.76 GiB, / 0.95 = 19.75
+    tiny = plan_memory(CONFIG, SHAPE, gpu_gib=12).refusal()
+    assert (
+        "more than settings can save: what no setting shrinks needs a GPU of at least 20 GiB"
+        in tiny
+    )
+    no_kv = CONFIG.model_copy(
+        update={"generation": CONFIG.generation.model_copy(update={"max_model_len": 32768})}
+    )  # a 32k-token sequence needs 0.5 GiB of KV; 5% of 80 GiB leaves 4 - 1.86 - 2
+    low = no_kv.generation.model_copy(update={"gpu_memory_utilization": 0.05})
+    refused = plan_memory(no_kv.model_copy(update={"generation": low}), SHAPE, 80).refusal()
+    assert refused.startswith("vLLM's share leaves 0.1 GiB of KV cache, less than one sequence")
+
+
+def test_parameters_are_counted_as_the_model_holds_them(qwen_policy_dir, qwen_model):
+    shape = model_shape(str(qwen_policy_dir))
+    # embedding 151,936 x 64 (tied with the output layer); per layer q 64x64+64, k and v
+    # 64x32+32, o 64x64, MLP 3 x 64x128, two norms of 64; a final norm of 64
+    per_layer = 4160 + 2 * 2080 + 4096 + 3 * 64 * 128 + 2 * 64
+    assert shape.parameters == 151_936 * 64 + 2 * per_layer + 64 == 9_798_208
+    assert shape.parameters == sum(p.numel() for p in qwen_model.parameters())
+    assert (shape.hidden, shape.kv_width, shape.layers) == (64, 32, 2)
+    published = model_shape("Qwen/Qwen2.5-3B-Instruct")  # no download: published values
+    assert published.parameters == 3_085_938_688
+
+
+def test_the_3b_config_fits_80_gb_and_is_refused_on_40_in_one_line():
+    config = load_config(TrainConfig, REPO / "configs/search-r1-qwen2.5-3b.yaml", [])
+    plan = plan_memory(config, model_shape(config.model.path), gpu_gib=80)
+    assert plan.refusal() is None and plan.peak[1] < 0.95 * 80
+    done = subprocess.run(
+        [sys.executable, "-m", "hdr.cli", "plan-memory", "--config",
+         str(REPO / "configs/search-r1-qwen2.5-3b.yaml"), "--gpu-gb", "40"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    # the rollout: 11.50 + 22.99 + 1 GiB beside vLLM's 0.35 of the card: 35.49 / 0.60
+    assert line.startswith("hdr: error: ") and "needs a GPU of at least 60 GiB" in line
+    assert "| **total** |" in done.stdout  # the table is printed before the refusal

@@ -71,7 +71,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from core.errors import UserError
-from trainer.scoring import behaviour_groups, forward_logprobs
+from trainer.scoring import forward_logprobs
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -347,33 +347,6 @@ def _rollout_together(run, shards: list[tuple[int, list]], step: int, round_: in
             kept, dropped = split_failed(groups)
         pieces.append((shard, kept, dropped))
     return pieces, spent
-
-
-def split_behaviour(run, groups: list[list], step: int) -> tuple[list, float]:
-    """The fresh groups' behaviour log-probs and advantages (`scoring.behaviour_groups`),
-    each rank scoring its round-robin share; every rank gets all of them as StoredGroups in
-    step order (ids by step index), the token-weighted mean entropy, and the ledger's
-    behaviour tokens of all ranks."""
-    cfg = run.config
-    dealt = run.dist.share(len(groups))
-    scored, entropy, forwarded = behaviour_groups(
-        run.model,
-        [groups[i] for i in dealt],
-        step,
-        dealt,
-        cfg.grpo.score_chunk,
-        cfg.rollout.temperature,
-        run.autocast,
-    )
-    if run.dist.world == 1:
-        run.cost.behaviour_tf_tokens += forwarded
-        return scored, entropy
-    tokens = sum(g.num_tokens for g in scored)
-    totals = run.dist.sum({"entropy": entropy * tokens, "tokens": tokens, "forwarded": forwarded})
-    run.cost.behaviour_tf_tokens += int(totals["forwarded"])
-    pairs = [p for part in run.dist.all_gather(list(zip(dealt, scored, strict=True))) for p in part]
-    fresh = [g for _, g in sorted(pairs, key=lambda p: p[0])]
-    return fresh, totals["entropy"] / max(totals["tokens"], 1.0)
 
 
 # --- the trained module ------------------------------------------------------------------------

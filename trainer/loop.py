@@ -64,7 +64,13 @@ from trainer.grpo import (
 )
 from trainer.replay import Selection, StoredGroup, headroom, policy_drift
 from trainer.run import Run, StopSignals, save, save_final, setup_run
-from trainer.scoring import align, concat_left_padded, forward_logprobs, left_pad
+from trainer.scoring import (
+    align,
+    behaviour_groups,
+    concat_left_padded,
+    forward_logprobs,
+    left_pad,
+)
 from trainer.selectors import SELECTORS
 from trainer.telemetry import StepCost, StepRecord, quantiles
 
@@ -182,7 +188,7 @@ def train_step(run: Run, step: int) -> StepRecord:
     # sleep mode hands its GPU memory to the trainer until the weight sync wakes it
     with run.phase("scoring"):
         run.generator.sleep()
-        fresh, entropy = distributed.split_behaviour(run, batch.groups, step)
+        fresh, entropy = behaviour(run, batch.groups, step)
         gap, tis = sampler_gap(fresh, sampler_logprobs(batch.groups, fresh), cfg.grpo.tis_cap)
     # 4. replay selection: one decision, the same on every process
     with run.phase("selection"):
@@ -295,7 +301,34 @@ def rollout_fresh(run: Run, step: int) -> FreshBatch:
     return FreshBatch(kept, rollouts, int(passages["passages"]))
 
 
-# --- 3. the sampler's log-probs beside the trainer's ---------------------------------------
+# --- 3. behaviour log-probs, and the sampler's beside them --------------------------------
+
+
+def behaviour(run: Run, groups: list[Group], step: int) -> tuple[list[StoredGroup], float]:
+    """The fresh groups as StoredGroups: behaviour log-probs teacher-forced under the current
+    weights and the group advantages (`scoring.behaviour_groups`), and the mean token
+    entropy. Each process scores its round-robin share; every process gets all of them in
+    step order (ids by step index), and the ledger's behaviour tokens of all processes."""
+    cfg = run.config
+    dealt = run.dist.share(len(groups))
+    scored, entropy, forwarded = behaviour_groups(
+        run.model,
+        [groups[i] for i in dealt],
+        step,
+        dealt,
+        cfg.grpo.score_chunk,
+        cfg.rollout.temperature,
+        run.autocast,
+    )
+    if run.dist.world == 1:
+        run.cost.behaviour_tf_tokens += forwarded
+        return scored, entropy
+    tokens = sum(g.num_tokens for g in scored)
+    totals = run.dist.sum({"entropy": entropy * tokens, "tokens": tokens, "forwarded": forwarded})
+    run.cost.behaviour_tf_tokens += int(totals["forwarded"])
+    pairs = [p for part in run.dist.all_gather(list(zip(dealt, scored, strict=True))) for p in part]
+    fresh = [g for _, g in sorted(pairs, key=lambda p: p[0])]
+    return fresh, totals["entropy"] / max(totals["tokens"], 1.0)
 
 
 def sampler_logprobs(groups: list[Group], fresh: list[StoredGroup]) -> list[Tensor]:

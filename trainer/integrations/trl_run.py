@@ -9,6 +9,7 @@ node of eight GPUs, not run here). Under `accelerate launch` every process runs 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +61,15 @@ def grpo_args(config: TRLRunConfig):
 
 def build_trainer(config: TRLRunConfig):
     """A `ReplayGRPOTrainer` over `config`: the questions, a connected retrieval client, the
-    rollout function and hdr's exact-match reward."""
+    rollout function and the rollout config's reward (exact match by default), as hdr's loop
+    rewards."""
     from agent_env.data import load_task
     from agent_env.retrieval_client import connect
     from trainer.integrations.trl import (
         ReplayGRPOTrainer,
         SearchR1Rollout,
-        exact_match_reward,
         search_r1_dataset,
+        search_r1_reward,
     )
 
     args = grpo_args(config)
@@ -78,7 +80,7 @@ def build_trainer(config: TRLRunConfig):
     try:
         return ReplayGRPOTrainer(
             model=config.model,
-            reward_funcs=[exact_match_reward],
+            reward_funcs=[search_r1_reward(config.rollout)],
             args=args,
             train_dataset=search_r1_dataset(examples),
             rollout_func=SearchR1Rollout(client, config.rollout, config.hf_max_batch),
@@ -90,11 +92,32 @@ def build_trainer(config: TRLRunConfig):
 
 
 def train_trl(config: TRLRunConfig) -> Path:
-    """Train; returns TRL's output directory, where the final model is saved."""
+    """Train; returns TRL's output directory, where the final model is saved and each process
+    writes what its replay did (`replay-{rank}.jsonl`)."""
     trainer = build_trainer(config)
     try:
         trainer.train()
         trainer.save_model()
     finally:
         trainer.rollout_func.client.close()
-    return Path(trainer.args.output_dir)
+    out = Path(trainer.args.output_dir)
+    write_replay_log(
+        trainer.replay.history, out / f"replay-{trainer.accelerator.process_index}.jsonl"
+    )
+    return out
+
+
+def write_replay_log(history, path: Path) -> None:
+    """One JSON line per step: the fresh groups, what the selector scanned and admitted."""
+    with path.open("w") as f:
+        for h in history:
+            record = {
+                "step": h.step,
+                "fresh": [g.group_id for g in h.fresh],
+                "replayed": [g.group_id for g in h.selection.groups],
+                "scanned": h.selection.scanned,
+                "drift_scanned": h.selection.drift_scanned,
+                "trained_rows": h.trained_rows,
+                "num_items": h.num_items,
+            }
+            f.write(json.dumps(record) + "\n")

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from trajectories import masked_runs
 
 pytest.importorskip("trl")  # the hdr[trl] extra (make setup installs it)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -112,18 +113,6 @@ def hdr_selection(trainer, snapshot, step: int, policy_dir):
     return SELECTORS.get(cfg.arm)(buffer, step, params, score, fresh=fresh)
 
 
-def masked_spans(ids: list[int], mask: list[int]) -> list[list[int]]:
-    """The maximal runs of `ids` where `mask` is 0."""
-    spans, run = [], []
-    for tok, m in zip(ids, mask, strict=True):
-        if m == 0:
-            run.append(tok)
-        elif run:
-            spans.append(run)
-            run = []
-    return [*spans, run] if run else spans
-
-
 def check_replay_run(trainer, snapshots, policy_dir, fresh_rows: int) -> None:
     """Every step after the first replayed and its selection is hdr's own."""
     history = trainer.replay.history
@@ -198,7 +187,7 @@ def test_env_mask_keeps_information_out_of_trl_loss(
     searched = [t for t in trajectories if t.searches]
     assert searched, "no trajectory searched: the masked path was not exercised"
     for t in trajectories:
-        spans = masked_spans(t.response_ids, t.loss_mask)
+        spans = masked_runs(t)
         decoded = [tokenizer.decode(s, skip_special_tokens=False) for s in spans]
         assert decoded == t.observations
         policy_text = tokenizer.decode(

@@ -59,10 +59,12 @@ def grpo_args(config: TRLRunConfig):
         raise UserError(f"trl: {err}") from None
 
 
-def build_trainer(config: TRLRunConfig):
-    """A `ReplayGRPOTrainer` over `config`: the questions, a connected retrieval client, the
-    rollout function and the rollout config's reward (exact match by default), as hdr's loop
-    rewards."""
+def build_trainer(config: TRLRunConfig, replay: bool = True):
+    """A `ReplayGRPOTrainer` over `config` (TRL's own `GRPOTrainer` when not `replay`): the
+    questions, a connected retrieval client, the rollout function and the rollout config's
+    reward (exact match by default), as hdr's loop rewards."""
+    from trl import GRPOTrainer
+
     from agent_env.data import load_task
     from agent_env.retrieval_client import connect
     from trainer.integrations.trl import (
@@ -77,15 +79,17 @@ def build_trainer(config: TRLRunConfig):
     if not examples:
         raise UserError(f"training task {config.data.train!r} has no questions")
     client = connect(config.retrieval, seed=args.seed)
+    pieces = dict(
+        model=config.model,
+        reward_funcs=[search_r1_reward(config.rollout)],
+        args=args,
+        train_dataset=search_r1_dataset(examples),
+        rollout_func=SearchR1Rollout(client, config.rollout, config.hf_max_batch),
+    )
     try:
-        return ReplayGRPOTrainer(
-            model=config.model,
-            reward_funcs=[search_r1_reward(config.rollout)],
-            args=args,
-            train_dataset=search_r1_dataset(examples),
-            rollout_func=SearchR1Rollout(client, config.rollout, config.hf_max_batch),
-            replay=config.replay,
-        )
+        if not replay:
+            return GRPOTrainer(**pieces)
+        return ReplayGRPOTrainer(**pieces, replay=config.replay)
     except ValueError as err:  # TRL's and the replay's checks of the settings
         client.close()
         raise UserError(str(err)) from None

@@ -71,7 +71,7 @@ def trl_run(config: TRLRunConfig, arm: str | None, out: Path) -> dict:
     trainer.train()
     trainer.rollout_func.client.close()
     history = trainer.replay.history if arm is not None else []
-    return {"step_s": clock.seconds, "replayed_groups": [len(h.selection.groups) for h in history]}
+    return {"step_s": clock.seconds, "replayed_groups": [len(h["replayed"]) for h in history]}
 
 
 def hdr_run(config: TRLRunConfig, arm: str, steps: int, out: Path) -> dict:

@@ -109,30 +109,29 @@ def hdr_selection(trainer, snapshot, step: int, policy_dir):
     cfg = trainer.replay.config
     params = select_params(cfg.arm, cfg.replay, cfg.replay.budget, 0, trainer.state.max_steps)
     score = lambda groups: score_groups(model.eval(), groups, cfg.score_chunk, 1.0)  # noqa: E731
-    fresh = [g for g in trainer.replay.history[step - 1].fresh]
-    return SELECTORS.get(cfg.arm)(buffer, step, params, score, fresh=fresh)
+    return SELECTORS.get(cfg.arm)(buffer, step, params, score)
 
 
 def check_replay_run(trainer, snapshots, policy_dir, fresh_rows: int) -> None:
     """Every step after the first replayed and its selection is hdr's own."""
     history = trainer.replay.history
-    assert [h.step for h in history] == [1, 2, 3]
-    assert history[0].selection.groups == []  # nothing stored before step 1's ingress
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert history[0]["replayed"] == []  # nothing stored before step 1's ingress
     for h in history[1:]:
-        assert h.selection.scanned >= 1
-        hdr = hdr_selection(trainer, snapshots.taken[h.step - 1], h.step, policy_dir)
-        assert [g.group_id for g in h.selection.groups] == [g.group_id for g in hdr.groups]
-        assert h.selection.drift_scanned == pytest.approx(hdr.drift_scanned, rel=1e-4, abs=1e-7)
-    admitted = sum(len(h.selection.groups) for h in history)
-    refused = sum(h.selection.scanned - len(h.selection.groups) for h in history)
+        assert h["scanned"] >= 1
+        hdr = hdr_selection(trainer, snapshots.taken[h["step"] - 1], h["step"], policy_dir)
+        assert h["replayed"] == [g.group_id for g in hdr.groups]
+        assert h["drift_scanned"] == pytest.approx(hdr.drift_scanned, rel=1e-4, abs=1e-7)
+    admitted = sum(len(h["replayed"]) for h in history)
+    refused = sum(h["scanned"] - len(h["replayed"]) for h in history)
     assert admitted >= 1 and refused >= 1  # the gate decided something both ways
     # replayed rows were trained on: more rows than the fresh ones alone
-    assert any(h.trained_rows > fresh_rows for h in history)
+    assert any(h["trained_rows"] > fresh_rows for h in history)
 
 
 def tau_between(trainer) -> float:
     """A gate inside the drifts seen on a first run of the same settings."""
-    drifts = sorted(d for h in trainer.replay.history for d in h.selection.drift_scanned)
+    drifts = sorted(d for h in trainer.replay.history for d in h["drift_scanned"])
     return math.sqrt(drifts[0] * drifts[-1])
 
 
@@ -197,7 +196,7 @@ def test_env_mask_keeps_information_out_of_trl_loss(
         assert "<information>" not in policy_text
     assert any("<information>" in text for t in searched for text in t.observations)
     # TRL's loss mask (the fresh groups hdr built from TRL's batch) is the env_mask
-    fresh = trainer.replay.history[0].fresh
+    fresh = trainer.replay.last.fresh
     rows = [
         row for g in fresh for row in zip(g.input_ids, g.attention_mask, g.loss_mask, strict=True)
     ]
@@ -348,7 +347,7 @@ def test_trl_advantages_use_its_own_epsilon(tiny_policy, retrieval_url, small_qa
         max_steps=1,
     )  # fmt: skip
     trainer.train()
-    for group in trainer.replay.history[0].fresh:
+    for group in trainer.replay.last.fresh:
         r = group.rewards
         trl = (r - r.mean()) / (r.std() + 1e-4)
         torch.testing.assert_close(group.advantages, trl, atol=1e-6, rtol=1e-5)
@@ -398,3 +397,53 @@ def test_replay_settings_trl_cannot_honour_are_refused(tiny_policy, small_qa, tm
         )  # fmt: skip
     with pytest.raises(ValueError, match="drop_group"):
         SearchR1Rollout(RetrievalClient(RetrievalConfig()), RolloutConfig(on_failure="drop_group"))
+
+
+# --- vLLM server mode (no vLLM here: a recording stand-in for its HTTP endpoint) -------------
+
+
+class RecordingSession:
+    """Stands in for `requests.Session` in TRL's VLLMClient: records each POST and answers
+    with vLLM's `/v1/completions` shape (choices with token ids, log-probs, finish reasons)."""
+
+    def __init__(self, choices: list[dict]) -> None:
+        self.choices = choices
+        self.posts: list[tuple[str, dict]] = []
+
+    def post(self, url: str, json: dict):
+        from types import SimpleNamespace
+
+        self.posts.append((url, json))
+        return SimpleNamespace(status_code=200, json=lambda: {"choices": self.choices})
+
+
+def test_vllm_server_generator_asks_for_stops_and_reads_finish_reasons():
+    from types import SimpleNamespace
+
+    from agent_env.generation.base import SamplingParams
+    from trainer.integrations.trl_vllm import VLLMServerGenerator
+
+    def choice(index, ids, reason, stop):
+        logprobs = {"token_logprobs": [-0.5] * len(ids)}
+        return {"index": index, "token_ids": ids, "logprobs": logprobs,
+                "finish_reason": reason, "stop_reason": stop}  # fmt: skip
+
+    session = RecordingSession([
+        choice(1, [7, 2], "stop", None),  # EOS (id 2) sampled
+        choice(0, [5, 6], "stop", "</search>"),
+        choice(2, [8, 9, 10], "length", None),
+    ])  # fmt: skip
+    client = SimpleNamespace(model="qwen", base_url="http://vllm:8001", session=session)
+    out = VLLMServerGenerator(client, eos={2}).generate(
+        [[1, 2, 3], [4], [5, 6]], SamplingParams(temperature=1.0, top_p=1.0, max_tokens=3)
+    )
+    [(url, body)] = session.posts
+    assert url == "http://vllm:8001/v1/completions"
+    assert body["prompt"] == [[1, 2, 3], [4], [5, 6]] and body["n"] == 1
+    assert body["stop"] == ["</search>", "</answer>"] and body["stop_token_ids"] == [2]
+    assert body["include_stop_str_in_output"] and body["logprobs"] == 0
+    assert body["max_tokens"] == 3 and body["return_token_ids"]
+    assert [(c.token_ids, c.finish_reason, c.stop_string) for c in out] == [
+        ([5, 6], "stop", "</search>"), ([7, 2], "eos", None), ([8, 9, 10], "length", None),
+    ]  # fmt: skip
+    assert out[0].logprobs == [-0.5, -0.5]

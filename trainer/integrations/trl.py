@@ -228,7 +228,8 @@ class TRLReplayConfig(StrictModel):
 
 @dataclass
 class StepReplay:
-    """What one step's replay did (`ReplayStep.history`)."""
+    """One step's replay: its fresh groups and selection (held until ingress, and the latest
+    step's kept as `ReplayStep.last`)."""
 
     step: int
     fresh: list[StoredGroup]  # every process's fresh groups, in process order
@@ -236,16 +237,30 @@ class StepReplay:
     trained_rows: int  # rows this process trained on (fresh kept + its replayed share)
     num_items: int  # policy tokens of the whole update (TRL's token-mean denominator)
 
+    def record(self) -> dict:
+        """What the step did, JSON-ready and without tensors (`ReplayStep.history`)."""
+        return {
+            "step": self.step,
+            "fresh": [g.group_id for g in self.fresh],
+            "replayed": [g.group_id for g in self.selection.groups],
+            "scanned": self.selection.scanned,
+            "drift_scanned": self.selection.drift_scanned,
+            "headroom_refreshed": self.selection.headroom_refreshed,
+            "trained_rows": self.trained_rows,
+            "num_items": self.num_items,
+        }
+
 
 @dataclass
 class ReplayStep:
     """The replay state a `ReplayGRPOTrainer` carries: the FIFO buffer, the step awaiting
-    ingress, and a record per step."""
+    ingress (then `last`), and a record per step."""
 
     config: TRLReplayConfig
     buffer: ReplayBuffer
     pending: StepReplay | None = None
-    history: list[StepReplay] = field(default_factory=list)
+    last: StepReplay | None = None
+    history: list[dict] = field(default_factory=list)
 
     def extend(self, trainer: ReplayGRPOTrainer, batch: dict[str, Any], rewards: Tensor) -> dict:
         """TRL's fresh generation batch -> the update's batch: fresh rows as stored groups,
@@ -294,7 +309,7 @@ class ReplayStep:
             per_token["importance_sampling_ratio"] = r.token_weights
         num_items = accelerator.gather(r.loss_mask.sum().to(accelerator.device)).sum()
         self.pending = StepReplay(step, everyone, selection, len(r.input_ids), int(num_items))
-        self.history.append(self.pending)
+        self.history.append(self.pending.record())
         log_selection(trainer, self, selection)
         return trl_inputs(
             r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.old_logprobs, num_items,
@@ -309,7 +324,7 @@ class ReplayStep:
         for group in self.pending.selection.groups:
             group.replay_count += 1
         self.buffer.ingest(self.pending.fresh, self.config.replay.store_zero_advantage)
-        self.pending = None
+        self.last, self.pending = self.pending, None
 
     def scorer(self, trainer: ReplayGRPOTrainer):
         """The replay `ScoreFn`: hdr's teacher-forced scoring under the current weights."""

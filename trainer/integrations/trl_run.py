@@ -111,17 +111,7 @@ def train_trl(config: TRLRunConfig) -> Path:
     return out
 
 
-def write_replay_log(history, path: Path) -> None:
-    """One JSON line per step: the fresh groups, what the selector scanned and admitted."""
-    with path.open("w") as f:
-        for h in history:
-            record = {
-                "step": h.step,
-                "fresh": [g.group_id for g in h.fresh],
-                "replayed": [g.group_id for g in h.selection.groups],
-                "scanned": h.selection.scanned,
-                "drift_scanned": h.selection.drift_scanned,
-                "trained_rows": h.trained_rows,
-                "num_items": h.num_items,
-            }
-            f.write(json.dumps(record) + "\n")
+def write_replay_log(history: list[dict], path: Path) -> None:
+    """One JSON line per step (`StepReplay.record`): the fresh groups, what the selector
+    scanned and admitted, the rows trained on."""
+    path.write_text("".join(json.dumps(record) + "\n" for record in history))

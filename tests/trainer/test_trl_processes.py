@@ -75,3 +75,19 @@ def test_two_processes_train_and_replay_the_same_groups(
         rows = [log[step["step"] - 1]["trained_rows"] for log in logs]
         assert sum(rows) == 2 * 8 + 4 * len(step["replayed"])
     assert (out / "model.safetensors").exists()
+
+
+def test_trl_train_answers_a_bad_setting_in_one_line(tmp_path):
+    """A key TRL's GRPOConfig does not know: one line, exit 2, before anything is loaded or
+    connected."""
+    config = REPO / "configs" / "trl" / "tiny-cpu.yaml"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    hdr = [sys.executable, "-m", "hdr", "trl-train", "--config", str(config)]
+    done = subprocess.run(
+        [*hdr, "trl.nonsense=1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hdr: error: trl: GRPOConfig.__init__() got an unexpected keyword argument 'nonsense'"
+    )
+    assert "Traceback" not in done.stderr

@@ -324,6 +324,32 @@ def test_trl_kl_term_is_hdr_k3_or_its_ratio_weighted_form(update_batch, tmp_path
     assert abs(float(corrected) - float(hdr_loss)) > 1e-5
 
 
+def test_trl_forward_equals_hdr_teacher_forcing(update_batch, tmp_path):
+    """TRL's forward passes no position ids (0..T-1 over the left padding), hdr's passes
+    `cumsum(attention_mask) - 1`; rotary embeddings see the same differences, so the policy
+    tokens' log-probs agree up to float error."""
+    from trl import GRPOTrainer
+
+    tokenizer, policy, batch = update_batch
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(policy), reward_funcs=[length_reward], args=grpo_args(tmp_path),
+        train_dataset=search_r1_dataset(questions_stub()), processing_class=tokenizer,
+    )  # fmt: skip
+    r = batch.rows()
+    inputs = trl_inputs(
+        r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.old_logprobs, r.loss_mask.sum()
+    )
+    C = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        trl_lp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, r.input_ids, r.attention_mask, C
+        )
+        hdr_lp = align(forward_logprobs(policy, r.input_ids, r.attention_mask, r.loss_mask)[0])
+    policy_tokens = inputs["tool_mask"].bool()
+    assert int(policy_tokens.sum()) > 100
+    assert (trl_lp - hdr_lp[:, -C:])[policy_tokens].abs().max() < 1e-5
+
+
 def test_trl_grpo_loss_is_a_mean_of_sequence_means(update_batch, tmp_path):
     """TRL's `loss_type="grpo"` averages each sequence's token mean (hdr: one token mean over
     the batch): equal to that formula on hdr's per-token surrogate, and not to hdr's loss."""

@@ -1,8 +1,9 @@
 """Step time of Headroom-Drift Replay inside TRL against TRL without replay, and the same replay
 step in hdr's own loop, on the tiny bed.
 
-    .venv/bin/hdr serve --index data/index --port 8000 &
-    .venv/bin/python bench/trl_replay.py --config configs/trl/tiny-cpu.yaml --steps 12
+    .venv/bin/hdr serve --index data/index-bm25 --port 8000 &
+    .venv/bin/python bench/trl_replay.py --config configs/trl/tiny-cpu.yaml --steps 8 \
+        trl.per_device_train_batch_size=64
 
 One run each, same policy, seed, questions, fresh batch (b prompts x G responses), rollout
 settings and learning rate (taken from the TRL config; hdr's loop gets them as overrides of
@@ -33,6 +34,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# one thread: on a shared 2-core machine two OpenMP threads per process made the same step
+# take anywhere from 5 to 30 s (oversubscription), which drowned what this measures
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from rich.console import Console
 from rich.table import Table
@@ -112,7 +116,7 @@ RUNS = {  # name -> (trainer, arm)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/trl/tiny-cpu.yaml")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=2, help="First steps left out (buffer fills).")
     ap.add_argument("--out", default="bench/results/trl_replay.json")
     ap.add_argument("overrides", nargs="*", help="Dotted overrides of the TRL config")

@@ -299,18 +299,21 @@ def stored_groups(
     chunk_size: int,
     temperature: float,
     compute=contextlib.nullcontext,
+    dedupe: bool = True,
 ) -> tuple[list[StoredGroup], float, int]:
     """Rows of `b` groups of `G` (`[b*G, T]` each, left padded, group after group) as
     StoredGroups: behaviour log-probs teacher-forced under the current weights
     (`gen_logprobs`, no grad, under the `compute` context, e.g. autocast), the given `rewards`
     and `advantages` (`[b, G]`), each group trimmed to its own longest row and named by
     `names`. Also the mean token entropy over policy tokens and the tokens forwarded (the
-    cost ledger's)."""
+    cost ledger's). `dedupe=False` scores duplicate rows too, so that the number of forwards
+    depends on the number of rows only (sharded engines need every process to run as many)."""
     forwarded = forwarded_tokens(input_ids, attention_mask, loss_mask)
     with torch.no_grad(), compute():
         lp, ent = token_logprobs(
-            model, input_ids, attention_mask, loss_mask, chunk_size, temperature, with_entropy=True
-        )
+            model, input_ids, attention_mask, loss_mask, chunk_size, temperature,
+            with_entropy=True, dedupe=dedupe,
+        )  # fmt: skip
     gen_logprobs, ent = align(lp) * loss_mask, align(ent)  # (b*G, T)
     fresh, G = [], rewards.shape[1]
     for k, name in enumerate(names):

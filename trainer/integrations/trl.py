@@ -279,6 +279,7 @@ class ReplayStep:
                 rows.attention_mask, rows.loss_mask, rewards.cpu().view(b, G),
                 batch["advantages"].cpu().float().view(b, G), step, names,
                 self.config.score_chunk, trainer.temperature, accelerator.autocast,
+                dedupe=world == 1,  # as many forwards on every process (ZeRO-3 gathers per call)
             )  # fmt: skip
         everyone = gather(fresh, world)
         params = select_params(
@@ -302,8 +303,8 @@ class ReplayStep:
         per_token = {}
         for key in ("sampling_per_token_logps", "ref_per_token_logps"):
             values = fresh_values(rows, fresh, kept, key)
-            if values is not None:
-                stored = self.replayed_values(trainer, key, replayed)
+            if values is not None:  # every admitted group's, then this process's share
+                stored = self.replayed_values(trainer, key, selection.groups)[rank::world]
                 per_token[key] = concat_left_padded(values + stored)
         if r.token_weights is not None:
             per_token["importance_sampling_ratio"] = r.token_weights

@@ -473,3 +473,27 @@ def test_vllm_server_generator_asks_for_stops_and_reads_finish_reasons():
         ([5, 6], "stop", "</search>"), ([7, 2], "eos", None), ([8, 9, 10], "length", None),
     ]  # fmt: skip
     assert out[0].logprobs == [-0.5, -0.5]
+
+
+def test_the_8gpu_recipe_is_a_config_trl_accepts():
+    """configs/trl/qwen2.5-3b-8gpu.yaml (written for GPUs, not run here) loads as hdr's config,
+    every `trl:` key builds TRL's GRPOConfig (bf16 off only because this machine has no GPU),
+    its schedule is one replay can use, and the accelerate config is ZeRO-3 on 7 processes."""
+    import yaml
+
+    from core.config import load_config
+    from trainer.integrations.trl import check_schedule
+    from trainer.integrations.trl_run import TRLRunConfig, grpo_args
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "trl")
+    config = load_config(
+        TRLRunConfig, os.path.join(root, "qwen2.5-3b-8gpu.yaml"), ["trl.bf16=false"]
+    )
+    args = grpo_args(config)
+    assert args.use_vllm and args.vllm_mode == "server" and args.loss_type == "dapo"
+    check_schedule(args, args.num_generations)
+    assert config.model == "Qwen/Qwen2.5-3B-Instruct" and config.replay.arm == "headroom_drift"
+    with open(os.path.join(root, "accelerate-zero3.yaml")) as f:
+        launch = yaml.safe_load(f)
+    assert launch["distributed_type"] == "DEEPSPEED"
+    assert launch["deepspeed_config"]["zero_stage"] == 3 and launch["num_processes"] == 7

@@ -19,12 +19,13 @@ PORT    ?= 8000
 setup: $(VENV)/.installed
 
 # torch first: the pinned CPU wheel satisfies the project's torch range, so the
-# project install that follows never pulls a multi-gigabyte CUDA build.
+# project install that follows never pulls a multi-gigabyte CUDA build (nor does the trl
+# extra: accelerate and trl take any torch >= 2.0).
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,trl]"
 	touch $@
 
 lint: setup

@@ -248,14 +248,26 @@ def _step_policy(live: _Live, completion: Completion, tokenizer, final: bool):
     return action
 
 
-def _score(traj: Trajectory, tokenizer, config: RolloutConfig) -> float:
-    golds = traj.example.golden_answers
+def response_reward(
+    answer: str | None, golden_answers: list[str], response_text: str, config: RolloutConfig
+) -> float:
+    """The rollout's reward: `config.reward` (exact match or F1) of the parsed answer, mixed
+    with the format reward of the response (prefix included) by `config.format_weight`."""
     scorer = exact_match if config.reward == "exact_match" else f1_score
-    score = scorer(traj.answer, golds)
+    score = scorer(answer, golden_answers)
     if config.format_weight == 0:
         return score
-    text = config.prompt.response_prefix + _decode(tokenizer, traj.response_ids)
-    return (1 - config.format_weight) * score + config.format_weight * format_reward(text)
+    return (1 - config.format_weight) * score + config.format_weight * format_reward(response_text)
+
+
+def response_text(traj: Trajectory, tokenizer, config: RolloutConfig) -> str:
+    """The response as the format reward reads it: the opening prefix and every token."""
+    return config.prompt.response_prefix + _decode(tokenizer, traj.response_ids)
+
+
+def _score(traj: Trajectory, tokenizer, config: RolloutConfig) -> float:
+    text = response_text(traj, tokenizer, config) if config.format_weight else ""
+    return response_reward(traj.answer, traj.example.golden_answers, text, config)
 
 
 def turn_seed(seed: int, turn: int) -> int:

@@ -145,11 +145,37 @@ def plan_memory_command(
         raise UserError(f"{config} does not fit: {refusal}")
 
 
+TRL_EXAMPLE = """Examples (the trl extra, pip install -e ".[trl]", and a running retrieval server):
+
+  hdr trl-train --config configs/trl/tiny-cpu.yaml
+
+  accelerate launch --config_file configs/trl/accelerate-zero3.yaml --num_processes 7 \\
+    -m hdr trl-train --config configs/trl/qwen2.5-3b-8gpu.yaml
+"""
+
+
+def trl_train_command(
+    overrides: list[str] = overrides_argument("TRL run config", "trl.learning_rate=1e-6"),
+    config: Path = typer.Option(..., "--config", "-c", help="TRL run config YAML."),
+    server: list[str] = server_option(),
+    set_: list[str] = set_option(),
+) -> None:
+    """TRL's GRPOTrainer with hdr's Search-R1 rollout, exact-match reward and Headroom-Drift
+    Replay (docs/integrations.md); prints TRL's output directory."""
+    from core.config import load_config
+    from trainer.integrations.trl_run import TRLRunConfig, train_trl
+
+    settings = [*server_overrides(server), *all_overrides(overrides, set_)]
+    typer.echo(str(train_trl(load_config(TRLRunConfig, config, settings))))
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's subcommands to the root `hdr` app."""
     app.command("sft", epilog=SFT_EXAMPLE)(sft_command)
     app.command("train", epilog=TRAIN_EXAMPLES)(train_command)
     app.command("calibrate", epilog=CALIBRATE_EXAMPLE)(calibrate_command)
     app.command("plan-memory", epilog=PLAN_MEMORY_EXAMPLE)(plan_memory_command)
+    app.command("trl-train", epilog=TRL_EXAMPLE)(trl_train_command)
     for command in ("sft", "train", "calibrate", "plan-memory"):
         register_config(command, "trainer.config:TrainConfig")
+    register_config("trl-train", "trainer.integrations.trl_run:TRLRunConfig")

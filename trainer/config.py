@@ -333,17 +333,23 @@ class TrainConfig(StrictModel):
 
     @property
     def select_params(self):
-        """The arm's knobs, as its rule's own params dataclass (`ScanParams`,
-        `FreshnessParams`, `SwapParams`) filled from `replay` and the run."""
-        knobs = {
-            "budget": self.replay.budget if self.replays else 0,
-            "tau": self.replay.tau,
-            "norm": self.replay.drift_norm,
-            "chunk": self.replay.scan_chunk,
-            "seed": self.seed,
-            "total_steps": self.steps,
-            "tau_age": self.replay.tau_age,
-            "is_beta_start": self.replay.is_beta_start,
-        }
-        params_type = SELECTORS.get(self.arm).params_type
-        return params_type(**{f.name: knobs[f.name] for f in dataclass_fields(params_type)})
+        """The arm's knobs, as its rule's own params dataclass (`select_params`)."""
+        budget = self.replay.budget if self.replays else 0
+        return select_params(self.arm, self.replay, budget, self.seed, self.steps)
+
+
+def select_params(arm: str, replay: ReplayConfig, budget: int, seed: int, total_steps: int):
+    """The rule `arm`'s params dataclass (`ScanParams`, `FreshnessParams`, `SwapParams`)
+    filled from `replay` and the run (its seed and length)."""
+    knobs = {
+        "budget": budget,
+        "tau": replay.tau,
+        "norm": replay.drift_norm,
+        "chunk": replay.scan_chunk,
+        "seed": seed,
+        "total_steps": total_steps,
+        "tau_age": replay.tau_age,
+        "is_beta_start": replay.is_beta_start,
+    }
+    params_type = SELECTORS.get(arm).params_type
+    return params_type(**{f.name: knobs[f.name] for f in dataclass_fields(params_type)})

@@ -273,36 +273,63 @@ def behaviour_groups(
     temperature: float,
     compute=contextlib.nullcontext,
 ) -> tuple[list[StoredGroup], float, int]:
-    """A step's fresh groups (each one prompt's trajectories) as StoredGroups: behaviour
-    log-probs teacher-forced under the current weights (`gen_logprobs`, no grad, under the
-    `compute` context, e.g. autocast), rewards and group advantages; each trimmed to its own
-    longest row and named `s{step}/{index}/{example id}` by its index in the step. Also the
-    mean token entropy over policy tokens and the tokens forwarded (the cost ledger's)."""
+    """A step's fresh groups (each one prompt's trajectories) as StoredGroups (`stored_groups`):
+    rewards from the trajectories, group advantages, and each named
+    `s{step}/{index}/{example id}` by its index in the step."""
     if not groups:
         return [], 0.0, 0
     ids, attn, mask = trajectory_rows(groups)
-    forwarded = forwarded_tokens(ids, attn, mask)
-    with torch.no_grad(), compute():
-        lp, ent = token_logprobs(model, ids, attn, mask, chunk_size, temperature, with_entropy=True)
-    gen_logprobs, ent = align(lp) * mask, align(ent)  # (b*G, T)
     rewards = torch.tensor([[t.reward for t in group] for group in groups])  # (b, G)
-    advantages = group_advantages(rewards)
-    fresh, G = [], len(groups[0])
-    for k, group in enumerate(groups):
+    names = [f"s{step}/{indices[k]}/{group[0].example.id}" for k, group in enumerate(groups)]
+    return stored_groups(
+        model, ids, attn, mask, rewards, group_advantages(rewards), step, names, chunk_size,
+        temperature, compute,
+    )  # fmt: skip
+
+
+def stored_groups(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    loss_mask: Tensor,
+    rewards: Tensor,
+    advantages: Tensor,
+    step: int,
+    names: Sequence[str],
+    chunk_size: int,
+    temperature: float,
+    compute=contextlib.nullcontext,
+    dedupe: bool = True,
+) -> tuple[list[StoredGroup], float, int]:
+    """Rows of `b` groups of `G` (`[b*G, T]` each, left padded, group after group) as
+    StoredGroups: behaviour log-probs teacher-forced under the current weights
+    (`gen_logprobs`, no grad, under the `compute` context, e.g. autocast), the given `rewards`
+    and `advantages` (`[b, G]`), each group trimmed to its own longest row and named by
+    `names`. Also the mean token entropy over policy tokens and the tokens forwarded (the
+    cost ledger's). `dedupe=False` scores duplicate rows too, so that the number of forwards
+    depends on the number of rows only (sharded engines need every process to run as many)."""
+    forwarded = forwarded_tokens(input_ids, attention_mask, loss_mask)
+    with torch.no_grad(), compute():
+        lp, ent = token_logprobs(
+            model, input_ids, attention_mask, loss_mask, chunk_size, temperature,
+            with_entropy=True, dedupe=dedupe,
+        )  # fmt: skip
+    gen_logprobs, ent = align(lp) * loss_mask, align(ent)  # (b*G, T)
+    fresh, G = [], rewards.shape[1]
+    for k, name in enumerate(names):
         rows = slice(k * G, (k + 1) * G)
-        width = int(attn[rows].sum(dim=1).max())  # trim the group to its own longest row
-        own = (rows, slice(ids.shape[1] - width, None))
-        gid = f"s{step}/{indices[k]}/{group[0].example.id}"
+        width = int(attention_mask[rows].sum(dim=1).max())  # trim the group to its own longest row
+        own = (rows, slice(input_ids.shape[1] - width, None))
         fresh.append(
             make_group(
-                gid,
-                ids[own],
-                attn[own],
-                mask[own],
+                name,
+                input_ids[own],
+                attention_mask[own],
+                loss_mask[own],
                 gen_logprobs[own],
                 rewards[k],
                 advantages[k],
                 step,
             )
         )
-    return fresh, float(masked_mean(ent, mask)), forwarded
+    return fresh, float(masked_mean(ent, loss_mask)), forwarded

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from policies import ScriptBias, scripted_bias
+from trajectories import masked_runs
 
 from agent_env.generation import SamplingParams
 from agent_env.generation.hf import HFGenerator
@@ -16,18 +17,6 @@ from agent_env.rollout import RolloutConfig, rollout_groups
 INSTRUCT = PromptConfig()
 COMPACT = PromptConfig.preset("compact")
 ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
-
-
-def masked_runs(traj, value: int) -> list[list[int]]:
-    """Maximal runs of response ids whose loss mask is `value`."""
-    runs, current = [], []
-    for tok, m in zip(traj.response_ids, traj.loss_mask, strict=True):
-        if m == value:
-            current.append(tok)
-        elif current:
-            runs.append(current)
-            current = []
-    return [*runs, current] if current else runs
 
 
 def decode(tokenizer, ids) -> str:

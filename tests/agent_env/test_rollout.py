@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from trajectories import masked_runs
 
 from agent_env.generation import Completion, SamplingParams
 from agent_env.generation.hf import HFGenerator
@@ -20,18 +21,6 @@ from agent_env.rewards import exact_match
 from agent_env.rollout import RolloutConfig, observation, parse_action, rollout_groups
 
 COMPACT = PromptConfig.preset("compact")
-
-
-def masked_runs(traj) -> list[list[int]]:
-    """Maximal runs of mask-0 response ids."""
-    runs, current = [], []
-    for tok, m in zip(traj.response_ids, traj.loss_mask, strict=True):
-        if m == 0:
-            current.append(tok)
-        elif current:
-            runs.append(current)
-            current = []
-    return [*runs, current] if current else runs
 
 
 def expected_block(raw_docs: list[dict], doc_words: int | None, suffix: str) -> str:

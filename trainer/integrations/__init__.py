@@ -1,0 +1,1 @@
+"""hdr inside other trainers: TRL's GRPOTrainer (`trl.py`, the `hdr[trl]` extra)."""

@@ -1,0 +1,460 @@
+"""TRL's `GRPOTrainer` training a Search-R1 agent with Headroom-Drift Replay (`hdr[trl]`).
+
+Written against TRL 1.16 (`pip install -e ".[trl]"`); docs/integrations.md has the recipe.
+Three pieces, each usable alone:
+
+- `SearchR1Rollout`: TRL's `rollout_func` hook. It runs hdr's multi-turn Search-R1 loop
+  (`agent_env.rollout.rollout_groups`) against `hdr serve` or any Search-R1 retrieval server,
+  generating with TRL's own engine: the trainer's transformers model through hdr's `hf`
+  backend, or TRL's vLLM in colocate or server mode (trainer/integrations/trl_vllm.py, not run
+  here). It returns the token ids, the sampler's log-probs, and `env_mask` (1 on the policy's
+  tokens, 0 on `<information>` blocks and other environment text), which TRL multiplies into
+  its loss mask; and each completion's parsed `answer` and text for the reward.
+- `exact_match_reward`: hdr's exact match as a TRL reward function (`answer` against the
+  dataset's `golden_answers` column); `search_r1_reward(config)` the rollout config's reward
+  (exact match or F1, with a format term), as hdr's loop computes it.
+- `ReplayGRPOTrainer`: a `GRPOTrainer` whose update also trains on replayed groups. After TRL
+  has generated and scored a batch, `ReplayStep.extend` turns it into hdr's stored groups
+  (behaviour log-probs teacher-forced under the current weights by `trainer.scoring`, TRL's
+  rewards and advantages), lets an hdr selector pick stored groups (`trainer.selectors`: the
+  same `headroom_drift`, scan, Headroom and Drift code as hdr's loop), assembles fresh +
+  replayed rows with hdr's `assemble_batch`, and hands TRL's loss a batch whose old log-probs
+  are the fresh groups' behaviour log-probs and the replayed groups' stored ones. The fresh
+  groups enter the buffer after the optimizer step (a callback), so a group is never replayed
+  in the step that made it.
+
+Departures from hdr's loop, all TRL's conventions (docs/integrations.md lists them with the
+tests that pin them): TRL's advantages divide by `std + 1e-4` (hdr: `1e-6`) and follow its
+`scale_rewards`; its loss normalisation is `loss_type` (`dapo`, the default, is hdr's token mean
+over the whole update); a replayed group's advantages are those stored when it was made.
+Across processes every process keeps the same buffer (the fresh groups are gathered), scores
+every candidate itself (so each runs the same forwards, which ZeRO-3 needs) and trains on a
+round-robin share of the admitted groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import Field, field_validator
+from torch import Tensor
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from agent_env.data import QAExample
+from agent_env.generation.hf import HFGenerator, eos_ids
+from agent_env.retrieval_client import RetrievalClient
+from agent_env.rewards import exact_match
+from agent_env.rollout import (
+    RolloutConfig,
+    RolloutResult,
+    response_reward,
+    response_text,
+    rollout_groups,
+)
+from core.config import StrictModel
+from trainer.config import ReplayConfig, select_params
+from trainer.integrations.trl_layout import TRLRows, rows_from_trl, trl_inputs
+from trainer.integrations.trl_vllm import VLLMServerGenerator, colocate_generator
+from trainer.loop import assemble_batch
+from trainer.replay import ReplayBuffer, Selection, StoredGroup
+from trainer.scoring import concat_left_padded, score_groups, stored_groups
+from trainer.selectors import SELECTORS
+
+# --- the rollout -----------------------------------------------------------------------------
+
+
+def search_r1_dataset(examples: Sequence[QAExample]):
+    """A `datasets.Dataset` for TRL: `prompt` (the question; the rollout builds the Search-R1
+    prompt around it) and `golden_answers` (read by `exact_match_reward`)."""
+    from datasets import Dataset
+
+    return Dataset.from_list(
+        [{"prompt": e.question, "golden_answers": list(e.golden_answers)} for e in examples]
+    )
+
+
+def exact_match_reward(completions, answer, golden_answers, **kwargs) -> list[float]:
+    """hdr's exact match as a TRL reward function: 1.0 when the completion's parsed `answer`
+    (from `SearchR1Rollout`) matches a golden answer after normalisation, else 0.0."""
+    return [exact_match(a, gold) for a, gold in zip(answer, golden_answers, strict=True)]
+
+
+def search_r1_reward(config: RolloutConfig):
+    """hdr's rollout reward as a TRL reward function: `config.reward` (exact match or F1) of
+    the parsed `answer` against `golden_answers`, mixed with the format reward of the
+    `response_text` (both from `SearchR1Rollout`) by `config.format_weight`: what hdr's own
+    loop rewards with the same rollout config."""
+
+    def reward(completions, answer, golden_answers, response_text, **kwargs) -> list[float]:
+        return [
+            response_reward(a, gold, text, config)
+            for a, gold, text in zip(answer, golden_answers, response_text, strict=True)
+        ]
+
+    reward.__name__ = f"search_r1_{config.reward}"  # TRL logs each reward by its name
+    return reward
+
+
+class SearchR1Rollout:
+    """TRL's `rollout_func`: hdr's multi-turn Search-R1 loop with TRL's generation engine.
+
+    `rollout_func(prompts, trainer) -> dict`: TRL 1.16 passes each process's prompts with
+    every prompt repeated `num_generations` times in a row (its `RepeatSampler`), so the
+    prompts are read as groups of that size, one completion returned per prompt received.
+    Sampling temperature and top-p are TRL's (`GRPOConfig.temperature`, `top_p`), so the
+    sampler and TRL's loss see one distribution; the rest of the turn loop is `config`.
+    """
+
+    def __init__(
+        self, client: RetrievalClient, config: RolloutConfig, max_batch: int | None = None
+    ):
+        if config.on_failure == "drop_group":
+            raise ValueError(
+                "rollout.on_failure=drop_group cannot be used with TRL, which needs one"
+                " completion per prompt: use keep (failed searches end with no answer) or raise"
+            )
+        self.client = client
+        self.config = config
+        self.max_batch = max_batch  # hf generation: most contexts per generate call
+        self.last: RolloutResult | None = None  # the latest rollout (tests, telemetry)
+
+    def __call__(self, prompts: list[str], trainer: GRPOTrainer) -> dict[str, list]:
+        if trainer.use_vllm and trainer.vllm_mode == "server":
+            return self.on_main_process(prompts, trainer)
+        with self.generator(trainer) as generator:
+            return self.run(prompts, trainer, generator)
+
+    def run(self, prompts: list[str], trainer: GRPOTrainer, generator) -> dict[str, list]:
+        G = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        questions = prompts[::G]
+        if len(prompts) % G or [q for q in questions for _ in range(G)] != list(prompts):
+            raise ValueError(
+                f"rollout_func expects each prompt {G} times in a row (TRL's RepeatSampler);"
+                " got a different order"
+            )
+        examples = [
+            QAExample(id=f"trl/{i}", question=q, golden_answers=[], data_source="trl")
+            for i, q in enumerate(questions)
+        ]
+        config = self.config.model_copy(
+            update={"temperature": trainer.temperature, "top_p": trainer.args.top_p}
+        )
+        tokenizer = trainer.processing_class
+        result = rollout_groups(generator, self.client, tokenizer, examples, G, config)
+        self.last = result
+        trajectories = [t for group in result.groups for t in group]
+        return {
+            "prompt_ids": [t.prompt_ids for t in trajectories],
+            "completion_ids": [t.response_ids for t in trajectories],
+            "logprobs": [t.sampler_logprobs for t in trajectories],
+            "env_mask": [t.loss_mask for t in trajectories],
+            "answer": [t.answer for t in trajectories],
+            "response_text": [response_text(t, tokenizer, config) for t in trajectories],
+            "searches": [t.searches for t in trajectories],
+        }
+
+    @contextlib.contextmanager
+    def generator(self, trainer: GRPOTrainer):
+        """hdr's generator over TRL's engine for this process: the trainer's own model (gathered
+        under ZeRO-3 as TRL's own generation does) or TRL's colocated vLLM."""
+        tokenizer = trainer.processing_class
+        if trainer.use_vllm:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            yield colocate_generator(trainer, eos_ids(model, tokenizer))
+            return
+        from trl.models import unwrap_model_for_generation
+
+        args = trainer.args
+        with unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+        ) as model:
+            autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+            yield HFGenerator(model, tokenizer, self.max_batch, autocast_dtype=autocast)
+
+    def on_main_process(self, prompts: list[str], trainer: GRPOTrainer) -> dict[str, list]:
+        """vLLM server mode: the server's client lives on the main process only, so every
+        process's prompts are rolled out there and each process gets its own slice back."""
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        accelerator = trainer.accelerator
+        everyone = gather_object(list(prompts))
+        out = [None]
+        if accelerator.is_main_process:
+            model = accelerator.unwrap_model(trainer.model)
+            client = trainer.vllm_generation.vllm_client
+            generator = VLLMServerGenerator(client, eos_ids(model, trainer.processing_class))
+            out = [self.run(everyone, trainer, generator)]
+        broadcast_object_list(out, from_process=0)
+        start = accelerator.process_index * len(prompts)
+        mine = slice(start, start + len(prompts))
+        return {key: values[mine] for key, values in out[0].items()}
+
+
+# --- replay ----------------------------------------------------------------------------------
+
+
+class TRLReplayConfig(StrictModel):
+    """hdr's replay inside TRL: the selector and its knobs (hdr's `replay` section)."""
+
+    arm: str = Field(
+        "headroom_drift", description="Replay selector: " + ", ".join(SELECTORS.names())
+    )
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Buffer and knobs.")
+    score_chunk: int = Field(16, ge=1, description="Rows per teacher-forced scoring forward.")
+
+    @field_validator("arm")
+    @classmethod
+    def _known_arm(cls, v: str) -> str:
+        SELECTORS.get(v)  # one line listing the valid names on a miss
+        return v
+
+    @field_validator("replay")
+    @classmethod
+    def _no_scan_graphs(cls, v: ReplayConfig) -> ReplayConfig:
+        if v.reuse_scan_forward:
+            raise ValueError(
+                "replay.reuse_scan_forward is hdr's loop only: TRL runs its own forward"
+            )
+        return v
+
+
+@dataclass
+class StepReplay:
+    """One step's replay: its fresh groups and selection (held until ingress, and the latest
+    step's kept as `ReplayStep.last`)."""
+
+    step: int
+    fresh: list[StoredGroup]  # every process's fresh groups, in process order
+    selection: Selection
+    trained_rows: int  # rows this process trained on (fresh kept + its replayed share)
+    num_items: int  # policy tokens of the whole update (TRL's token-mean denominator)
+
+    def record(self) -> dict:
+        """What the step did, JSON-ready and without tensors (`ReplayStep.history`)."""
+        return {
+            "step": self.step,
+            "fresh": [g.group_id for g in self.fresh],
+            "replayed": [g.group_id for g in self.selection.groups],
+            "scanned": self.selection.scanned,
+            "drift_scanned": self.selection.drift_scanned,
+            "headroom_refreshed": self.selection.headroom_refreshed,
+            "trained_rows": self.trained_rows,
+            "num_items": self.num_items,
+        }
+
+
+@dataclass
+class ReplayStep:
+    """The replay state a `ReplayGRPOTrainer` carries: the FIFO buffer, the step awaiting
+    ingress (then `last`), and a record per step."""
+
+    config: TRLReplayConfig
+    buffer: ReplayBuffer
+    pending: StepReplay | None = None
+    last: StepReplay | None = None
+    history: list[dict] = field(default_factory=list)
+
+    def extend(self, trainer: ReplayGRPOTrainer, batch: dict[str, Any], rewards: Tensor) -> dict:
+        """TRL's fresh generation batch -> the update's batch: fresh rows as stored groups,
+        the selector's replayed groups beside them, in TRL's layout."""
+        if "pixel_values" in batch:
+            raise ValueError("replay in TRL covers text models only")
+        accelerator, step = trainer.accelerator, trainer.state.global_step + 1
+        rank, world = accelerator.process_index, accelerator.num_processes
+        rows = rows_from_trl(batch)
+        G = trainer.num_generations
+        b = len(rows.input_ids) // G
+        names = [f"s{step}/{rank}/{k}" for k in range(b)]
+        with self.scoring(trainer):
+            fresh, _, _ = stored_groups(
+                trainer.accelerator.unwrap_model(trainer.model), rows.input_ids,
+                rows.attention_mask, rows.loss_mask, rewards.cpu().view(b, G),
+                batch["advantages"].cpu().float().view(b, G), step, names,
+                self.config.score_chunk, trainer.temperature, accelerator.autocast,
+                dedupe=world == 1,  # as many forwards on every process (ZeRO-3 gathers per call)
+            )  # fmt: skip
+        everyone = gather(fresh, world)
+        params = select_params(
+            self.config.arm, self.config.replay, self.config.replay.budget, trainer.args.seed,
+            trainer.state.max_steps,
+        )  # fmt: skip
+        selector = SELECTORS.get(self.config.arm)
+        with self.scoring(trainer):
+            selection = selector(self.buffer, step, params, self.scorer(trainer), fresh=everyone)
+        swapped = set(selection.swap_out)
+        kept = [k for k in range(b) if rank * b + k not in swapped]  # global index of group k
+        weights = selection.weights or [1.0] * len(selection.groups)
+        replayed, replay_weights = selection.groups[rank::world], weights[rank::world]
+        if not kept and not replayed:
+            raise ValueError(f"step {step}: process {rank} has no group to train on")
+        update = assemble_batch(
+            [fresh[k] for k in kept], replayed, replay_weights,
+            fresh_values(rows, fresh, kept, "importance_sampling_ratio"),
+        )  # fmt: skip
+        r = update.rows()
+        per_token = {}
+        for key in ("sampling_per_token_logps", "ref_per_token_logps"):
+            values = fresh_values(rows, fresh, kept, key)
+            if values is not None:  # every admitted group's, then this process's share
+                stored = self.replayed_values(trainer, key, selection.groups)[rank::world]
+                per_token[key] = concat_left_padded(values + stored)
+        if r.token_weights is not None:
+            per_token["importance_sampling_ratio"] = r.token_weights
+        num_items = accelerator.gather(r.loss_mask.sum().to(accelerator.device)).sum()
+        self.pending = StepReplay(step, everyone, selection, len(r.input_ids), int(num_items))
+        self.history.append(self.pending.record())
+        log_selection(trainer, self, selection)
+        return trl_inputs(
+            r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.old_logprobs, num_items,
+            per_token, accelerator.device,
+        )  # fmt: skip
+
+    def ingest(self) -> None:
+        """Ingress after the optimizer step: the step's fresh groups enter the buffer, and the
+        replayed ones count one more replay."""
+        if self.pending is None:
+            return
+        for group in self.pending.selection.groups:
+            group.replay_count += 1
+        self.buffer.ingest(self.pending.fresh, self.config.replay.store_zero_advantage)
+        self.last, self.pending = self.pending, None
+
+    def scorer(self, trainer: ReplayGRPOTrainer):
+        """The replay `ScoreFn`: hdr's teacher-forced scoring under the current weights."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        chunk = self.config.score_chunk
+
+        def score(groups: Sequence[StoredGroup]) -> list[Tensor]:
+            with trainer.accelerator.autocast():
+                return score_groups(model, groups, chunk, trainer.temperature)
+
+        return score
+
+    def replayed_values(self, trainer, key: str, groups: list[StoredGroup]) -> list[Tensor]:
+        """A replayed group's value of a per-token TRL tensor: its stored behaviour log-probs
+        for the sampler's, its reference log-probs computed now for the KL's."""
+        if key == "sampling_per_token_logps":
+            return [g.gen_logprobs for g in groups]
+        chunk, temperature = self.config.score_chunk, trainer.temperature
+        with self.scoring(trainer), trainer.accelerator.autocast():
+            return score_groups(trainer.ref_model, groups, chunk, temperature)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def scoring(trainer):
+        """No-grad forwards outside TRL's loss, with gradient checkpointing off as TRL's own."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(
+                trainer.model, trainer.args.gradient_checkpointing_kwargs
+            ),
+        ):
+            yield
+
+
+def fresh_values(rows: TRLRows, fresh: list[StoredGroup], kept: list[int], key: str):
+    """Each kept fresh group's slice `[G, T_g]` of one of TRL's per-token tensors (None when
+    TRL's batch has no such tensor)."""
+    values = rows.per_token.get(key)
+    if values is None:
+        return None
+    G = len(fresh[0].input_ids)
+    return [values[k * G : (k + 1) * G, -fresh[k].input_ids.shape[1] :] for k in kept]
+
+
+def gather(groups: list[StoredGroup], world: int) -> list[StoredGroup]:
+    """Every process's groups, in process order (the same list on every process)."""
+    if world == 1:
+        return list(groups)
+    from accelerate.utils import gather_object
+
+    return gather_object(groups)
+
+
+def log_selection(trainer, replay: ReplayStep, selection: Selection) -> None:
+    """The step's replay figures, averaged into TRL's logs beside its own metrics."""
+    metrics = trainer._metrics["train"]  # TRL's per-step metric lists (logged and cleared)
+    metrics["replay/replayed_groups"].append(len(selection.groups))
+    metrics["replay/scanned_groups"].append(selection.scanned)
+    metrics["replay/buffer_size"].append(len(replay.buffer))
+    if selection.scanned:
+        metrics["replay/acceptance_rate"].append(selection.acceptance_rate)
+
+
+class ReplayIngress(TrainerCallback):
+    """Ingress after the optimizer step (`on_step_end`), as hdr's loop does it."""
+
+    def __init__(self, replay: ReplayStep) -> None:
+        self.replay = replay
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.replay.ingest()
+
+
+def check_schedule(args, num_generations: int) -> None:
+    """Replay treats one generation as one step: one optimizer step per generated batch,
+    whole groups on every process and in every micro-batch."""
+    if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
+        raise ValueError(
+            "replay in TRL needs one optimizer step per generation: num_iterations=1 and"
+            f" steps_per_generation == gradient_accumulation_steps (got {args.num_iterations},"
+            f" {args.steps_per_generation}, {args.gradient_accumulation_steps})"
+        )
+    if num_generations % args.steps_per_generation:
+        raise ValueError(
+            f"replay in TRL splits whole groups into micro-batches: num_generations"
+            f" ({num_generations}) must be a multiple of steps_per_generation"
+            f" ({args.steps_per_generation})"
+        )
+    local = args.per_device_train_batch_size * args.steps_per_generation
+    if local % num_generations:
+        raise ValueError(
+            f"replay in TRL keeps whole groups on each process: per_device_train_batch_size *"
+            f" steps_per_generation ({local}) must be a multiple of num_generations"
+            f" ({num_generations})"
+        )
+
+
+class ReplayGRPOTrainer(GRPOTrainer):
+    """TRL's `GRPOTrainer` with hdr's replay (see the module docstring). Two overrides, each
+    calling TRL's method first and adding to its result; nothing of TRL's is copied."""
+
+    def __init__(self, *args, replay: TRLReplayConfig | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        check_schedule(self.args, self.num_generations)
+        if self.beta != 0.0 and self.ref_model is None:
+            raise ValueError("replay with beta > 0 needs a reference model (PEFT is not covered)")
+        config = replay or TRLReplayConfig()
+        self.replay = ReplayStep(config, ReplayBuffer(config.replay.capacity))
+        self._step_rewards: Tensor | None = None
+        self.add_callback(ReplayIngress(self.replay))
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL's batch keeps the advantages only; the buffer keeps the rewards too
+        per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._step_rewards = per_func
+        return per_func
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if not self.model.training:  # evaluation: TRL's batch as it is
+            return batch
+        return self.replay.extend(self, batch, self.local_rewards(len(inputs)))
+
+    def local_rewards(self, n: int) -> Tensor:
+        """This process's rewards `[n]`: TRL's weighted sum over its reward functions (NaN, a
+        function's "no reward", counts as 0 as TRL counts it), sliced as TRL slices."""
+        per_func = self._step_rewards
+        weighted = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        rank = self.accelerator.process_index
+        return weighted[rank * n : (rank + 1) * n].float()

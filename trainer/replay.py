@@ -453,7 +453,9 @@ def draw_for_flat_groups(
     """Zero-variance swap: each fresh group whose rewards are all equal (no gradient) is
     replaced by a stored group, drawn without replacement in proportion to
     `zero_variance_swap_score`; as many swaps as there are such groups and stored groups with
-    a positive score (the budget `R` does not apply)."""
+    a positive score (the budget `R` does not apply). Departure from TRL's replay-buffer
+    GRPO, which keeps a heap of the groups with the best swap score: the draw is from the
+    FIFO buffer every arm shares, so every arm sees the same stored groups."""
     flat = [k for k, g in enumerate(fresh) if g.all_zero_advantage]
     if not flat or not groups:
         return Selection()

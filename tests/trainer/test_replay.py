@@ -326,3 +326,21 @@ def test_zero_variance_swap_replaces_only_flat_fresh_groups():
         stored, 1, SwapParams(seed=4), lambda gs: [], fresh=fresh[:1]
     )
     assert none_flat.groups == [] and none_flat.swap_out == []
+
+
+def test_zero_variance_swap_draws_from_the_shared_fifo_not_a_top_k_heap():
+    """The stated departure from TRL's replay-buffer GRPO: TRL keeps a heap of the k groups
+    with the best swap score, hdr's swap rule draws from the FIFO buffer every arm shares, so
+    a high-score group that aged out is gone even when it outscores all that remain."""
+    buf = ReplayBuffer(capacity=2)
+    best = rewarded("best", [1.0, 0.0], 0)
+    best.advantages = torch.tensor([5.0, -5.0])  # the highest sum|A| x std(r) by far
+    for g in (best, rewarded("b", [1.0, 0.0], 1), rewarded("c", [1.0, 0.0], 2)):
+        buf.add(g)
+    assert [g.group_id for g in buf] == ["b", "c"]  # FIFO: "best" left first
+    flat = [group("f", 0.0, 3, adv=(0.0, 0.0))]
+    for seed in range(20):
+        sel = SELECTORS.get("replay_zero_variance_swap")(
+            buf, 3, SwapParams(seed=seed), lambda gs: [], fresh=flat
+        )
+        assert [g.group_id for g in sel.groups] in (["b"], ["c"])

@@ -245,7 +245,9 @@ def experiment_config(
     for name in named:
         cfg.arm(name)  # UserError listing the valid arms on a typo
     missing = [r for r in cfg.references if r not in cfg.arms]
-    missing += [n for c in cfg.contrasts for n in (c.arm, c.reference) if n not in cfg.arms]
     if missing:
-        raise UserError(f"compared arms {missing} are not among the arms {cfg.arms}")
+        raise UserError(f"reference arms {missing} are not among the arms {cfg.arms}")
+    missing = [n for c in cfg.contrasts for n in (c.arm, c.reference) if n not in cfg.arms]
+    if missing:
+        raise UserError(f"contrasts name arms {missing} that are not among the arms {cfg.arms}")
     return cfg

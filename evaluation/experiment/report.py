@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.summary import CPU_KEYS, TIME_KEYS, ExperimentSummary
+from evaluation.experiment.summary import CPU_KEYS, TIME_KEYS, BudgetRow, ExperimentSummary
 from evaluation.metrics import Interval, Spread, markdown_table
 
 SFT_START = "sft_start"
@@ -142,14 +142,18 @@ def matched_cost_tables(summary: ExperimentSummary) -> list[str]:
         if not rows:
             continue
         budgets = sorted({r.budget for r in rows})
-        arms = list(dict.fromkeys(r.arm for r in rows))
-        cell = {(r.arm, r.budget): r for r in rows}
+        cell = {(r.arm, r.reference, r.budget): r for r in rows}
+        lines_of = list(dict.fromkeys((r.arm, r.reference) for r in rows))
+
+        def shown(row: BudgetRow) -> str:
+            sign = "+" if row.reference else ""
+            return f"{row.estimate:{sign}.3f} [{row.low:{sign}.3f}, {row.high:{sign}.3f}]"
+
         table = [
-            [arm, *(f"{cell[arm, b].estimate:.3f} [{cell[arm, b].low:.3f}, {cell[arm, b].high:.3f}]"
-                    for b in budgets)]
-            for arm in arms
-        ]  # fmt: skip
-        lines.append(f"\n{name}:\n")
+            [arm if ref is None else f"{arm} − {ref}", *(shown(cell[arm, ref, b]) for b in budgets)]
+            for arm, ref in lines_of
+        ]
+        lines.append(f"\n{name} (rows with − : the declared contrasts, paired by seed):\n")
         lines.append(markdown_table(["arm", *(f"{b:,.0f}" for b in budgets)], table))
     return lines
 

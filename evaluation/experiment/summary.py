@@ -144,7 +144,9 @@ class ContrastResult:
 @dataclass(frozen=True)
 class BudgetRow:
     """Quality at one matched budget on one cost axis: each seed's value read off its run's
-    in-training curve (linear interpolation), their mean and t-interval over seeds."""
+    in-training curve (linear interpolation), their mean and t-interval over seeds. With a
+    `reference`, the row is a declared contrast's difference, arm minus reference, seed by
+    seed (same seed: same prompts and the same in-training questions)."""
 
     axis: str
     budget: float
@@ -154,6 +156,8 @@ class BudgetRow:
     estimate: float
     low: float
     high: float
+    reference: str | None = None
+    seeds: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -387,37 +391,68 @@ def matched_cost(
 ) -> list[BudgetRow]:
     """Quality at equal budgets: on each cost axis, budgets at `cfg.budget_fractions` of the
     smallest total any arm reached; each run's in-training held-out `metric` read off its
-    (cumulative cost, quality) curve at each budget, then mean and t-interval over seeds."""
+    (cumulative cost, quality) curve at each budget, then mean and t-interval over seeds, for
+    every arm and for every declared contrast on `metric` (arm minus reference, by seed)."""
     from evaluation.plots import read_jsonl, with_cumulative_cost
 
     curves = {
-        name: [
-            with_cumulative_cost(r.metrics, read_jsonl(r.run_dir / "eval.jsonl"))
+        name: {
+            r.seed: with_cumulative_cost(r.metrics, read_jsonl(r.run_dir / "eval.jsonl"))
             for r in runs
             if (r.run_dir / "eval.jsonl").is_file()
-        ]
+        }
         for name, runs in arms.items()
+    }  # arm -> seed -> the run's eval rows with cumulative costs
+    curves = {
+        name: c for name, c in curves.items() if c and all(len(run) > 1 for run in c.values())
     }
-    curves = {name: c for name, c in curves.items() if c and all(len(rows) > 1 for rows in c)}
     if not curves:
         return []  # no run evaluated during training: no curve to read budgets off
     rows: list[BudgetRow] = []
     for axis in COST_AXES_MATCHED:
-        reached = min(rows_[-1][f"cum_{axis}"] for c in curves.values() for rows_ in c)
-        for fraction in cfg.budget_fractions:
-            budget = fraction * reached
+        reached = min(run[-1][f"cum_{axis}"] for seeds in curves.values() for run in seeds.values())
+        for budget in (fraction * reached for fraction in cfg.budget_fractions):
+            at = {
+                (name, seed): quality_at(run, axis, metric, budget)
+                for name, seeds in curves.items()
+                for seed, run in seeds.items()
+            }
             for name, seeds in curves.items():
-                values = [
-                    float(at_budgets([r[f"cum_{axis}"] for r in run],
-                                     [r[metric] for r in run], [budget])[0])
-                    for run in seeds
-                ]  # fmt: skip
-                interval = mean_interval(values)
-                rows.append(
-                    BudgetRow(axis, budget, name, metric, values, interval.estimate,
-                              interval.low, interval.high)
-                )  # fmt: skip
+                common = sorted(seeds)
+                values = [at[name, s] for s in common]
+                rows.append(budget_row(axis, budget, name, None, metric, values, common))
+            for c in cfg.contrasts:
+                if c.metric != metric or c.arm not in curves or c.reference not in curves:
+                    continue
+                common = sorted(set(curves[c.arm]) & set(curves[c.reference]))
+                values = [at[c.arm, s] - at[c.reference, s] for s in common]
+                if len(common) >= 2:
+                    rows.append(
+                        budget_row(axis, budget, c.arm, c.reference, metric, values, common)
+                    )
     return rows
+
+
+def quality_at(run: list[dict[str, Any]], axis: str, metric: str, budget: float) -> float:
+    """One run's `metric` at `budget` on `axis`, from its eval rows with cumulative costs."""
+    costs, quality = [r[f"cum_{axis}"] for r in run], [r[metric] for r in run]
+    return float(at_budgets(costs, quality, [budget])[0])
+
+
+def budget_row(
+    axis: str,
+    budget: float,
+    arm: str,
+    reference: str | None,
+    metric: str,
+    values: list[float],
+    seeds: list[int],
+) -> BudgetRow:
+    interval = mean_interval(values)
+    return BudgetRow(
+        axis, budget, arm, metric, values, interval.estimate, interval.low, interval.high,
+        reference, seeds,
+    )  # fmt: skip
 
 
 def summarize(

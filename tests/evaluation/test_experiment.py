@@ -478,7 +478,10 @@ def test_quality_at_matched_cost_reads_each_seed_off_its_curve(tmp_path):
     from evaluation.experiment.summary import matched_cost
 
     cfg = experiment_config(
-        arms=["on_policy", "headroom_drift"], references=[], budget_fractions=[0.5, 1.0]
+        arms=["on_policy", "headroom_drift"],
+        references=[],
+        budget_fractions=[0.5, 1.0],
+        contrasts=[{"arm": "headroom_drift", "reference": "on_policy"}],
     )
     results = []
     for arm, end in (("on_policy", 0.4), ("headroom_drift", 0.3)):
@@ -489,7 +492,11 @@ def test_quality_at_matched_cost_reads_each_seed_off_its_curve(tmp_path):
             (run.run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             results.append(run)
     arms = {"on_policy": results[:2], "headroom_drift": results[2:]}
-    rows = {(r.axis, r.budget, r.arm): r for r in matched_cost(arms, cfg)}
+    rows = {(r.axis, r.budget, r.arm): r for r in matched_cost(arms, cfg) if not r.reference}
+    paired = [r for r in matched_cost(arms, cfg) if r.reference == "on_policy"]
+    half_paired = next(r for r in paired if r.axis == "generated_tokens" and r.budget == 100.0)
+    # headroom_drift 0.25 (+lift) against on_policy 0.30 (+lift), seed by seed
+    assert half_paired.per_seed == pytest.approx([-0.05, -0.05]) and half_paired.seeds == [1, 2]
     # 100 generated tokens a step (_metrics): 200 reached; half of it is step 1 of 2
     half = rows["generated_tokens", 100.0, "on_policy"]
     assert half.per_seed == pytest.approx([0.3, 0.32])

@@ -113,9 +113,20 @@ CHARTS = Artifact(
 CALIBRATION = Artifact(
     "a calibration", True, lambda p: (p / "calibrate.json").is_file(), "hdr calibrate"
 )
-EXPERIMENT = Artifact(
-    "an experiment", True, lambda p: (p / "experiment_config.json").is_file(), "hdr experiment"
-)
+
+
+def _is_experiment(path: Path) -> bool:
+    """A folder `hdr experiment` wrote, or one holding only runs copied from one (and the
+    start's evaluation) for a new experiment to reuse, as docs/results.md's ablations do."""
+    if (path / "experiment_config.json").is_file():
+        return True
+    if not {p.name for p in path.iterdir()} <= {"runs", "sft_start"}:
+        return False
+    seeds = list((path / "runs").glob("*/seed-*"))
+    return bool(seeds) and all(_is_run(seed) for seed in seeds)
+
+
+EXPERIMENT = Artifact("an experiment", True, _is_experiment, "hdr experiment")
 CORPUS = Artifact("a corpus", False, _is_corpus, "hdr index prepare-wiki")
 TRAJECTORIES = Artifact("trajectories", False, _is_trajectories, "hdr rollout")
 

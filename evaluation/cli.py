@@ -43,6 +43,8 @@ EXPERIMENT_EXAMPLES = """Examples:
 
   hdr experiment --preset my-design.yaml --out runs/my-design
 
+  hdr experiment --preset powered --preset powered-ablations
+
 Presets: the YAML files of configs/experiments/, each read on main.yaml.
 --bridge is --preset bridge; --ablations is --preset ablations.
 """
@@ -177,11 +179,12 @@ def experiment_command(
         "--bridge",
         help="The multi-turn wiki-bridge task with an emulated search-API cost (preset bridge).",
     ),
-    preset: str = typer.Option(
+    presets: list[str] = typer.Option(
         None,
         "--preset",
         help="A preset by name (a file of configs/experiments/, e.g. bridge) or a YAML path;"
-        " read after main.yaml and before --bridge/--ablations/--quick.",
+        " read after main.yaml and before --bridge/--ablations/--quick. Repeat it to lay one"
+        " preset over another (--preset powered --preset powered-ablations).",
     ),
     base_config: Path = typer.Option(
         Path("configs/tiny-cpu.yaml"), "--config", "-c", help="Base TrainConfig YAML."
@@ -194,12 +197,13 @@ def experiment_command(
     from evaluation.experiment import experiment_config, run_experiment
 
     flags = [name for name, on in (("bridge", bridge), ("ablations", ablations)) if on]
-    if preset is None:
+    presets = presets or []
+    if not presets:
         default_out = ("bridge-" if bridge else "") + ("ablations" if ablations else "experiment")
-    else:  # runs/<preset name>, joined by the flags' presets: runs/my-design-ablations
-        default_out = "-".join([Path(preset).stem, *flags])
+    else:  # runs/<last preset's name>, joined by the flags' presets: runs/my-design-ablations
+        default_out = "-".join([Path(presets[-1]).stem, *flags])
     cfg = experiment_config(
-        *([preset] if preset is not None else []),
+        *presets,
         *flags,
         quick=quick,
         overrides=all_overrides(overrides, set_),

@@ -279,3 +279,24 @@ def test_a_missing_model_path_is_one_line_at_once_without_a_hub(hub_trap, args) 
     assert "no model at data/nope" in line, line
     assert seen == [], f"a network connection was made: {seen}"
     assert not (REPO / "runs" / "should-not-exist").exists()
+
+
+def test_runs_copied_for_an_experiment_to_reuse_are_taken_and_nothing_else_is(tmp_path):
+    """docs/results.md's ablations copy finished runs (and the start's evaluation) into a new
+    --out for `hdr experiment` to reuse: such a folder is an experiment's; a stray file is not."""
+    from core.errors import UserError
+    from core.paths import EXPERIMENT, check_output
+
+    out = tmp_path / "ablations"
+    run = out / "runs" / "headroom_drift" / "seed-1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("arm: headroom_drift\ngrpo: {}\nreplay: {}\n")
+    (out / "sft_start").mkdir()
+    assert check_output(out, EXPERIMENT, reuse=True) == out.resolve()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds other files"):
+        check_output(out, EXPERIMENT, reuse=True)
+    (out / "notes.txt").unlink()
+    (run / "config.yaml").write_text("not: a run\n")
+    with pytest.raises(UserError, match="holds other files"):
+        check_output(out, EXPERIMENT, reuse=True)

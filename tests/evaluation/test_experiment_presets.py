@@ -24,7 +24,8 @@ PRESET_FILES = sorted(PRESETS_DIR.glob("*.yaml"))
 
 
 def test_the_shipped_presets_are_there():
-    assert {"main", "ablations", "bridge", "demo", "quick", "quick-bridge"} <= set(preset_names())
+    shipped = {"main", "ablations", "bridge", "demo", "quick", "quick-bridge", "powered"}
+    assert shipped | {"powered-ablations"} <= set(preset_names())
 
 
 @pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
@@ -119,6 +120,11 @@ def test_cli_preset_by_name_and_by_path(tmp_path):
     by_path = _experiment("--preset", str(mine), "--out", str(tmp_path / "o"), cwd=tmp_path)
     resolved = _resolved(tmp_path / "o", by_path)
     assert (resolved["arms"], resolved["seeds"]) == (["on_policy"], [7])
+
+    laid = _experiment("--preset", "powered", "--preset", "powered-ablations", cwd=tmp_path)
+    resolved = _resolved(tmp_path / "runs" / "powered-ablations", laid)  # the last one's name
+    assert resolved["arms"] == read_preset("powered-ablations")["arms"]
+    assert (resolved["steps"], resolved["train_split"]) == (80, "rl")  # powered's, kept
 
 
 def test_cli_a_bad_preset_is_one_line(tmp_path):

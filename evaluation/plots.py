@@ -6,7 +6,8 @@ line per run, labelled by arm and seed; the experiment's charts draw one line pe
 seeds averaged (the mean, with the min-max over seeds shaded and a footnote saying so). Either
 way two runs of one arm with the same seed are never counted as two seeds (each keeps its own
 line, named by its folder), and runs of one arm whose configs differ (beyond seed and out_dir)
-carry the differing settings in their labels. The charts:
+carry the differing settings in their labels (the server's URL, logging and checkpointing
+aside). The charts:
 
 - `heldout_vs_env_calls.png`, `heldout_vs_wall_time.png`: held-out Mean@k against cumulative
   environment cost and against wall time (the paper's cost axes). Environment cost is counted
@@ -173,7 +174,10 @@ def _with_rollouts(evals: list[dict[str, Any]], config: dict[str, Any]) -> list[
     return [{**row, "rollouts_total": int(row.get("step", 0)) * b * g} for row in evals]
 
 
-NOT_SETTINGS = {"seed", "out_dir", "generation.seed"}  # what differs between seeds of one arm
+# What may differ between seeds of one arm without making them other settings: the seed, where
+# a run writes, where its server listened (a new port each launch), how it logs and saves.
+NOT_SETTINGS = {"seed", "out_dir", "generation.seed", "retrieval.urls"}
+NOT_SETTING_GROUPS = ("log.", "checkpoint.")
 MARKERS = ("o", "s", "^", "v", "D", "P", "X")
 
 
@@ -191,7 +195,11 @@ def distinct_settings(runs: Sequence[RunData]) -> list[str]:
     """For each run, the settings in which the runs' configs differ (seed and out_dir aside),
     as `key=value, ...` ("" when they all agree)."""
     flat = [_flat(run.config) for run in runs]
-    keys = sorted({k for f in flat for k in f} - NOT_SETTINGS)
+    keys = sorted(
+        k
+        for k in {k for f in flat for k in f} - NOT_SETTINGS
+        if not k.startswith(NOT_SETTING_GROUPS)
+    )
     differ = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
     return [", ".join(f"{k}={f.get(k)}" for k in differ) for f in flat]
 

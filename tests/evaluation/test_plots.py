@@ -216,6 +216,22 @@ def test_the_experiment_averages_seeds_but_labels_other_settings_apart(tmp_path)
     assert [len(v) for v in line_groups(twice, per_seed=False).values()] == [1, 1]
 
 
+def test_seeds_served_on_other_ports_or_logged_otherwise_are_still_one_arm(tmp_path):
+    """A resumed experiment starts its server on a new port: its seeds stay one line."""
+    from evaluation.plots import line_groups
+
+    runs = []
+    for seed, port in ((1, 43951), (2, 44383)):
+        run = _write_run(tmp_path / "headroom_drift" / f"seed-{seed}", "headroom_drift", seed)
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["retrieval"] = {"urls": [f"http://127.0.0.1:{port}"]}
+        config["log"] = {"progress": seed == 1}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        runs.append(load_run(run))
+    groups = line_groups(runs, per_seed=False)
+    assert list(groups) == ["headroom_drift"] and len(groups["headroom_drift"]) == 2
+
+
 def test_charts_replace_earlier_charts_only_with_force(tmp_path):
     run = _write_run(tmp_path / "headroom_drift" / "seed-1", "headroom_drift", 1)
     (tmp_path / "mine").mkdir()

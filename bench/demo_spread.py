@@ -12,7 +12,8 @@ start and of the trained policy, so the README can state the spread, not one val
 Settings are `<kernels>-t<threads>`: kernels `avx512` (the machine's best) or `avx2`
 (`ATEN_CPU_CAPABILITY=avx2`), threads via `taskset` on that many cores (torch's intra-op
 threads follow the cores it may use). Two 1-thread settings run side by side, one per core.
-Writes bench/results/demo_spread.json and prints a table.
+Writes bench/results/demo_spread.json (keeping the rows of settings it did not run) and prints
+a table.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def main() -> None:
                 raise SystemExit(f"{setting}: hdr demo failed; see {root / setting / 'demo.log'}")
             rows.append(collect(setting, root, time.time() - began))
     out = REPO / "bench" / "results" / "demo_spread.json"
+    # settings measured by earlier calls stay (each call may run only some); a rerun replaces
+    earlier = json.loads(out.read_text()) if out.is_file() else []
+    rows = [r for r in earlier if r["setting"] not in settings] + rows
     out.write_text(json.dumps(rows, indent=1) + "\n")
     table = Table(title="hdr demo under CPU settings (one seed, 300 held-out questions)")
     for column in ("setting", "min", "SFT greedy EM by epoch", "start Mean@5 / Best@5 / greedy",

@@ -14,7 +14,7 @@ DATA    ?= data
 RUNS    ?= runs
 PORT    ?= 8000
 
-.PHONY: setup test test-slow test-stack lint demo serve index experiment ablations clean
+.PHONY: setup test test-slow test-stack lint demo serve index experiment powered ablations clean
 
 setup: $(VENV)/.installed
 
@@ -59,8 +59,14 @@ demo: setup
 experiment: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --data-dir $(DATA) --out $(RUNS)/experiment
 
+powered: setup
+	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --preset powered --data-dir $(DATA) --out $(RUNS)/powered
+
 ablations: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --ablations --data-dir $(DATA) --out $(RUNS)/ablations
 
+# Only the environment: data/ and runs/ may hold files of the user's own (a corpus, a model),
+# and hdr never deletes what it did not make.
 clean:
-	rm -rf $(VENV) $(DATA) $(RUNS)
+	rm -rf $(VENV)
+	@echo "removed $(VENV); $(DATA)/ and $(RUNS)/ are left as they are (remove them yourself if nothing in them is yours)"

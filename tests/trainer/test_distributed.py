@@ -167,19 +167,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_and_one(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
+def run_ranks(worker, out: Path, *args, nprocs: int = 2) -> None:
+    """Run `worker(rank, nprocs, port, out, *args)` on `nprocs` spawned ranks; a rank still
+    alive after TIMEOUT_S is killed and fails the test, as does one that did not exit 0."""
     ctx = mp.start_processes(
-        _worker, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
+        worker,
+        args=(nprocs, free_port(), str(out), *args),
+        nprocs=nprocs,
+        join=False,
+        start_method="spawn",
     )
     for proc in ctx.processes:
         proc.join(TIMEOUT_S)
     alive = [p for p in ctx.processes if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive, f"a worker did not finish within {TIMEOUT_S} s"
-    assert all(p.exitcode == 0 for p in ctx.processes)
+    assert not alive, f"a rank did not finish within {TIMEOUT_S} s"
+    assert [p.exitcode for p in ctx.processes] == [0] * nprocs
+
+
+@pytest.fixture(scope="module")
+def two_and_one(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    run_ranks(_worker, out)
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     return ranks, run_protocol(distributed.Dist())
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 from conftest import tiny_llama
-from test_distributed import TIMEOUT_S, bare_run, free_port, make_groups, small_config
+from test_distributed import bare_run, make_groups, run_ranks, small_config
 
 from core.errors import RunInterrupted
 from trainer import distributed
@@ -55,16 +54,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str) -> None:
 
 
 def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_one_checkpoint(tmp_path):
-    ctx = mp.start_processes(
-        _worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    for proc in ctx.processes:
-        proc.join(TIMEOUT_S)
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"a rank did not stop within {TIMEOUT_S} s"
-    assert [p.exitcode for p in ctx.processes] == [0, 0]  # both left on their own
+    run_ranks(_worker, tmp_path)  # both stop within the bound and leave on their own (exit 0)
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     # only rank 1 received the signal; both stopped after step 2 and began no further step
     assert [r["own_signal"] for r in ranks] == [None, signal.SIGTERM]

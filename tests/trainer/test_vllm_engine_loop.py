@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 from conftest import TINY_CPU, tiny_overrides
-from test_distributed import TIMEOUT_S, free_port
+from test_distributed import run_ranks
 
 from trainer import distributed
 
@@ -53,16 +52,7 @@ def _build_on_rank(rank: int, world: int, port: int, out: str, model_dir: str) -
 
 
 def test_each_rank_builds_its_own_engine_on_its_own_gpu(tiny_policy, tmp_path):
-    ctx = mp.start_processes(
-        _build_on_rank,
-        args=(2, free_port(), str(tmp_path), str(tiny_policy)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    for proc in ctx.processes:
-        proc.join(TIMEOUT_S)
-    assert [p.exitcode for p in ctx.processes] == [0, 0]
+    run_ranks(_build_on_rank, tmp_path, str(tiny_policy))
     built = {}
     for path in tmp_path.glob("engine-rank*.json"):
         record = json.loads(path.read_text())

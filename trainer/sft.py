@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from core.errors import UserError
-from core.paths import MODEL, check_output, local_model
+from core.paths import MODEL, check_output, local_model, write_text_atomic
 from core.progress import progress, say
 from trainer.checkpoint import save_model
 
@@ -227,7 +227,7 @@ class EpochCheckpoint:
         if log_path.is_file():  # keep the log of the epochs being resumed from
             kept = [line for line in log_path.read_text().splitlines()
                     if line and json.loads(line)["epoch"] <= epoch]  # fmt: skip
-            log_path.write_text("".join(line + "\n" for line in kept))
+            write_text_atomic(log_path, "".join(line + "\n" for line in kept))
         say(f"hdr sft: resuming after epoch {epoch} ({self.path})")
         return epoch
 

@@ -173,12 +173,14 @@ class Best:
 class EpochCheckpoint:
     """What an interrupted `hdr sft` resumes from: after every epoch the model, optimizer,
     schedule, batch order RNG and the plateau's best epoch, in a hidden folder beside the
-    output (`.NAME.sft-resume`), written whole (a temporary folder renamed into place). A
-    rerun with the same settings continues after the last finished epoch; other settings
-    start over. The folder is removed once the model is saved."""
+    output (`.NAME.sft-resume`), written whole: a temporary folder renamed into place, the
+    previous epoch's folder set aside until then, so a kill at any moment leaves an epoch to
+    resume from. A rerun with the same settings continues after the last finished epoch;
+    other settings start over. The folder is removed once the model is saved."""
 
     def __init__(self, out: Path, config) -> None:
         self.path = out.parent / f".{out.name}.sft-resume"
+        self.previous = self.path.with_name(self.path.name + ".old")
         settings = {
             s: config.model_dump(mode="json")[s] for s in ("seed", "sft", "data", "rollout")
         }
@@ -200,11 +202,16 @@ class EpochCheckpoint:
             "best": {"loss": best.loss, "epoch": best.epoch, "greedy_em": best.greedy_em},
         }
         (tmp / "state.json").write_text(json.dumps(state))
-        shutil.rmtree(self.path, ignore_errors=True)
+        shutil.rmtree(self.previous, ignore_errors=True)
+        if self.path.exists():
+            os.replace(self.path, self.previous)
         os.replace(tmp, self.path)
+        shutil.rmtree(self.previous, ignore_errors=True)
 
     def restore(self, model, optimizer, scheduler, rng, best: Best, log_path: Path) -> int:
         """The last finished epoch restored (0: nothing to resume, or other settings)."""
+        if not self.path.exists() and self.previous.is_dir():  # killed between save's renames
+            os.replace(self.previous, self.path)
         try:
             state = json.loads((self.path / "state.json").read_text())
         except (OSError, ValueError):
@@ -232,7 +239,8 @@ class EpochCheckpoint:
         return epoch
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        for folder in (self.path, self.previous):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def ensure_init_model(path: Path) -> None:

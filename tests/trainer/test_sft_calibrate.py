@@ -143,3 +143,40 @@ def test_a_killed_sft_resumes_after_its_last_epoch_and_ends_where_an_unbroken_on
     assert [json.loads(x)["loss"] for x in logs[0].read_text().splitlines()] == [
         json.loads(x)["loss"] for x in logs[1].read_text().splitlines()
     ]
+
+
+def test_a_kill_between_the_epoch_checkpoints_renames_resumes_from_the_earlier_epoch(tmp_path):
+    """`save` sets the last epoch's folder aside before renaming the new one in; a kill in
+    between leaves no `.sft-resume` folder, and the rerun resumes from the one set aside."""
+    import os
+    import random
+
+    import torch
+    from conftest import tiny_llama
+
+    from trainer.sft import Best, EpochCheckpoint
+
+    out = tmp_path / "policy"
+    config = TrainConfig.model_validate({"model": {"path": str(out)}})
+    model = tiny_llama(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    rng, best = random.Random(0), Best()
+    checkpoint = EpochCheckpoint(out, config)
+    checkpoint.save(1, model, optimizer, scheduler, rng, best)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint.save(2, model, optimizer, scheduler, rng, best)
+    assert checkpoint.path.is_dir() and not checkpoint.previous.exists()
+
+    os.replace(checkpoint.path, checkpoint.previous)  # epoch 3's save: its first rename, killed
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    log = tmp_path / "policy.sft-log.jsonl"
+    assert checkpoint.restore(model, optimizer, scheduler, rng, best, log) == 2
+    assert all((model.state_dict()[k] == v).all() for k, v in saved.items())
+    assert checkpoint.path.is_dir() and not checkpoint.previous.exists()
+
+    checkpoint.save(3, model, optimizer, scheduler, rng, best)
+    checkpoint.remove()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -43,6 +43,14 @@ def bind_loopback(port: int = 0) -> socket.socket:
     return sock
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a process that binds it itself (it may be taken by
+    then; a server we start in-process gets `bind_loopback`'s socket instead)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @contextmanager
 def running_server(
     index_dir: Path, port: int = 0, **server_config_overrides: Any

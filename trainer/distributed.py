@@ -214,10 +214,23 @@ def init_distributed(config):
     return Dist(rank=rank, world=world, local_rank=local_rank, owns_group=owns), config
 
 
+GLOO_DRAIN_S = 0.5
+
+
 def shutdown(dist: Dist) -> None:
-    """Leave the process group this module started (after every rank's last collective)."""
+    """Leave the process group this module started (after every rank's last collective).
+
+    On gloo, the pause before the group is destroyed works around a deadlock in torch: gloo's
+    worker thread frees a finished collective's tensors after the caller has its result, and
+    freeing a tensor that Python made (`all_gather_object`'s) needs the GIL; the group's
+    destructor joins that thread while holding the GIL (in `destroy_process_group`, or later
+    when DDP's reducer lets go of the group). Seen in 2 of 25 runs of the two-rank tests on a
+    busy 2-core machine, as a rank that never exits. Sleeping releases the GIL, so the thread
+    finishes first."""
     if dist.owns_group and torch_dist.is_initialized():
         torch_dist.barrier()
+        if torch_dist.get_backend() == "gloo":
+            time.sleep(GLOO_DRAIN_S)
         torch_dist.destroy_process_group()
 
 

@@ -7,8 +7,9 @@ model itself scored; no server (the end-to-end `hdr train` runs are test_distrib
 
 from __future__ import annotations
 
+import faulthandler
 import json
-import socket
+import pickle
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from conftest import tiny_llama
+from servers import free_port
 
 from core.errors import UserError
 from trainer import distributed
@@ -148,8 +150,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch_dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    dist = distributed.Dist(rank=rank, world=world, owns_group=True)
     try:
-        dist = distributed.Dist(rank=rank, world=world)
         result = run_protocol(dist)
         try:  # what a selector that is not deterministic across ranks meets
             dist.agree(rank, "a value each rank holds differently")
@@ -158,32 +160,47 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             result["refused"] = str(err)
         Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
     finally:
-        torch_dist.destroy_process_group()
+        distributed.shutdown(dist)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ranked(rank: int, worker, *args) -> None:
+    """One rank as `run_ranks` starts it: should it hang, every thread's Python stack reaches
+    stderr (shown with the failure) shortly before the rank is killed."""
+    faulthandler.dump_traceback_later(TIMEOUT_S - 15)
+    worker(rank, *args)
 
 
 def run_ranks(worker, out: Path, *args, nprocs: int = 2) -> None:
     """Run `worker(rank, nprocs, port, out, *args)` on `nprocs` spawned ranks; a rank still
-    alive after TIMEOUT_S is killed and fails the test, as does one that did not exit 0."""
+    alive after TIMEOUT_S is killed and fails the test, as does one that did not exit 0 (with
+    its traceback)."""
     ctx = mp.start_processes(
-        worker,
-        args=(nprocs, free_port(), str(out), *args),
+        _ranked,
+        args=(worker, nprocs, free_port(), str(out), *args),
         nprocs=nprocs,
         join=False,
         start_method="spawn",
     )
     for proc in ctx.processes:
         proc.join(TIMEOUT_S)
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"a rank did not finish within {TIMEOUT_S} s"
-    assert [p.exitcode for p in ctx.processes] == [0] * nprocs
+    alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+    for rank in alive:
+        ctx.processes[rank].kill()
+    assert not alive, f"rank(s) {alive} did not finish within {TIMEOUT_S} s (stacks: stderr)"
+    failed = {
+        rank: _traceback(ctx.error_files[rank])
+        for rank, p in enumerate(ctx.processes)
+        if p.exitcode != 0
+    }
+    assert not failed, f"rank(s) exited with an error: {failed}"
+
+
+def _traceback(error_file: str) -> str:
+    """What torch.multiprocessing wrote for a rank that raised (nothing: it died otherwise)."""
+    path = Path(error_file)
+    if not path.is_file() or not path.stat().st_size:
+        return "no traceback (killed or exited without raising)"
+    return pickle.loads(path.read_bytes())
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch.distributed as torch_dist
 from conftest import TINY_CPU, tiny_overrides
 from test_distributed import run_ranks
 
@@ -39,7 +38,7 @@ def _build_on_rank(rank: int, world: int, port: int, out: str, model_dir: str) -
             "distributed": {"rollout_shards": 2},
         }
     )
-    _, config = distributed.init_distributed(config)
+    dist, config = distributed.init_distributed(config)
     try:
         build_generator(
             config.generation,
@@ -48,7 +47,7 @@ def _build_on_rank(rank: int, world: int, port: int, out: str, model_dir: str) -
             prompt=config.rollout.prompt,
         )
     finally:
-        torch_dist.destroy_process_group()
+        distributed.shutdown(dist)
 
 
 def test_each_rank_builds_its_own_engine_on_its_own_gpu(tiny_policy, tmp_path):

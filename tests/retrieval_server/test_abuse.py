@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import free_port
 
 HDR = str(Path(sys.executable).with_name("hdr"))
 TOKEN = "abuse-test-token"
@@ -42,12 +43,6 @@ class ServerProcess:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
         raise AssertionError(f"{field} not in /proc/{self.process.pid}/status")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import free_port
 
 HDR = str(Path(sys.executable).with_name("hdr"))
 
@@ -73,12 +74,6 @@ def test_serve_refuses_to_start_with_one_line_and_exit_2(
 ) -> None:
     for fragment, args in broken_copies.items():
         assert_one_line_user_error(hdr("serve", *args, "--port", "9"), fragment)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_serve(*args: str) -> tuple[subprocess.Popen[str], str, dict]:

@@ -20,7 +20,8 @@ import time
 
 import httpx
 import pytest
-from stackfiles import COMPOSE, ROOT, free_port
+from servers import free_port
+from stackfiles import COMPOSE, ROOT
 
 pytestmark = pytest.mark.stack
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from servers import free_port
 from stackfiles import (
     ARTICLES,
     COMPOSE,
@@ -24,7 +25,6 @@ from stackfiles import (
     START_TIMEOUT,
     Entrypoint,
     container_env,
-    free_port,
     process_exists,
     wait_for_child,
 )

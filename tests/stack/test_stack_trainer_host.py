@@ -15,13 +15,13 @@ import subprocess
 
 import pytest
 import yaml
+from servers import free_port
 from stackfiles import (
     ENTRYPOINTS,
     SMALL_RUN,
     TRAIN_TIMEOUT,
     Entrypoint,
     container_env,
-    free_port,
     trainer_env,
 )
 

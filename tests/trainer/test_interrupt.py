@@ -4,13 +4,13 @@ continue from, and says how (the real `hdr train`, in subprocesses)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 from conftest import TINY_CPU, tiny_overrides
+from servers import free_port
 
 from agent_env.policy_settings import SETTINGS_FILE
 from trainer.checkpoint import open_checkpoint
@@ -81,12 +81,6 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resume_continues(
     assert done.returncode == 0, done.stderr
     assert steps_logged(out) == list(range(1, ckpt.step + 2))
     assert (out / "final" / "config.json").is_file() and (out / "final" / SETTINGS_FILE).is_file()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_no_server_is_one_line_and_the_same_command_runs_again(sft_policy, small_qa, tmp_path):

@@ -104,6 +104,10 @@ def test_past_the_grace_the_run_stops_with_one_line_and_its_checkpoint(
     message = str(raised.value)
     assert "\n" not in message
     assert "no retrieval server answered for 2 s (retrieval.outage_grace_s)" in message
-    assert f"last checkpoint: step 1; continue with --resume {out}" in message
-    assert steps_logged(out) == 1
-    assert open_checkpoint(out).step == 1  # intact: it opens and is the last finished step
+    # the server stops once step 1 is logged; on a busy machine step 2 may finish its searches
+    # first, so the run stops in step 2 or 3, with the step before it checkpointed
+    finished = steps_logged(out)
+    assert finished in (1, 2)
+    assert f"step {finished + 1} stopped:" in message
+    assert f"last checkpoint: step {finished}; continue with --resume {out}" in message
+    assert open_checkpoint(out).step == finished  # intact: it opens, the last finished step

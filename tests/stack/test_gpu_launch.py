@@ -19,7 +19,10 @@ def launch(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProces
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     recorder = bin_dir / "torchrun"
-    recorder.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "torchrun" "$@"\n')
+    recorder.write_text(
+        '#!/usr/bin/env bash\nprintf "%s\\n" "torchrun" "$@"\n'
+        'echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}" >&2\n'
+    )
     recorder.chmod(0o755)
     path = f"{bin_dir}:{Path(hdr_executable()).parent}:{os.environ['PATH']}"
     return subprocess.run(
@@ -56,3 +59,28 @@ def test_a_bad_process_count_is_one_line(tmp_path):
         "trainer-gpu-launch: HDR_NPROC must be a number of processes or 'all', not 'two'"
         " (found two GPUs)"
     ]
+
+
+def test_the_gpus_listed_are_the_ones_training_sees(tmp_path):
+    """Compose makes every GPU visible (a literal `count: all`, which both compose clients
+    accept); HDR_GPU_DEVICES keeps a run to some of them, as CUDA_VISIBLE_DEVICES."""
+    done = launch(tmp_path, "train", HDR_NPROC="2", HDR_GPU_DEVICES="4,5")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    assert done.stderr.strip() == "CUDA_VISIBLE_DEVICES=4,5"
+    unset = launch(tmp_path, "train", HDR_NPROC="2", HDR_GPU_DEVICES="")
+    assert unset.stderr.strip() == "CUDA_VISIBLE_DEVICES=unset"
+
+
+@pytest.mark.parametrize(
+    "devices, nproc, message",
+    [
+        ("0;1", "1", "HDR_GPU_DEVICES must be GPU indices or UUIDs separated by commas"),
+        ("0,1", "4", "HDR_NPROC is 4 but HDR_GPU_DEVICES lists 2 GPUs (0,1)"),
+    ],
+)
+def test_bad_gpu_lists_are_one_line(tmp_path, devices, nproc, message):
+    done = launch(tmp_path, "train", HDR_NPROC=nproc, HDR_GPU_DEVICES=devices)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines

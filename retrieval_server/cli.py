@@ -285,7 +285,13 @@ def export_encoder_command(
 ) -> None:
     """Export an encoder to ONNX ahead of time (needs torch), into its model directory, where
     the onnx backend finds it on a machine without torch (docs/stack.md)."""
-    from retrieval_server.encoder import export_to_model_dir, resolve_encoder, shipped_onnx
+    from core.errors import UserError
+    from retrieval_server.encoder import (
+        SHIPPED_ONNX_DIR,
+        export_to_model_dir,
+        resolve_encoder,
+        shipped_onnx,
+    )
 
     model_dir = resolve_encoder(encoder)
     if out is None and shipped_onnx(model_dir) is not None:
@@ -293,6 +299,9 @@ def export_encoder_command(
             f"{model_dir} already holds an ONNX export of its weights: {shipped_onnx(model_dir)}"
         )
         return
+    folder = out or model_dir / SHIPPED_ONNX_DIR
+    if folder.exists():  # another model's export, an older one, or not ours: never replaced
+        raise UserError(f"{folder} exists; remove it (or name another --out) to export again")
     path = export_to_model_dir(model_dir, out)
     typer.echo(f"exported {encoder} to {path} ({path.stat().st_size / 1e6:.0f} MB)")
 

@@ -63,6 +63,11 @@ def test_an_export_of_other_weights_is_not_used(exported, tmp_path):
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes() + b"\0")  # other weights: another size
     assert shipped_onnx(model) is None
+    # and is never replaced by a new one: that folder may be anyone's
+    done = hdr("index", "export-encoder", str(model), env=base_env(), cwd=tmp_path)
+    assert done.returncode == 2
+    expected = f"{model / SHIPPED_ONNX_DIR} exists; remove it (or name another --out)"
+    assert done.stderr.strip() == f"hdr: error: {expected} to export again"
 
 
 def test_index_build_and_serve_run_without_torch(exported, tmp_path):

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -44,11 +45,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.errors import UserError
 from retrieval_server.api import (
-    Document,
     ErrorResponse,
     HealthResponse,
     PlainResponse,
-    ScoredDocument,
     ScoredResponse,
     profile_request_model,
 )
@@ -205,17 +204,33 @@ class BatcherCollector:
         )
 
 
-def fetch_documents(store: DocumentStore, hits: list[list[Hit]]) -> list[list[ScoredDocument]]:
-    """Read the hit rows from the corpus: result[query][rank]."""
-    result = []
-    for query_hits in hits:
-        documents = []
-        for row, score in query_hits:
-            record = store.get(row)
-            record["id"] = str(record["id"])
-            documents.append(ScoredDocument(document=Document(**record), score=score))
-        result.append(documents)
-    return result
+Passage = tuple[bytes, float]  # a hit's document as response JSON, and its score
+
+
+def fetch_passages(store: DocumentStore, hits: list[list[Hit]]) -> list[list[Passage]]:
+    """The hit rows' documents as response JSON (the corpus line's own bytes where its id is a
+    string): result[query][rank]. Runs in the search thread, after the search."""
+    return [[(store.get_json(row), score) for row, score in query_hits] for query_hits in hits]
+
+
+def score_json(score: float) -> bytes:
+    return repr(score).encode() if math.isfinite(score) else b"null"
+
+
+def render_result(passages: list[list[Passage]], with_scores: bool) -> bytes:
+    """`{"result": [[...], ...]}` from pre-encoded documents, without parsing them again:
+    `{"document": ..., "score": ...}` items with scores, the documents alone without."""
+    queries = []
+    for query in passages:
+        if with_scores:
+            items = b",".join(
+                b'{"document":%s,"score":%s}' % (document, score_json(score))
+                for document, score in query
+            )
+        else:
+            items = b",".join(document for document, _ in query)
+        queries.append(b"[" + items + b"]")
+    return b'{"result":[' + b",".join(queries) + b"]}"
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -513,6 +528,7 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         max_restarts=config.worker_max_restarts,
         stall_after_s=config.search_stall_s,
         on_batch=metrics.observe_batch,
+        fetch=lambda hits: fetch_passages(index.documents, hits),
     )
     return ServingState(index=index, retrievers=retrievers, batcher=batcher)
 
@@ -525,24 +541,28 @@ async def client_gone(request: Request) -> None:
 
 async def search_or_give_up(
     state: ServingState, config: ServerConfig, metrics: ServerMetrics, request: Request, args
-) -> list[list[Hit]] | Response:
-    """The batcher's hits, or the response for a request that could not be searched: 503 when
-    refused, failed or past its deadline; a response nobody reads when the client left."""
+) -> list[list[Passage]] | Response:
+    """The batcher's passages, or the response for a request that could not be searched: 503
+    when refused, failed or past its deadline; a response nobody reads when the client left."""
     retry = {"Retry-After": str(config.retry_after_s)}
-    search = asyncio.ensure_future(
-        asyncio.wait_for(state.batcher.search(*args), config.request_deadline_s)
-    )
+    search = asyncio.ensure_future(state.batcher.search(*args))
     gone = asyncio.ensure_future(client_gone(request))
     try:
-        await asyncio.wait({search, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {search, gone}, timeout=config.request_deadline_s, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         gone.cancel()
-    if not search.done():  # the client left: stop its search
+    if not search.done():  # the client left, or the deadline passed: stop its search
         search.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await search
-        metrics.disconnected.inc()
-        return error_response(CLIENT_GONE, "client closed the request")
+        if not gone.cancelled() and gone.done():
+            metrics.disconnected.inc()
+            return error_response(CLIENT_GONE, "client closed the request")
+        metrics.expired.inc()
+        limit = config.request_deadline_s
+        return error_response(503, f"not answered within the {limit:g} s deadline", retry)
     try:
         return search.result()
     except Overloaded as err:
@@ -550,10 +570,6 @@ async def search_or_give_up(
         return error_response(503, f"server {err.reason}; retry later", retry)
     except SearchFailed as err:
         return error_response(503, f"{err}; retry", retry)
-    except asyncio.TimeoutError:
-        metrics.expired.inc()
-        limit = config.request_deadline_s
-        return error_response(503, f"not answered within the {limit:g} s deadline", retry)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -583,8 +599,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestGuard, config=config, metrics=metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts all
 
-    @app.post("/retrieve", responses=error_responses)
-    async def retrieve(body: RetrieveBody, request: Request) -> ScoredResponse | PlainResponse:
+    @app.post("/retrieve", response_model=ScoredResponse | PlainResponse, responses=error_responses)
+    async def retrieve(body: RetrieveBody, request: Request) -> Response:
         """Top-k passages per query: Search-R1's request and response format."""
         state: ServingState = app.state.serving
         name = body.retriever or config.default_retriever
@@ -594,7 +610,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             )
         await emulator.charge(len(body.queries))
         if not body.queries:
-            return ScoredResponse(result=[])
+            return Response(b'{"result":[]}', media_type="application/json")
         queries = body.queries
         if config.profile == "search-r1":
             cut = config.max_query_chars
@@ -603,13 +619,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                 metrics.truncated.inc(long)
                 queries = [query[:cut] for query in queries]
         topk = body.topk or config.default_topk
-        hits = await search_or_give_up(state, config, metrics, request, (queries, topk, name))
-        if isinstance(hits, Response):
-            return hits
-        scored = await asyncio.to_thread(fetch_documents, state.index.documents, hits)
-        if body.return_scores:
-            return ScoredResponse(result=scored)
-        return PlainResponse(result=[[item.document for item in query] for query in scored])
+        passages = await search_or_give_up(state, config, metrics, request, (queries, topk, name))
+        if isinstance(passages, Response):
+            return passages
+        # the documents are JSON already (read in the search thread): joined, not re-encoded
+        content = render_result(passages, body.return_scores)
+        return Response(content, media_type="application/json")
 
     @app.get("/health", responses={503: {"model": HealthResponse}})
     async def health(response: Response) -> HealthResponse:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import typer
+from fastapi import FastAPI, Request, Response
 from rich.console import Console
 from rich.table import Table
 
@@ -372,8 +373,6 @@ def encoder_seconds_per_query(encoder, queries: list[str], batch: int, seconds: 
 def bare_app(documents: list[dict]):
     """A FastAPI endpoint of /retrieve's response shape that does no work: it parses the body
     to count the queries and answers pre-encoded JSON of `topk` fixed passages a query."""
-    from fastapi import FastAPI, Request, Response
-
     app = FastAPI()
     answers: dict[int, bytes] = {}
     scored = [{"document": doc, "score": 0.5} for doc in documents[:LIMIT_TOPK]]
@@ -539,6 +538,8 @@ def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
         return statistics.median(result[field] for result in cell[name])
 
     encode_s = statistics.median(cell["encode_s"])
+    if any(result["errors"] for result in cell["bare"]):
+        raise SystemExit(f"the bare endpoint failed requests in cell {key}: no limit to report")
     bare_rps = median("bare", "requests_per_s")
     limit_qps = per_request / (1 / bare_rps + per_request * encode_s)
     limit_p99 = median("bare", "p99_ms") + 1000 * clients * per_request * encode_s
@@ -621,7 +622,7 @@ def main(
     if serve_bare_port is not None:  # the bench's own subprocess: the bare endpoint
         serve_bare(serve_bare_port, index)
         return
-    console = Console()
+    console = Console(width=max(Console().width, 150))  # the limit table has 9-12 columns
     if cells == "limit":
         limit_out = out.with_name("retrieval_limit.json") if out.name == "retrieval.json" else out
         limit_table(index, seconds, rounds, limit_out, settings, search_r1, search_r1_model,

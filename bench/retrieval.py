@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import typer
+from fastapi import FastAPI, Request, Response
 from rich.console import Console
 from rich.table import Table
 
@@ -268,6 +269,336 @@ def dense_single_query_qps(results: list[dict]) -> dict[int, float]:
     }
 
 
+# --- the limit cells: encoder alone, a bare endpoint and hdr serve, interleaved -------------
+
+LIMIT_CELLS = ((1, 1), (8, 1), (32, 1), (1, 32), (8, 32), (32, 32), (1, 256), (8, 256))
+LIMIT_TOPK = 3
+
+
+class RawClient:
+    """A minimal keep-alive HTTP/1.1 client on asyncio streams: the cheapest load generator
+    we can write in Python, so the client takes as little of the 2 cores as possible (httpx
+    spends about 1 ms a request). Reads Content-Length bodies only (both servers send them)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.get_extra_info("socket").setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+            )
+        assert self.reader is not None
+        self.writer.write(
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body)
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        at = lower.index(b"content-length:") + 15
+        length = int(lower[at : lower.index(b"\r\n", at)])
+        data = await self.reader.readexactly(length)
+        if b"connection: close" in lower:
+            self.close()
+        return status, data
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+async def load_cell(
+    url: str, bodies: list[bytes], per_request: int, clients: int, seconds: float
+) -> dict:
+    """`clients` closed-loop RawClients for `seconds` (after a short warm-up); every answer is
+    checked to be a 200 whose `result` has one list per query."""
+    host, port = url.removeprefix("http://").split(":")
+    latencies: list[float] = []
+    errors = 0
+    turn = 0
+
+    async def one_client(client: RawClient, deadline: float, record: bool) -> None:
+        nonlocal errors, turn
+        while time.perf_counter() < deadline:
+            body = bodies[turn % len(bodies)]
+            turn += 1
+            started = time.perf_counter()
+            try:
+                status, data = await client.post("/retrieve", body)
+                ok = status == 200 and len(json.loads(data)["result"]) == per_request
+            except (OSError, ValueError, KeyError, asyncio.IncompleteReadError):
+                client.close()
+                ok = False
+            if record:
+                latencies.append(time.perf_counter() - started)
+                errors += not ok
+
+    pool = [RawClient(host, int(port)) for _ in range(clients)]
+    warmup = time.perf_counter() + min(1.0, seconds / 4)
+    await asyncio.gather(*(one_client(c, warmup, False) for c in pool))
+    started = time.perf_counter()
+    await asyncio.gather(*(one_client(c, started + seconds, True) for c in pool))
+    elapsed = time.perf_counter() - started
+    for client in pool:
+        client.close()
+    ordered = sorted(latencies) or [float("nan")]
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "queries_per_s": round(len(latencies) * per_request / elapsed, 1),
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(1000 * statistics.median(ordered), 2),
+        "p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2),
+    }
+
+
+def encoder_seconds_per_query(encoder, queries: list[str], batch: int, seconds: float) -> float:
+    """Seconds per query of the encoder alone, encoding `batch` queries at a time."""
+    encoder.encode_queries(queries[:batch])  # warm
+    done, turn = 0, 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        lo = (turn * batch) % max(1, len(queries) - batch)
+        encoder.encode_queries(queries[lo : lo + batch])
+        done += batch
+        turn += 1
+    return (time.perf_counter() - started) / done
+
+
+def bare_app(documents: list[dict]):
+    """A FastAPI endpoint of /retrieve's response shape that does no work: it parses the body
+    to count the queries and answers pre-encoded JSON of `topk` fixed passages a query."""
+    app = FastAPI()
+    answers: dict[int, bytes] = {}
+    scored = [{"document": doc, "score": 0.5} for doc in documents[:LIMIT_TOPK]]
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> Response:
+        count = len(json.loads(await request.body())["queries"])
+        if count not in answers:
+            answers[count] = json.dumps({"result": [scored] * count}).encode()
+        return Response(answers[count], media_type="application/json")
+
+    return app
+
+
+def serve_bare(port: int, index: Path) -> None:
+    """Run `bare_app` on uvicorn as `hdr serve` runs (same loop and HTTP implementation)."""
+    import numpy as np
+    import uvicorn
+
+    from retrieval_server.index import DocumentStore, validate_index
+
+    files = validate_index(index)
+    store = DocumentStore(files.corpus, np.load(index / "offsets.npy"))
+    documents = [dict(store.get(row), id=str(store.get(row)["id"])) for row in range(3)]
+    uvicorn.run(bare_app(documents), host="127.0.0.1", port=port, log_level="warning",
+                access_log=False)  # fmt: skip
+
+
+def start_bare(index: Path, port: int, log: Path) -> subprocess.Popen:
+    command = [sys.executable, __file__, "--serve-bare-port", str(port), "--index", str(index)]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"the bare endpoint exited with {process.returncode}; see {log}")
+        try:
+            body = {"queries": ["x"]}
+            httpx.post(f"http://127.0.0.1:{port}/retrieve", json=body, timeout=2)
+            return process
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                process.terminate()
+                raise SystemExit(f"the bare endpoint did not come up; see {log}") from None
+            time.sleep(0.3)
+
+
+def start_search_r1(
+    script: Path, model: Path, index: Path, port: int, log: Path
+) -> subprocess.Popen:
+    """Search-R1's `retrieval_server.py` (its file given by --search-r1; not part of hdr) on the
+    same flat index and corpus, with the same MiniLM encoder. It listens on port 8000."""
+    from retrieval_server.index import validate_index
+
+    files = validate_index(index)
+    command = [sys.executable, str(script), "--index_path", str(index / "dense.faiss"),
+               "--corpus_path", str(files.corpus), "--topk", str(LIMIT_TOPK),
+               "--retriever_name", "minilm", "--retriever_model", str(model)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"Search-R1's server exited with {process.returncode}; see {log}")
+        try:
+            body = {"queries": ["x"], "topk": LIMIT_TOPK, "return_scores": True}
+            httpx.post(f"http://127.0.0.1:{port}/retrieve", json=body, timeout=5)
+            return process
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                process.terminate()
+                raise SystemExit(f"Search-R1's server did not come up; see {log}") from None
+            time.sleep(1)
+
+
+def request_bodies(queries: list[str], per_request: int, count: int = 64) -> list[bytes]:
+    bodies = []
+    for i in range(count):
+        batch = [queries[(i * per_request + j) % len(queries)] for j in range(per_request)]
+        body = {"queries": batch, "topk": LIMIT_TOPK, "return_scores": True}
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+def limit_table(
+    index: Path,
+    seconds: float,
+    rounds: int,
+    out: Path,
+    settings: list[str],
+    search_r1: Path | None,
+    search_r1_model: Path | None,
+    console: Console,
+) -> None:
+    """Each cell in turn: the encoder alone, the bare endpoint, hdr serve (and Search-R1's
+    server), `rounds` times; hdr's q/s and p99 as ratios to the limit the first two imply."""
+    from retrieval_server.config import EncoderConfig
+    from retrieval_server.encoder import Encoder
+    from retrieval_server.index import validate_index
+
+    load_before = list(os.getloadavg())
+    encoder = Encoder(validate_index(index).manifest.encoder, EncoderConfig())
+    queries = benchmark_queries()
+    logs = Path(tempfile.mkdtemp(prefix="hdr-bench-limit-"))
+    servers = {"bare": free_port(), "hdr": free_port()}
+    processes = {
+        "bare": start_bare(index, servers["bare"], logs / "bare.log"),
+        "hdr": start_server(index, servers["hdr"], logs / "hdr.log", settings),
+    }
+    if search_r1 is not None:
+        if search_r1_model is None:
+            raise SystemExit("--search-r1 needs --search-r1-model (the MiniLM model directory)")
+        servers["search_r1"] = 8000
+        processes["search_r1"] = start_search_r1(
+            search_r1, search_r1_model, index, 8000, logs / "search_r1.log"
+        )
+    console.print(f"limit cells: servers up (logs in {logs})")
+    samples: dict[tuple[int, int], dict[str, list]] = {}
+    try:
+        for _ in range(rounds):
+            for clients, per_request in LIMIT_CELLS:
+                cell = samples.setdefault((clients, per_request), {})
+                batch = min(clients * per_request, 256)
+                encode_s = encoder_seconds_per_query(encoder, queries, batch, seconds / 2)
+                cell.setdefault("encode_s", []).append(encode_s)
+                bodies = request_bodies(queries, per_request)
+                for name, port in servers.items():
+                    url = f"http://127.0.0.1:{port}"
+                    result = asyncio.run(load_cell(url, bodies, per_request, clients, seconds))
+                    cell.setdefault(name, []).append(result)
+                console.print(clients, per_request, {k: v[-1] for k, v in cell.items()})
+    finally:
+        for process in processes.values():
+            process.terminate()
+            process.wait(timeout=60)
+    rows = [limit_row(key, cell) for key, cell in samples.items()]
+    report = {
+        "command": "bench/retrieval.py --cells limit " + " ".join(sys.argv[1:]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": list(os.getloadavg()),
+            "note": "client, servers and encoder share the machine's cores",
+        },
+        "seconds_per_cell": seconds,
+        "rounds": rounds,
+        "server_settings": settings,
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_limit(rows, console)
+    console.print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after; "
+                  f"written to {out}")  # fmt: skip
+
+
+def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
+    """Medians over rounds, and the limit: a request costs the bare endpoint's time plus its
+    queries' encoding (at the batch size the clients' queries allow, at most 256), both on the
+    same cores, so limit q/s = n / (1 / bare requests/s + n x encode seconds per query) and the
+    limit p99 = bare p99 + the encoding of one batch of all clients' queries."""
+    clients, per_request = key
+
+    def median(name: str, field: str) -> float:
+        return statistics.median(result[field] for result in cell[name])
+
+    encode_s = statistics.median(cell["encode_s"])
+    if any(result["errors"] for result in cell["bare"]):
+        raise SystemExit(f"the bare endpoint failed requests in cell {key}: no limit to report")
+    bare_rps = median("bare", "requests_per_s")
+    limit_qps = per_request / (1 / bare_rps + per_request * encode_s)
+    limit_p99 = median("bare", "p99_ms") + 1000 * clients * per_request * encode_s
+    row = {
+        "clients": clients,
+        "queries_per_request": per_request,
+        "encoder_queries_per_s": round(1 / encode_s, 1),
+        "bare_requests_per_s": bare_rps,
+        "bare_p99_ms": median("bare", "p99_ms"),
+        "limit_queries_per_s": round(limit_qps, 1),
+        "limit_p99_ms": round(limit_p99, 2),
+        "hdr_queries_per_s": median("hdr", "queries_per_s"),
+        "hdr_p50_ms": median("hdr", "p50_ms"),
+        "hdr_p99_ms": median("hdr", "p99_ms"),
+        "hdr_errors": sum(result["errors"] for result in cell["hdr"]),
+    }
+    row["hdr_qps_ratio"] = round(row["hdr_queries_per_s"] / limit_qps, 3)
+    row["hdr_p99_ratio"] = round(row["hdr_p99_ms"] / limit_p99, 3)
+    if "search_r1" in cell:
+        row["search_r1_queries_per_s"] = median("search_r1", "queries_per_s")
+        row["search_r1_p99_ms"] = median("search_r1", "p99_ms")
+        row["hdr_vs_search_r1_qps"] = round(
+            row["hdr_queries_per_s"] / row["search_r1_queries_per_s"], 3
+        )
+        row["hdr_vs_search_r1_p99"] = round(row["hdr_p99_ms"] / row["search_r1_p99_ms"], 3)
+    return row
+
+
+def print_limit(rows: list[dict], console: Console) -> None:
+    table = Table(title="hdr serve against the limit (topk 3, return_scores, dense)")
+    columns = ["clients x q/req", "encoder q/s", "bare req/s", "limit q/s", "hdr q/s", "ratio",
+               "hdr p99 ms", "limit p99 ms", "p99 ratio"]  # fmt: skip
+    with_r1 = any("search_r1_queries_per_s" in row for row in rows)
+    if with_r1:
+        columns += ["Search-R1 q/s", "hdr/SR1", "p99 hdr/SR1"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        values = [
+            f"{row['clients']} x {row['queries_per_request']}",
+            f"{row['encoder_queries_per_s']:.0f}",
+            f"{row['bare_requests_per_s']:.0f}",
+            f"{row['limit_queries_per_s']:.0f}",
+            f"{row['hdr_queries_per_s']:.0f}",
+            f"{row['hdr_qps_ratio']:.2f}",
+            f"{row['hdr_p99_ms']:.1f}",
+            f"{row['limit_p99_ms']:.1f}",
+            f"{row['hdr_p99_ratio']:.2f}",
+        ]
+        if with_r1:
+            values += [
+                f"{row.get('search_r1_queries_per_s', float('nan')):.0f}",
+                f"{row.get('hdr_vs_search_r1_qps', float('nan')):.2f}",
+                f"{row.get('hdr_vs_search_r1_p99', float('nan')):.2f}",
+            ]
+        table.add_row(*values)
+    console.print(table)
+
+
 def main(
     index: Path = typer.Option(Path("data/index"), help="Index directory (embedded corpus)."),
     seconds: float = typer.Option(8.0, help="Measured seconds per cell (after a short warmup)."),
@@ -275,12 +606,30 @@ def main(
     settings: list[str] = typer.Option(
         [], "--set", help="Server setting key=value, e.g. --set batch_wait_ms=0 (repeatable)."
     ),
-    cells: str = typer.Option("all", help="normal (the concurrency table), overload, or all."),
+    cells: str = typer.Option(
+        "all", help="normal (the concurrency table), overload, all (both), or limit."
+    ),
     queue_bound: int = typer.Option(64, help="Overload cell: the server's max_queued_queries."),
+    rounds: int = typer.Option(1, help="Limit cells: interleaved rounds (medians reported)."),
+    search_r1: Path | None = typer.Option(
+        None, help="Limit cells: Search-R1's retrieval_server.py, to compare (not shipped)."
+    ),
+    search_r1_model: Path | None = typer.Option(
+        None, help="Limit cells: the MiniLM model directory Search-R1's server loads."
+    ),
+    serve_bare_port: int | None = typer.Option(None, hidden=True),
 ) -> None:
-    console = Console()
+    if serve_bare_port is not None:  # the bench's own subprocess: the bare endpoint
+        serve_bare(serve_bare_port, index)
+        return
+    console = Console(width=max(Console().width, 150))  # the limit table has 9-12 columns
+    if cells == "limit":
+        limit_out = out.with_name("retrieval_limit.json") if out.name == "retrieval.json" else out
+        limit_table(index, seconds, rounds, limit_out, settings, search_r1, search_r1_model,
+                    console)  # fmt: skip
+        return
     if cells not in ("normal", "overload", "all"):
-        raise typer.BadParameter("--cells must be normal, overload or all")
+        raise typer.BadParameter("--cells must be normal, overload, all or limit")
     passed = True
     if cells in ("normal", "all"):
         passed = concurrency_table(index, seconds, out, settings, console)

@@ -20,9 +20,17 @@ anonymous and file-backed pages), queries/s (one query per call, and batches of 
 recall@10 against exact search. The server's encoder and HTTP layer are not part of it (the
 synthetic corpus has no text; bench/retrieval.py measures those).
 
-The data: 1,024 cluster centres in a 128-d subspace of R^768, points scattered around them in
-that subspace, plus isotropic noise in all 768 dimensions (10% of the norm), L2-normalised:
-clustered and of low intrinsic dimension, as sentence embeddings are, not uniform noise.
+The data: `--clusters` cluster centres (1,024 by default) in a 128-d subspace of R^768, points
+scattered around them in that subspace, plus isotropic noise in all 768 dimensions (10% of the
+norm), L2-normalised: clustered and of low intrinsic dimension, as sentence embeddings are, not
+uniform noise. With 1,024 clusters and IVF1024 every list holds one cluster, which flatters IVF:
+vary `--clusters` (e.g. 8,192) so lists and clusters do not line up.
+
+`--memory-limit-gib` runs each serving probe in a memory cgroup of that size (cgroup v2 when
+its memory controller is available, else v1 `memory.limit_in_bytes`; both charge the page cache
+too, so re-ranking reads from a flat file larger than the limit are real disk reads); the
+report says which was used, or that none could be made. `--refine-in-ram` re-ranks from the
+flat vectors read into memory instead of memory-mapped.
 
 Disk: the flat file needs vectors x 3 KiB. If free disk (minus a 10 GB margin) is short, the
 flat point is measured at the largest size that fits and the report says so. Everything the
@@ -64,18 +72,18 @@ RSS_TARGET_BYTES = 4 * 10**9
 RECALL_TARGET = 0.9
 
 
-def generator_basis(seed: int = 1234) -> tuple[np.ndarray, np.ndarray]:
-    """The shared subspace basis (RANK, DIMENSION) and cluster centres (CLUSTERS, RANK)."""
+def generator_basis(seed: int = 1234, clusters: int = CLUSTERS) -> tuple[np.ndarray, np.ndarray]:
+    """The shared subspace basis (RANK, DIMENSION) and cluster centres (clusters, RANK)."""
     rng = np.random.default_rng(seed)
     basis = rng.standard_normal((RANK, DIMENSION), dtype=np.float32) / np.sqrt(RANK)
-    centres = rng.standard_normal((CLUSTERS, RANK), dtype=np.float32)
+    centres = rng.standard_normal((clusters, RANK), dtype=np.float32)
     return basis, centres
 
 
 def synthetic_vectors(seed: int, count: int, basis: np.ndarray, centres: np.ndarray) -> np.ndarray:
     """(count, DIMENSION) float32 unit vectors, the same for the same seed."""
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, CLUSTERS, count)
+    labels = rng.integers(0, len(centres), count)
     latent = centres[labels] + 0.6 * rng.standard_normal((count, RANK), dtype=np.float32)
     vectors = latent @ basis  # (count, DIMENSION)
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -105,14 +113,21 @@ def merge_topk(
 
 
 def build(
-    workdir: Path, vectors: int, flat_vectors: int, chunk: int, ivf: str, train: int, queries: int
+    workdir: Path,
+    vectors: int,
+    flat_vectors: int,
+    chunk: int,
+    ivf: str,
+    train: int,
+    queries: int,
+    clusters: int = CLUSTERS,
 ) -> dict:
     """One pass over the chunks: flat file, IVF-PQ index, exact top 10 of the queries."""
     import faiss
 
     from retrieval_server.index_build import FlatFileWriter, new_faiss_index
 
-    basis, centres = generator_basis()
+    basis, centres = generator_basis(clusters=clusters)
     query_vectors = synthetic_vectors(10**9, queries, basis, centres)  # held out
     timings: dict[str, float] = {}
 
@@ -172,7 +187,8 @@ from pathlib import Path
 index = read_dense(Path(sys.argv[2]), mmap=sys.argv[3] == "1")
 set_search_parameters(index, int(sys.argv[4]), 128)
 if sys.argv[8]:  # re-rank from the memory-mapped flat file, as `hdr serve` does
-    index = with_refine(index, read_dense(Path(sys.argv[8]), mmap=True), int(sys.argv[9]))
+    flat = read_dense(Path(sys.argv[8]), mmap=sys.argv[10] != "ram")
+    index = with_refine(index, flat, int(sys.argv[9]))
 ready = time.time() - started
 queries = np.load(sys.argv[5])
 budget = float(sys.argv[7])
@@ -200,14 +216,48 @@ print(json.dumps({
 
 def serve_probe(
     path: Path, mmap: bool, nprobe: int, queries: Path, budget_s: float,
-    refine: Path | None = None, k_factor: int = 0,
+    refine: Path | None = None, k_factor: int = 0, refine_in_ram: bool = False,
+    cgroup: Path | None = None,
 ) -> dict:  # fmt: skip
-    """Open the index in a fresh process as the server does; time it, search, measure RSS."""
+    """Open the index in a fresh process as the server does; time it, search, measure RSS.
+    With `cgroup`, the process runs inside that memory cgroup (and its peak is reported)."""
     command = [sys.executable, "-c", SERVE_PROBE, str(time.time()), str(path), "1" if mmap else "0",
                str(nprobe), str(queries), str(ROOT), str(budget_s), str(refine or ""),
-               str(k_factor)]  # fmt: skip
-    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+               str(k_factor), "ram" if refine_in_ram else "mmap"]  # fmt: skip
+    if cgroup is not None:  # join the cgroup, then become the probe
+        command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "probe", *command]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        killed = done.returncode in (-9, 137)
+        return {"failed": "killed at the memory limit" if killed else done.stderr[-400:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def memory_cgroup(limit_bytes: int) -> tuple[Path | None, str]:
+    """A fresh memory cgroup capped at `limit_bytes` (page cache included), and how it was
+    made; (None, why not) where this machine allows none."""
+    name = f"hdr-scale-{os.getpid()}"
+    unified = Path("/sys/fs/cgroup")
+    for root, limit_file, how in (
+        (unified, "memory.max", "cgroup v2 memory.max"),
+        (unified / "unified", "memory.max", "cgroup v2 memory.max"),
+        (unified / "memory", "memory.limit_in_bytes", "cgroup v1 memory.limit_in_bytes"),
+    ):
+        controllers = root / "cgroup.controllers"
+        if limit_file == "memory.max" and not (
+            controllers.is_file() and "memory" in controllers.read_text().split()
+        ):
+            continue
+        if limit_file == "memory.limit_in_bytes" and not (root / limit_file).is_file():
+            continue
+        try:
+            group = root / name
+            group.mkdir(exist_ok=True)
+            (group / limit_file).write_text(str(limit_bytes))
+            return group, how
+        except OSError as err:
+            return None, f"no memory cgroup: {err}"
+    return None, "no memory cgroup controller on this machine (RLIMIT_AS is not the same)"
 
 
 def recall_at_10(found: list[list[int]], truth: np.ndarray) -> float:
@@ -237,6 +287,13 @@ def main(
         help="k_factor of a third point: the IVF-PQ index re-ranked from the mmap'd flat"
         " file (`hdr index convert --refine`); 0 leaves it out (so does a reduced flat point).",
     ),
+    clusters: int = typer.Option(CLUSTERS, help="Cluster centres the generator draws from."),
+    memory_limit_gib: float = typer.Option(
+        0.0, help="Run each serving probe in a memory cgroup of this size (0: none)."
+    ),
+    refine_in_ram: bool = typer.Option(
+        False, help="Re-rank from flat vectors read into memory instead of memory-mapped."
+    ),
     workdir: Path = typer.Option(Path(tempfile.gettempdir()) / "hdr-scale", help="Scratch dir."),
     out: Path = typer.Option(Path("bench/results/scale.json"), help="JSON results file."),
     keep: bool = typer.Option(False, help="Keep the index files instead of deleting them."),
@@ -251,9 +308,13 @@ def main(
     )  # fmt: skip
     console.print(f"free disk {free / 2**30:.0f} GiB; flat {flat_vectors:,}, {ivf} {vectors:,}")
     load_before = os.getloadavg()
+    cgroup, limit_how = None, "none"
+    if memory_limit_gib > 0:
+        cgroup, limit_how = memory_cgroup(int(memory_limit_gib * 2**30))
+        console.print(f"memory limit {memory_limit_gib:g} GiB: {limit_how}")
     try:
         started = time.perf_counter()
-        timings = build(workdir, vectors, flat_vectors, chunk, ivf, train, queries)
+        timings = build(workdir, vectors, flat_vectors, chunk, ivf, train, queries, clusters)
         build_s = time.perf_counter() - started
         query_file = workdir / "queries.npy"
         points = []
@@ -263,13 +324,19 @@ def main(
             (ivf, compressed, False, vectors, "truth_ivf.npy", None),
         ]
         if refine and flat_vectors == vectors:
-            cases.append((f"{ivf} + refine x{refine} (flat mmap)", compressed, False, vectors,
+            source = "flat in RAM" if refine_in_ram else "flat mmap"
+            cases.append((f"{ivf} + refine x{refine} ({source})", compressed, False, vectors,
                           "truth_ivf.npy", flat))  # fmt: skip
         for name, path, mmap, count, truth, refine_file in cases:
             drop_page_cache_hint(path)
             if refine_file is not None:
                 drop_page_cache_hint(refine_file)
-            probe = serve_probe(path, mmap, nprobe, query_file, seconds, refine_file, refine)
+            probe = serve_probe(path, mmap, nprobe, query_file, seconds, refine_file, refine,
+                                refine_in_ram, cgroup)  # fmt: skip
+            if "failed" in probe:
+                points.append({"index": name, "vectors": count, **probe})
+                console.print(points[-1])
+                continue
             recall = recall_at_10(probe.pop("rows"), np.load(workdir / truth))
             points.append(
                 {"index": name, "vectors": count, "size_bytes": path.stat().st_size,
@@ -279,7 +346,14 @@ def main(
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.rmdir()
 
+    if any("failed" in point for point in points):
+        report = {"points": points, "memory_limit": limit_how, "clusters": clusters}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        raise SystemExit(f"a probe failed: {points}; written to {out}")
     ivf_point = points[1]
     served = points[-1]  # the refined point when there is one
     per_vector_rss = ivf_point["rss_anon_bytes"] / vectors
@@ -297,7 +371,18 @@ def main(
         "points": points,
         "extrapolated_to_wiki18": extrapolated,
         "note": note,
-        "settings": {"chunk": chunk, "nprobe": nprobe, "train": train, "queries": queries},
+        "settings": {
+            "chunk": chunk,
+            "nprobe": nprobe,
+            "train": train,
+            "queries": queries,
+            "clusters": clusters,
+            "ivf": ivf,
+            "refine": refine,
+            "refine_in_ram": refine_in_ram,
+        },
+        "memory_limit": {"gib": memory_limit_gib, "how": limit_how},
+        "command": " ".join(["bench/scale.py", *sys.argv[1:]]),
         "machine": {
             "cpus": os.cpu_count(),
             "load_average_before": list(load_before),

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -44,11 +45,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.errors import UserError
 from retrieval_server.api import (
-    Document,
     ErrorResponse,
     HealthResponse,
     PlainResponse,
-    ScoredDocument,
     ScoredResponse,
     profile_request_model,
 )
@@ -105,7 +104,7 @@ class ServerMetrics:
         self.rejected = Counter(
             "hdr_retrieval_rejected",
             "Requests answered 503 before any search, by reason "
-            "(queue_full, concurrency, body_readers, unhealthy).",
+            "(queue_full, concurrency, body_bytes, unhealthy).",
             ["reason"],
             registry=self.registry,
         )
@@ -121,12 +120,20 @@ class ServerMetrics:
         )
         self.receiving = Gauge(
             "hdr_retrieval_bodies_receiving",
-            "Requests whose body is arriving, of max_body_readers.",
+            "Requests whose body is arriving.",
+            registry=self.registry,
+        )
+        self.buffered_bytes = Gauge(
+            "hdr_retrieval_body_bytes_buffered",
+            "Request body bytes held in memory (arriving or being served), of "
+            "max_buffered_body_bytes.",
             registry=self.registry,
         )
         self.slow_bodies = Counter(
             "hdr_retrieval_slow_bodies",
-            "Requests answered 408 because their body did not arrive within body_read_timeout_s.",
+            "Requests answered 408 because their body stalled (idle: body_idle_timeout_s) or "
+            "did not arrive whole in time (deadline: body_read_timeout_s).",
+            ["reason"],
             registry=self.registry,
         )
         self.disconnected = Counter(
@@ -197,17 +204,33 @@ class BatcherCollector:
         )
 
 
-def fetch_documents(store: DocumentStore, hits: list[list[Hit]]) -> list[list[ScoredDocument]]:
-    """Read the hit rows from the corpus: result[query][rank]."""
-    result = []
-    for query_hits in hits:
-        documents = []
-        for row, score in query_hits:
-            record = store.get(row)
-            record["id"] = str(record["id"])
-            documents.append(ScoredDocument(document=Document(**record), score=score))
-        result.append(documents)
-    return result
+Passage = tuple[bytes, float]  # a hit's document as response JSON, and its score
+
+
+def fetch_passages(store: DocumentStore, hits: list[list[Hit]]) -> list[list[Passage]]:
+    """The hit rows' documents as response JSON (the corpus line's own bytes where its id is a
+    string): result[query][rank]. Runs in the search thread, after the search."""
+    return [[(store.get_json(row), score) for row, score in query_hits] for query_hits in hits]
+
+
+def score_json(score: float) -> bytes:
+    return repr(score).encode() if math.isfinite(score) else b"null"
+
+
+def render_result(passages: list[list[Passage]], with_scores: bool) -> bytes:
+    """`{"result": [[...], ...]}` from pre-encoded documents, without parsing them again:
+    `{"document": ..., "score": ...}` items with scores, the documents alone without."""
+    queries = []
+    for query in passages:
+        if with_scores:
+            items = b",".join(
+                b'{"document":%s,"score":%s}' % (document, score_json(score))
+                for document, score in query
+            )
+        else:
+            items = b",".join(document for document, _ in query)
+        queries.append(b"[" + items + b"]")
+    return b'{"result":[' + b",".join(queries) + b"]}"
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -269,6 +292,16 @@ def install_error_handlers(app: FastAPI) -> None:
 # --- middleware --------------------------------------------------------------------------
 
 
+class BodyRefused(Exception):
+    """A request body not received: the status, its one-line detail, and the metric reason."""
+
+    def __init__(self, status: int, detail: str, reason: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.reason = reason
+
+
 class RequestGuard:
     """Pure ASGI middleware that protects the app before FastAPI reads anything:
 
@@ -277,13 +310,17 @@ class RequestGuard:
        exempt, so monitoring works under load);
     2. the bearer token, when configured, from the headers alone (401), on every path but
        /health;
-    3. the body: at most `max_body_readers` bodies received at once (503 + Retry-After beyond),
-       each within `body_read_timeout_s` (408 and the connection closed past it) and at most
-       `max_body_bytes` (a Content-Length above it, or a streamed body that grows past it, is a
-       413 without reading further). The body is then handed to the app from memory.
+    3. the body: at most `max_body_bytes` (a Content-Length above it, or a streamed body that
+       grows past it, is a 413 without reading further); all bodies together at most
+       `max_buffered_body_bytes` of memory, counted as bytes arrive and released when the
+       request is answered (503 + Retry-After and the connection closed for the body whose
+       chunk would pass it); no gap between chunks longer than `body_idle_timeout_s` and the
+       whole body within `body_read_timeout_s` (408 and the connection closed past either).
+       The body is then handed to the app from memory.
 
-    A request receiving its body holds a body slot, not a search slot, so slow senders can
-    neither take the slots of requests that are ready nor hold them past the body deadline.
+    A request receiving its body holds only the bytes it has sent: no slot of any count, so
+    stalled senders cannot keep ready requests out, whatever their number, and cost memory in
+    proportion to what they actually sent.
     """
 
     def __init__(self, app: ASGIApp, config: ServerConfig, metrics: ServerMetrics) -> None:
@@ -293,8 +330,10 @@ class RequestGuard:
         self.token = config.api_token.get_secret_value().encode() if config.api_token else None
         self.in_flight = 0  # requests inside the app (bodies received)
         self.reading = 0  # requests whose body is arriving
+        self.buffered = 0  # body bytes held in memory, arriving or being served
         metrics.in_flight.set_function(lambda: self.in_flight)
         metrics.receiving.set_function(lambda: self.reading)
+        metrics.buffered_bytes.set_function(lambda: self.buffered)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -308,34 +347,31 @@ class RequestGuard:
         if self.token is not None and path not in OPEN_PATHS and not self.authorized(scope):
             await self.refuse(scope, receive, send, 401, "missing or wrong bearer token")
             return
-        if limited and self.reading >= self.config.max_body_readers:
-            await self.refuse_busy(scope, receive, send, "body_readers", "too many uploads")
-            return
-        self.reading += limited
+        held = [0]  # this request's bytes in self.buffered, released however it ends
         try:
-            body = await asyncio.wait_for(
-                self.read_body(scope, receive), self.config.body_read_timeout_s
-            )
-        except asyncio.TimeoutError:
-            self.metrics.slow_bodies.inc()
-            limit = self.config.body_read_timeout_s
-            detail = f"request body not received within the {limit:g} s body deadline"
-            await self.refuse(scope, receive, send, 408, detail)
-            return
+            self.reading += limited
+            try:
+                body = await self.read_body(scope, receive, held)
+            except BodyRefused as refused:
+                if refused.status == 503:
+                    self.metrics.rejected.labels(refused.reason).inc()
+                elif refused.status == 408:
+                    self.metrics.slow_bodies.labels(refused.reason).inc()
+                # the rest of the body may still be on its way: the connection cannot be reused
+                await self.refuse(scope, receive, send, refused.status, refused.detail, close=True)
+                return
+            finally:
+                self.reading -= limited
+            if limited and self.in_flight >= self.config.max_concurrent_requests:
+                await self.refuse_busy(scope, receive, send, "concurrency", "too many requests")
+                return
+            self.in_flight += limited
+            try:
+                await self.app(scope, replay(body, receive), send)
+            finally:
+                self.in_flight -= limited
         finally:
-            self.reading -= limited
-        if body is None:
-            cap = self.config.max_body_bytes
-            await self.refuse(scope, receive, send, 413, f"body larger than {cap} bytes")
-            return
-        if limited and self.in_flight >= self.config.max_concurrent_requests:
-            await self.refuse_busy(scope, receive, send, "concurrency", "too many requests")
-            return
-        self.in_flight += limited
-        try:
-            await self.app(scope, replay(body, receive), send)
-        finally:
-            self.in_flight -= limited
+            self.buffered -= held[0]
 
     def authorized(self, scope: Scope) -> bool:
         given = b""
@@ -344,24 +380,49 @@ class RequestGuard:
                 given = value[7:].strip()
         return hmac.compare_digest(given, self.token or b"")
 
-    async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The whole body, or None as soon as it is known to exceed the cap."""
-        cap = self.config.max_body_bytes
+    async def read_body(self, scope: Scope, receive: Receive, held: list[int]) -> bytes:
+        """The whole body; raises `BodyRefused` as soon as it is known to exceed the cap or the
+        budget, or a deadline passes. Adds the bytes it holds to `held[0]` and the budget."""
+        config = self.config
+        cap = config.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > cap:
-                return None
+                raise BodyRefused(413, f"body larger than {cap} bytes", "too_large")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        whole_by = started + config.body_read_timeout_s
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return b""  # disconnected; the app meets the disconnect next
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > cap:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        # one timer for the whole body, moved on with every chunk: the earlier of the idle and
+        # the whole-body deadline
+        try:
+            async with asyncio.timeout(min(whole_by, started + config.body_idle_timeout_s)) as t:
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return b""  # disconnected; the app meets the disconnect next
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > cap:
+                        raise BodyRefused(413, f"body larger than {cap} bytes", "too_large")
+                    if self.buffered + len(chunk) > config.max_buffered_body_bytes:
+                        raise BodyRefused(
+                            503,
+                            "server busy: too many request bytes in transit; retry",
+                            "body_bytes",
+                        )
+                    self.buffered += len(chunk)
+                    held[0] += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+                    t.reschedule(min(whole_by, loop.time() + config.body_idle_timeout_s))
+        except TimeoutError:
+            if loop.time() >= whole_by:
+                limit = config.body_read_timeout_s
+                detail = f"request body not received within the {limit:g} s body deadline"
+                raise BodyRefused(408, detail, "deadline") from None
+            idle = config.body_idle_timeout_s
+            raise BodyRefused(408, f"request body idle for {idle:g} s", "idle") from None
 
     async def refuse_busy(
         self, scope: Scope, receive: Receive, send: Send, reason: str, what: str
@@ -370,15 +431,20 @@ class RequestGuard:
         await self.refuse(scope, receive, send, 503, f"server busy: {what}; retry")
 
     async def refuse(
-        self, scope: Scope, receive: Receive, send: Send, status: int, detail: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        status: int,
+        detail: str,
+        close: bool = False,
     ) -> None:
         headers = {}
         if status == 503:
             headers["Retry-After"] = str(self.config.retry_after_s)
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
-        if status == 408:
-            # the rest of the body may still be on its way: the connection cannot be reused
+        if close:
             headers["Connection"] = "close"
         await error_response(status, detail, headers)(scope, receive, send)
 
@@ -462,6 +528,7 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         max_restarts=config.worker_max_restarts,
         stall_after_s=config.search_stall_s,
         on_batch=metrics.observe_batch,
+        fetch=lambda hits: fetch_passages(index.documents, hits),
     )
     return ServingState(index=index, retrievers=retrievers, batcher=batcher)
 
@@ -474,24 +541,28 @@ async def client_gone(request: Request) -> None:
 
 async def search_or_give_up(
     state: ServingState, config: ServerConfig, metrics: ServerMetrics, request: Request, args
-) -> list[list[Hit]] | Response:
-    """The batcher's hits, or the response for a request that could not be searched: 503 when
-    refused, failed or past its deadline; a response nobody reads when the client left."""
+) -> list[list[Passage]] | Response:
+    """The batcher's passages, or the response for a request that could not be searched: 503
+    when refused, failed or past its deadline; a response nobody reads when the client left."""
     retry = {"Retry-After": str(config.retry_after_s)}
-    search = asyncio.ensure_future(
-        asyncio.wait_for(state.batcher.search(*args), config.request_deadline_s)
-    )
+    search = asyncio.ensure_future(state.batcher.search(*args))
     gone = asyncio.ensure_future(client_gone(request))
     try:
-        await asyncio.wait({search, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {search, gone}, timeout=config.request_deadline_s, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         gone.cancel()
-    if not search.done():  # the client left: stop its search
+    if not search.done():  # the client left, or the deadline passed: stop its search
         search.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await search
-        metrics.disconnected.inc()
-        return error_response(CLIENT_GONE, "client closed the request")
+        if not gone.cancelled() and gone.done():
+            metrics.disconnected.inc()
+            return error_response(CLIENT_GONE, "client closed the request")
+        metrics.expired.inc()
+        limit = config.request_deadline_s
+        return error_response(503, f"not answered within the {limit:g} s deadline", retry)
     try:
         return search.result()
     except Overloaded as err:
@@ -499,10 +570,6 @@ async def search_or_give_up(
         return error_response(503, f"server {err.reason}; retry later", retry)
     except SearchFailed as err:
         return error_response(503, f"{err}; retry", retry)
-    except asyncio.TimeoutError:
-        metrics.expired.inc()
-        limit = config.request_deadline_s
-        return error_response(503, f"not answered within the {limit:g} s deadline", retry)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -532,8 +599,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestGuard, config=config, metrics=metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts all
 
-    @app.post("/retrieve", responses=error_responses)
-    async def retrieve(body: RetrieveBody, request: Request) -> ScoredResponse | PlainResponse:
+    @app.post("/retrieve", response_model=ScoredResponse | PlainResponse, responses=error_responses)
+    async def retrieve(body: RetrieveBody, request: Request) -> Response:
         """Top-k passages per query: Search-R1's request and response format."""
         state: ServingState = app.state.serving
         name = body.retriever or config.default_retriever
@@ -543,7 +610,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             )
         await emulator.charge(len(body.queries))
         if not body.queries:
-            return ScoredResponse(result=[])
+            return Response(b'{"result":[]}', media_type="application/json")
         queries = body.queries
         if config.profile == "search-r1":
             cut = config.max_query_chars
@@ -552,13 +619,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                 metrics.truncated.inc(long)
                 queries = [query[:cut] for query in queries]
         topk = body.topk or config.default_topk
-        hits = await search_or_give_up(state, config, metrics, request, (queries, topk, name))
-        if isinstance(hits, Response):
-            return hits
-        scored = await asyncio.to_thread(fetch_documents, state.index.documents, hits)
-        if body.return_scores:
-            return ScoredResponse(result=scored)
-        return PlainResponse(result=[[item.document for item in query] for query in scored])
+        passages = await search_or_give_up(state, config, metrics, request, (queries, topk, name))
+        if isinstance(passages, Response):
+            return passages
+        # the documents are JSON already (read in the search thread): joined, not re-encoded
+        content = render_result(passages, body.return_scores)
+        return Response(content, media_type="application/json")
 
     @app.get("/health", responses={503: {"model": HealthResponse}})
     async def health(response: Response) -> HealthResponse:

@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from retrieval_server.retrievers import Hit, Retriever
 
@@ -111,6 +112,7 @@ class MicroBatcher:
         max_restarts: int = 5,
         stall_after_s: float = 120.0,
         on_batch: Callable[[str, int], None] = lambda retriever, queries: None,
+        fetch: Callable[[list[list[Hit]]], list[list[Any]]] | None = None,
     ) -> None:
         self.retrievers = retrievers
         self.max_batch_queries = max_batch_queries
@@ -119,6 +121,9 @@ class MicroBatcher:
         self.max_restarts = max_restarts
         self.stall_after_s = stall_after_s
         self.on_batch = on_batch  # called with (retriever name, number of queries) per search
+        # run on the hits in the search thread (e.g. reading the passages), so a batch costs
+        # one thread hand-off; what it returns per query is what requests get, cut to topk
+        self.fetch = fetch
         self.counts = BatcherCounts()
         self.queued_queries = 0  # waiting or being searched, all requests together
         self.gave_up = False
@@ -299,8 +304,14 @@ class MicroBatcher:
         topk = max(piece.pending.topk for piece in pieces)
         self.on_batch(name, len(queries))
         self._search_started = time.monotonic()
+        search, fetch = self.retrievers[name].search, self.fetch
+
+        def search_and_fetch() -> list[list[Any]]:
+            hits = search(queries, topk)
+            return hits if fetch is None or len(hits) != len(queries) else fetch(hits)
+
         try:
-            hits = await asyncio.to_thread(self.retrievers[name].search, queries, topk)
+            hits = await asyncio.to_thread(search_and_fetch)
         finally:
             self._search_started = None
         if len(hits) != len(queries):

@@ -116,23 +116,30 @@ class ServerConfig(StrictModel):
         default=512,
         ge=1,
         description="Requests searched or answered at once (their bodies received); more are "
-        "answered 503 + Retry-After. A request whose body is still arriving holds a body "
-        "slot (`max_body_readers`) instead, never one of these.",
+        "answered 503 + Retry-After. A request whose body is still arriving holds none of "
+        "these, only the bytes it has sent (`max_buffered_body_bytes`).",
     )
-    max_body_readers: int = Field(
-        default=32,
-        ge=1,
-        description="Request bodies received at once; more are answered 503 + Retry-After "
-        "before their body is read. Bounds the memory of bodies in transit to this many x "
-        "`max_body_bytes`; a well-behaved client's body arrives in milliseconds, so the slots "
-        "fill only with slow senders, which `body_read_timeout_s` then cuts off.",
+    max_buffered_body_bytes: int = Field(
+        default=256 * 2**20,
+        ge=1024,
+        description="Bytes of request bodies held in memory at once, all requests together, "
+        "counted as they arrive and released when the request is answered; a body whose next "
+        "chunk would pass it is answered 503 + Retry-After and its connection closed. So memory "
+        "in transit is bounded by the bytes actually buffered: a thousand stalled uploads of "
+        "a few bytes each hold a few kilobytes, not a thousand `max_body_bytes`. At least "
+        "`max_body_bytes`, so one largest body always fits an idle server.",
+    )
+    body_idle_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds a request body may go without a new byte; past them it is "
+        "answered 408 and the connection closed (a stalled sender is cut quickly).",
     )
     body_read_timeout_s: float = Field(
         default=30.0,
         gt=0,
         description="Seconds a request may take to send its whole body (however steadily it "
-        "trickles); past them it is answered 408, the connection closed and its body slot "
-        "freed.",
+        "trickles); past them it is answered 408 and the connection closed.",
     )
     batch_wait_ms: float = Field(
         default=0.0,
@@ -216,6 +223,11 @@ class ServerConfig(StrictModel):
     def model_post_init(self, _context: object) -> None:
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_buffered_body_bytes {self.max_buffered_body_bytes} is below max_body_bytes "
+                f"{self.max_body_bytes}: a largest body could never be received"
+            )
 
     @property
     def query_limit(self) -> int:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.errors import UserError
@@ -218,11 +219,42 @@ class DocumentStore:
 
     def get(self, row: int) -> dict[str, Any]:
         """The parsed JSON object of corpus line `row`."""
+        return json.loads(self.get_raw(row))
+
+    def get_raw(self, row: int) -> bytes:
+        """Corpus line `row` as it is on disk (one JSON object, its newline included)."""
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
-        return json.loads(os.pread(self._fd, end - start, start))
+        return os.pread(self._fd, end - start, start)
+
+    def get_json(self, row: int) -> bytes:
+        """Corpus line `row` as the JSON of a response's document: the line's own bytes when
+        its `id` is already a string (no re-encoding), else re-encoded with `id` as a string."""
+        raw = self.get_raw(row)
+        record = loads_json(raw)
+        if isinstance(record.get("id"), str):
+            return raw.strip()
+        record["id"] = str(record["id"])
+        return dumps_json(record)
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def loads_json(data: bytes) -> Any:
+    """JSON text parsed with orjson (several times faster), or the standard library where
+    orjson refuses what JSON allows (a lone surrogate escape)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+def dumps_json(value: Any) -> bytes:
+    """Compact JSON; text that is not valid Unicode (a lone surrogate) is escaped."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def read_dense(path: Path, mmap: bool) -> faiss.Index:

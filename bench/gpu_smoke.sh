@@ -6,10 +6,13 @@
 #   bench/gpu_smoke.sh [WORK_DIR]         (default: a new temporary directory, kept)
 #
 # Checks, each skipped cleanly when what it needs is missing:
-#   engine    the tiny Qwen2 bed (`hdr init-model --arch qwen2`: random weights, Qwen2.5's
-#             real tokenizer) made a bigram model, through hdr's vLLM backend: a stop string
-#             whose last token overhangs it, EOS, EOS as the last allowed token, the token
-#             limit; greedy and sampled                               (needs CUDA and vLLM)
+#   engine    the tests marked `vllm` (the ones `make test` runs on the CPU build, one
+#             contract): tests/agent_env/test_vllm_engine.py, test_vllm_rollout.py and
+#             tests/trainer/test_vllm_engine_loop.py, here on CUDA (fp32 engine and trainer):
+#             finish reasons, seeds, the context limit, log-probs against teacher forcing,
+#             the weight sync and its check, multi-turn rollouts against hf's, `hdr train`
+#             with replay (the torchrun test is `slow` there and 2-GPU here: see torchrun)
+#                                                                     (needs CUDA and vLLM)
 #   sync      the weight sync round trip on the random bed: vLLM's log-probs (bf16) match
 #             torch's teacher forcing (fp32) before, and after the engine slept, torch's weights
 #             were perturbed and synced; and no longer match the old weights (CUDA and vLLM)
@@ -92,13 +95,12 @@ has_python_module vllm && HAS_VLLM=1
 echo "hdr GPU smoke: $GPUS CUDA device(s), vLLM $([[ $HAS_VLLM == 1 ]] && "$PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || echo 'not installed'); work dir $WORK"
 
 BED="$WORK/qwen-bed"
-BIGRAM="$WORK/qwen-bigram"
-# The beds are needed by the vLLM checks only; built once (a minute on a CPU at most).
+# The bed of the sync and train checks (the engine check's tests build their own); built
+# once (a minute on a CPU at most).
 build_beds() {
     [[ -e "$BED" ]] || "$PY" -m hdr.cli init-model --arch qwen2 --out "$BED" \
-        hidden_size=64 num_layers=2 num_heads=4 num_kv_heads=2 intermediate_size=128 init_std=0.3 \
+        hidden_size=64 num_layers=2 num_heads=2 num_kv_heads=1 intermediate_size=128 init_std=0.3 \
         >"$WORK/bed.log" 2>&1 || return 1
-    [[ -e "$BIGRAM" ]] || "$PY" bench/gpu_smoke.py bigram-bed "$BED" "$BIGRAM" >>"$WORK/bed.log" 2>&1
 }
 
 skip_unless_vllm() {
@@ -112,7 +114,17 @@ BEDS_OK=0
 if ((GPUS >= 1 && HAS_VLLM == 1)); then
     if build_beds; then BEDS_OK=1; else record beds FAIL "building the Qwen2 bed failed (log: $WORK/bed.log)"; fi
 fi
-if skip_unless_vllm engine && ((BEDS_OK)); then run engine "$PY" bench/gpu_smoke.py engine "$BIGRAM"; fi
+# the same tests as on the CPU; their own output, then one line for this summary
+vllm_tests() {
+    "$PY" -m pytest -q -p no:cacheprovider -m "vllm and not slow" \
+        tests/agent_env/test_vllm_engine.py tests/agent_env/test_vllm_rollout.py \
+        tests/trainer/test_vllm_engine_loop.py
+    local status=$?
+    if ((status == 0)); then echo "PASS: the tests marked vllm, on CUDA"; else echo "FAIL: pytest exit $status"; fi
+    return "$status"
+}
+export -f vllm_tests
+if skip_unless_vllm engine && ((BEDS_OK)); then run engine vllm_tests; fi
 if skip_unless_vllm sync && ((BEDS_OK)); then run sync "$PY" bench/gpu_smoke.py sync "$BED"; fi
 
 # --- a retrieval server on a small embedded index ------------------------------------------

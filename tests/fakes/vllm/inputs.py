@@ -1,4 +1,4 @@
-"""vllm.inputs.TokensPrompt, as vLLM 0.33 defines it: a dict with `prompt_token_ids`."""
+"""vllm.inputs.TokensPrompt, as vLLM 0.31 defines it: a dict with `prompt_token_ids`."""
 
 from typing import TypedDict
 

@@ -39,6 +39,13 @@ class Contrast(StrictModel):
         description="A pre-declared primary contrast, tested at `alpha` on its own; all the"
         " others are Holm-corrected together.",
     )
+    equivalence_margin: float | None = Field(
+        None,
+        gt=0,
+        description='Declared before the runs: the two arms "match" only when two one-sided'
+        " tests (TOST, at `alpha`) put the difference inside +-margin. None: no equivalence"
+        " claim can be made.",
+    )
 
 
 class ArmVariant(StrictModel):
@@ -158,7 +165,6 @@ class ExperimentConfig(StrictModel):
         description="interleaved: runs ordered seed by seed, every arm of a seed in turn, so"
         " with `jobs` runs at once every arm meets the same machine load; by_arm: arm by arm.",
     )
-    bootstrap_resamples: int = Field(2000, ge=100, description="Seeds x questions bootstrap.")
     train_overrides: list[str] = Field([], description="Extra dotted overrides for every run.")
     jobs: int = Field(
         2, ge=1, description="Runs trained at once, each in its own process with cpu/jobs threads."

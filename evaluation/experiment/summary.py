@@ -20,22 +20,15 @@ import numpy as np
 
 from core.errors import UserError
 from evaluation.experiment.config import ExperimentConfig
-from evaluation.metrics import (
-    Interval,
-    PairedDifference,
-    Spread,
-    bootstrap_seeds_questions,
-    mean_spread,
-    paired_difference,
-    paired_verdict,
-    seed_t_interval,
-)
+from evaluation.metrics import PairedDifference, Spread, mean_spread, paired_difference
 from evaluation.statistics import (
     Components,
+    Equivalence,
     Estimate,
     at_budgets,
     components,
     crossed_interval,
+    equivalence,
     holm,
     mean_interval,
     minimum_detectable_effect,
@@ -77,17 +70,19 @@ class ByMetric(Generic[T]):
 
 @dataclass(frozen=True)
 class SeedComparison:
-    """One metric of an arm against a reference, over the seeds both ran: the t-interval over
-    seeds of the per-seed paired difference and the seeds x questions bootstrap (95%)."""
+    """One metric of an arm against a reference, over the seeds both ran: the crossed
+    random-effects interval over seeds x questions (`evaluation.statistics.crossed_interval`,
+    with its conservative fallback) and, beside it, the t-interval over seeds (95%). With one
+    common seed neither exists (None)."""
 
     seeds: list[int]
-    t: Interval
-    bootstrap: Interval
+    crossed: Estimate | None
+    seed_t: Estimate | None
 
     @property
     def verdict(self) -> str:
-        """+, − or 0 by both intervals, n/a with one seed (`paired_verdict`)."""
-        return paired_verdict(self.t, self.bootstrap)
+        """+, − or 0 by the crossed interval's two-sided test at 0.05, n/a with one seed."""
+        return "n/a" if self.crossed is None else verdict(self.crossed)
 
 
 @dataclass(frozen=True)
@@ -139,6 +134,9 @@ class ContrastResult:
     seed_t: Estimate
     """The t-interval over seeds of the per-seed difference, beside the primary interval."""
     components: Components
+    equivalence: Equivalence | None = None
+    """TOST against the contrast's `equivalence_margin`, declared before the runs (None when
+    it declares none: then the contrast can never be said to "match")."""
 
 
 @dataclass(frozen=True)
@@ -272,22 +270,18 @@ def paired_differences(runs: list[RunResult], refs: list[RunResult]) -> ByMetric
     )
 
 
-def seed_statistics(
-    runs: list[RunResult], refs: list[RunResult], resamples: int
-) -> ByMetric[SeedComparison]:
-    """Per metric, over the seeds both arms ran: the t-interval over seeds of the per-seed
-    paired difference and the seeds x questions bootstrap interval (95%)."""
+def seed_statistics(runs: list[RunResult], refs: list[RunResult]) -> ByMetric[SeedComparison]:
+    """Per metric, over the seeds both arms ran: the crossed interval of the paired
+    per-question difference and the t-interval over seeds (95%)."""
     mine, theirs = {r.seed: r for r in runs}, {r.seed: r for r in refs}
     seeds = sorted(set(mine) & set(theirs))
 
     def compare(metric: str, short: str) -> SeedComparison:
         a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
         b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
-        return SeedComparison(
-            seeds=seeds,
-            t=seed_t_interval(list(a.mean(axis=1) - b.mean(axis=1))),
-            bootstrap=bootstrap_seeds_questions(a, b, resamples=resamples),
-        )
+        if len(seeds) < 2 or a.shape[1] < 2:
+            return SeedComparison(seeds, None, None)
+        return SeedComparison(seeds, crossed_interval(a - b), seed_t(a - b))
 
     return ByMetric.build(compare)
 
@@ -296,7 +290,6 @@ def summarize_arm(
     runs: list[RunResult],
     arms: dict[str, list[RunResult]],
     references: Sequence[str],
-    resamples: int,
 ) -> ArmSummary:
     """One arm's runs (sorted by seed) over seeds, compared with each reference arm it has
     not already been compared with the other way round."""
@@ -308,7 +301,7 @@ def summarize_arm(
         if ref == name or ref not in arms or name in references[: references.index(ref)]:
             continue  # itself, absent, or already shown as `name` vs `ref` the other way
         diffs[ref] = paired_differences(runs, arms[ref])
-        seed_stats[ref] = seed_statistics(runs, arms[ref], resamples)
+        seed_stats[ref] = seed_statistics(runs, arms[ref])
     return ArmSummary(
         seeds=[r.seed for r in runs],
         run_dirs=[str(r.run_dir) for r in runs],
@@ -373,6 +366,11 @@ def contrast_results(
                 verdict=verdict(est, cfg.alpha, p_holm),
                 seed_t=by_seed,
                 components=parts,
+                equivalence=(
+                    equivalence(est, c.equivalence_margin, cfg.alpha)
+                    if c.equivalence_margin is not None
+                    else None
+                ),
             )
         )
     return out
@@ -459,7 +457,6 @@ def summarize(
     results: list[RunResult],
     references: Sequence[str],
     sft_report: EvalReport | None = None,
-    resamples: int = 2000,
     cfg: ExperimentConfig | None = None,
 ) -> ExperimentSummary:
     """Per arm: held-out scores and costs over seeds, paired differences to the references.
@@ -477,9 +474,7 @@ def summarize(
         elif q != ids:
             raise UserError(f"{r.run_dir}: evaluated on other questions than the other runs")
     return ExperimentSummary(
-        arms={
-            name: summarize_arm(runs, arms, references, resamples) for name, runs in arms.items()
-        },
+        arms={name: summarize_arm(runs, arms, references) for name, runs in arms.items()},
         num_questions=len(ids or []),
         k=results[0].report.k if results else None,
         sft_start=(

@@ -164,8 +164,11 @@ def crossed_interval(d: np.ndarray, level: float = 0.95, min_df: float = MIN_DF)
 def satterthwaite(total: float, terms: Sequence[tuple[float, int]]) -> float:
     """Satterthwaite's df of `total = sum(ms)` over `(ms, dof)` terms: `total^2 / sum(ms^2 /
     dof)`, kept within [1, sum of dof]."""
-    df = total**2 / sum(ms**2 / dof for ms, dof in terms if dof > 0)
-    return float(min(max(df, 1.0), sum(dof for _, dof in terms)))
+    most = sum(dof for _, dof in terms)
+    spread = sum(ms**2 / dof for ms, dof in terms if dof > 0)
+    if spread == 0:  # every mean square 0 (a constant table): nothing to lose df to
+        return float(most)
+    return float(min(max(total**2 / spread, 1.0), most))
 
 
 def t_estimate(mean: float, se: float, df: float, level: float, method: str) -> Estimate:

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError
 
 from core.config import StrictModel, build_config, format_validation_error, read_config_file
 from core.errors import UserError
+from evaluation.costs import MEASURED_HERE, CostModel
 from evaluation.experiment.arms import ARMS, Arm
 from models.tiny import TinyPolicyConfig
 
@@ -135,6 +136,16 @@ class ExperimentConfig(StrictModel):
         [0.25, 0.5, 0.75, 1.0],
         description="Quality at matched cost: budgets at these fractions of the smallest"
         " total any arm reached on each cost axis, read off each run's in-training curve.",
+    )
+    cost_model: CostModel = Field(
+        default_factory=lambda: MEASURED_HERE.model_copy(),
+        description="Prices of the ledgered work for quality at matched modelled cost"
+        " (evaluation/costs.py; default: measured on this machine).",
+    )
+    env_ratios: list[float] = Field(
+        [10.0, 100.0, 1000.0, 10000.0],
+        description="rho = a / c values (a search call in teacher-forced tokens) at which"
+        " quality at matched modelled cost is read; measured here rho is about 6.",
     )
     policy: TinyPolicyConfig = Field(
         default_factory=TinyPolicyConfig,

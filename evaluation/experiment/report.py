@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from evaluation.costs import modelled_cost_markdown
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.experiment.summary import CPU_KEYS, TIME_KEYS, BudgetRow, ExperimentSummary
 from evaluation.metrics import Spread, markdown_table
@@ -42,6 +43,8 @@ def results_markdown(
     links to `charts` (paths under the out dir's charts/)."""
     k = summary.k
     lines = [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
+    if summary.modelled_cost:
+        lines.append("\n" + modelled_cost_markdown(summary.modelled_cost, cfg.cost_model))
     lines += [
         f"Held-out: {summary.num_questions} {cfg.task} test questions, the same for every "
         f"run; k={k} samples at the rollout temperature plus greedy. Mean ± sample std over "

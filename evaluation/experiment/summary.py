@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from core.errors import UserError
+from evaluation.costs import ModelledCostRow, matched_modelled_cost
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.metrics import PairedDifference, Spread, mean_spread, paired_difference
 from evaluation.statistics import (
@@ -171,6 +172,8 @@ class ExperimentSummary:
     """The declared contrasts, primary ones first."""
     matched_cost: list[BudgetRow] = field(default_factory=list)
     """Quality at equal budgets of generated tokens, env requests, CPU and wall seconds."""
+    modelled_cost: list[ModelledCostRow] = field(default_factory=list)
+    """Quality at matched modelled cost for each env-to-compute ratio (evaluation/costs.py)."""
 
 
 @dataclass(frozen=True)
@@ -484,4 +487,24 @@ def summarize(
         ),
         contrasts=contrast_results(arms, cfg) if cfg is not None else [],
         matched_cost=matched_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
+        modelled_cost=modelled_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
+    )
+
+
+def modelled_cost(arms: dict[str, list[RunResult]], cfg: ExperimentConfig) -> list[ModelledCostRow]:
+    """`matched_modelled_cost` over the runs' metrics and in-training evaluations, for the
+    declared contrasts on Mean@k, at `cfg.env_ratios` and `cfg.budget_fractions`."""
+    from evaluation.plots import read_jsonl
+
+    curves = {
+        name: {
+            r.seed: (r.metrics, read_jsonl(r.run_dir / "eval.jsonl"))
+            for r in runs
+            if (r.run_dir / "eval.jsonl").is_file()
+        }
+        for name, runs in arms.items()
+    }
+    pairs = [(c.arm, c.reference) for c in cfg.contrasts if c.metric == "mean_at_k"]
+    return matched_modelled_cost(
+        curves, pairs, cfg.cost_model, cfg.env_ratios, cfg.budget_fractions
     )

@@ -20,6 +20,7 @@ from core.config import StrictModel, build_config, format_validation_error, read
 from core.errors import UserError
 from evaluation.costs import MEASURED_HERE, CostModel
 from evaluation.experiment.arms import ARMS, Arm
+from evaluation.experiment.precondition import Precondition
 from models.tiny import TinyPolicyConfig
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
@@ -136,6 +137,17 @@ class ExperimentConfig(StrictModel):
         [0.25, 0.5, 0.75, 1.0],
         description="Quality at matched cost: budgets at these fractions of the smallest"
         " total any arm reached on each cost axis, read off each run's in-training curve.",
+    )
+    precondition: Precondition | None = Field(
+        None,
+        description="The dose-response gate (evaluation/experiment/precondition.py): does the"
+        " 1.5x fresh step gain >= ratio x the planned comparison's MDE? Reported in"
+        " results.json as `precondition`, beside the contrasts.",
+    )
+    pilot_bed: str | None = Field(
+        None,
+        description="Run this bed of `precondition.beds`: its overrides are laid over the"
+        " settings so far (None: the preset as written, the first bed of the search).",
     )
     cost_model: CostModel = Field(
         default_factory=lambda: MEASURED_HERE.model_copy(),
@@ -257,6 +269,13 @@ def experiment_config(
         data.update(read_preset(quick_overlay(data)))
     data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
     cfg = build_config(ExperimentConfig, data, overrides)
+    if cfg.pilot_bed is not None:
+        beds = {b.name: b for b in (cfg.precondition.beds if cfg.precondition else [])}
+        if cfg.pilot_bed not in beds:
+            raise UserError(
+                f"unknown pilot_bed {cfg.pilot_bed!r}; declared beds: {', '.join(beds) or 'none'}"
+            )
+        cfg = build_config(ExperimentConfig, data, [*beds[cfg.pilot_bed].overrides, *overrides])
     named = [*cfg.arms, *cfg.references]
     named += [name for c in cfg.contrasts for name in (c.arm, c.reference)]
     for name in named:
@@ -264,6 +283,11 @@ def experiment_config(
     missing = [r for r in cfg.references if r not in cfg.arms]
     if missing:
         raise UserError(f"reference arms {missing} are not among the arms {cfg.arms}")
+    if cfg.precondition is not None:
+        named = [cfg.precondition.arm, cfg.precondition.reference]
+        missing = [n for n in named if n not in cfg.arms]
+        if missing:
+            raise UserError(f"the precondition names arms {missing} not among {cfg.arms}")
     missing = [n for c in cfg.contrasts for n in (c.arm, c.reference) if n not in cfg.arms]
     if missing:
         raise UserError(f"contrasts name arms {missing} that are not among the arms {cfg.arms}")

@@ -42,7 +42,18 @@ def results_markdown(
     """The three tables of docs/results.md: held-out quality, paired differences, cost; then
     links to `charts` (paths under the out dir's charts/)."""
     k = summary.k
-    lines = [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
+    lines = []
+    if summary.precondition is not None:
+        pre = summary.precondition
+        seeds, questions, k_planned = pre.design
+        lines.append(
+            f"**Precondition (declared before the runs): {pre.verdict}** (the 1.5x fresh step,"
+            f" paired over {len(pre.seeds)} seeds x {pre.questions} questions; MDE of the"
+            f" planned comparison at {seeds} seeds x {questions} questions x k={k_planned},"
+            " from this pilot's variance components). Replay arms are compared only on a bed"
+            " that says GO.\n"
+        )
+    lines += [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
     if summary.modelled_cost:
         lines.append("\n" + modelled_cost_markdown(summary.modelled_cost, cfg.cost_model))
     lines += [

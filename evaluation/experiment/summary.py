@@ -21,6 +21,7 @@ import numpy as np
 from core.errors import UserError
 from evaluation.costs import ModelledCostRow, matched_modelled_cost
 from evaluation.experiment.config import ExperimentConfig
+from evaluation.experiment.precondition import PreconditionResult, gate, precondition_line
 from evaluation.metrics import PairedDifference, Spread, mean_spread, paired_difference
 from evaluation.statistics import (
     Components,
@@ -174,6 +175,8 @@ class ExperimentSummary:
     """Quality at equal budgets of generated tokens, env requests, CPU and wall seconds."""
     modelled_cost: list[ModelledCostRow] = field(default_factory=list)
     """Quality at matched modelled cost for each env-to-compute ratio (evaluation/costs.py)."""
+    precondition: PreconditionResult | None = None
+    """The dose-response gate, when the config declares one: GO / NO-GO with its numbers."""
 
 
 @dataclass(frozen=True)
@@ -488,7 +491,41 @@ def summarize(
         contrasts=contrast_results(arms, cfg) if cfg is not None else [],
         matched_cost=matched_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
         modelled_cost=modelled_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
+        precondition=precondition_result(arms, cfg) if cfg is not None else None,
     )
+
+
+def precondition_result(
+    arms: dict[str, list[RunResult]], cfg: ExperimentConfig
+) -> PreconditionResult | None:
+    """The declared precondition's gate (`precondition.gate`) over the seeds both of its arms
+    ran; None without a declared precondition or with fewer than two common seeds."""
+    pre = cfg.precondition
+    if pre is None:
+        return None
+    mine = {r.seed: r for r in arms.get(pre.arm, [])}
+    theirs = {r.seed: r for r in arms.get(pre.reference, [])}
+    seeds = sorted(set(mine) & set(theirs))
+    if len(seeds) < 2:
+        return None
+    short = dict(QUALITY_METRICS)[pre.metric]
+    a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
+    b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
+    noise = 0.0
+    if pre.metric == "mean_at_k":
+        noise = sampling_noise(
+            np.stack([correct_samples(mine[s].report) for s in seeds]),
+            np.stack([correct_samples(theirs[s].report) for s in seeds]),
+        )
+    k = mine[seeds[0]].report.k
+    design = (pre.planned_seeds, pre.planned_questions or a.shape[1], pre.planned_k)
+    gain, parts, mde, go = gate(a - b, noise, k, design, pre.ratio, cfg.alpha, cfg.power)
+    name = f"{pre.arm} − {pre.reference} ({pre.metric})"
+    return PreconditionResult(
+        arm=pre.arm, reference=pre.reference, metric=pre.metric, seeds=seeds,
+        questions=int(a.shape[1]), gain=gain, mde=mde, needed=pre.ratio * mde, design=design,
+        components=parts, go=go, verdict=precondition_line(gain, mde, pre.ratio, go, name),
+    )  # fmt: skip
 
 
 def modelled_cost(arms: dict[str, list[RunResult]], cfg: ExperimentConfig) -> list[ModelledCostRow]:

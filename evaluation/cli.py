@@ -234,10 +234,11 @@ def report_command(
     from core.paths import EXPERIMENT, check_output, write_json_atomic, write_text_atomic
     from evaluation.experiment.recompute import recompute
 
+    if out is not None:  # refused before any work, never over a file it did not write
+        out = check_output(out, EXPERIMENT, inputs=[source])
     summary, cfg, markdown = recompute(source)
     typer.echo(markdown)
     if out is not None:
-        out = check_output(out, EXPERIMENT, inputs=[source])
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})
         write_text_atomic(out / "results.md", markdown)

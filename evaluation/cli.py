@@ -217,6 +217,34 @@ def experiment_command(
     typer.echo(f"charts: {out_dir / 'charts'}")
 
 
+REPORT_EXAMPLE = """Example (the committed sample; a full experiment's out dir reads the same):
+
+  hdr report --from tests/evaluation/data/report-sample --out runs/report-sample
+"""
+
+
+def report_command(
+    source: Path = typer.Option(
+        ..., "--from", help="An experiment's files: experiment_config.json and runs/."
+    ),
+    out: Path = typer.Option(None, "--out", help="Also write results.md and results.json here."),
+) -> None:
+    """Recompute every table (contrasts, precondition, quality at matched and modelled cost,
+    the ledger) from an experiment's per-question, per-seed evaluation files and run metrics."""
+    from core.paths import EXPERIMENT, check_output, write_json_atomic, write_text_atomic
+    from evaluation.experiment.recompute import recompute
+
+    if out is not None:  # refused before any work, never over a file it did not write
+        out = check_output(out, EXPERIMENT, inputs=[source])
+    summary, cfg, markdown = recompute(source)
+    typer.echo(markdown)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})
+        write_text_atomic(out / "results.md", markdown)
+        typer.echo(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+
+
 def demo_command(
     data_dir: Path = typer.Option(
         Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
@@ -249,6 +277,7 @@ def register(app: typer.Typer) -> None:
     app.command("experiment", epilog=EXPERIMENT_EXAMPLES)(experiment_command)
     app.command("power", epilog=POWER_EXAMPLE)(power_command)
     app.command("demo", epilog=DEMO_EXAMPLE)(demo_command)
+    app.command("report", epilog=REPORT_EXAMPLE)(report_command)
     register_config("eval", "evaluation.evaluate:EvalConfig")
     for command in ("experiment", "demo"):
         register_config(command, "evaluation.experiment.config:ExperimentConfig")

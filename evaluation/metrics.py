@@ -12,6 +12,8 @@ from rollouts and the experiment compares arms with them.
   the standard error of that mean over questions. With several seeds per arm the per-question
   scores are first averaged over seeds, and the per-seed differences are reported too, so the
   spread between seeds can be set against the difference (docs/cpu-bed.md: gains here are small).
+  These are descriptive; intervals, p-values, verdicts and equivalence over seeds x questions
+  are `evaluation.statistics`, the one place they are computed.
 
 Also here, because every result writer needs them: recognising Search-R1's seven test sets
 and the embedded wiki-vital split by name, a Markdown table writer, and atomic file writes
@@ -246,82 +248,6 @@ def paired_difference(a: Any, b: Any) -> PairedDifference:
     per_seed = [float(a2[s].mean() - b2[s].mean()) for s in range(common)]
     seed_std = float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else 0.0
     return PairedDifference(float(d.mean()), se, q, per_seed, seed_std)
-
-
-@dataclass(frozen=True)
-class Interval:
-    """An estimate with a two-sided interval at `level`; `n` is what it was computed over."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-    level: float
-
-    @property
-    def excludes_zero(self) -> bool:
-        return self.low > 0 or self.high < 0
-
-
-def seed_t_interval(per_seed_diffs: Sequence[float], level: float = 0.95) -> Interval:
-    """Student-t interval over seeds of the per-seed paired difference.
-
-    Each seed is one independent training run per arm (same seed: same SFT start and prompt
-    order), so the seed is the unit of replication: with `d_s` the difference of the two
-    arms' held-out means for seed `s`, `mean(d) +- t_{(1+level)/2, n-1} * std(d) / sqrt(n)`.
-    NaN bounds with fewer than two seeds.
-    """
-    from scipy import stats
-
-    d = np.asarray(per_seed_diffs, dtype=np.float64)
-    if d.size == 0:
-        raise ValueError("seed_t_interval needs at least one seed")
-    if d.size < 2:
-        return Interval(float(d.mean()), math.nan, math.nan, 1, level)
-    half = float(stats.t.ppf((1 + level) / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
-    return Interval(float(d.mean()), float(d.mean()) - half, float(d.mean()) + half, d.size, level)
-
-
-def bootstrap_seeds_questions(
-    a: Any, b: Any, level: float = 0.95, resamples: int = 2000, seed: int = 0
-) -> Interval:
-    """Two-way bootstrap of the paired difference over seeds and questions.
-
-    `a`, `b`: `[S, Q]` per-question scores of two arms, row `s` of both from the same seed.
-    Each resample draws S seeds and Q questions with replacement, independently, and takes
-    the mean of `a - b` over that grid; the interval is the percentile interval. It carries
-    both sources of variance: between training runs and between questions.
-    """
-    d = np.atleast_2d(np.asarray(a, dtype=np.float64)) - np.atleast_2d(
-        np.asarray(b, dtype=np.float64)
-    )  # (S, Q)
-    S, Q = d.shape
-    rng = np.random.default_rng(seed)
-    means = np.empty(resamples)
-    for i in range(resamples):
-        rows = rng.integers(0, S, S)
-        cols = rng.integers(0, Q, Q)
-        means[i] = d[np.ix_(rows, cols)].mean()
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
-    return Interval(float(d.mean()), float(low), float(high), S * Q, level)
-
-
-def paired_verdict(t: Interval, boot: Interval) -> str:
-    """ "+" or "−" when both the seed t-interval and the seeds x questions bootstrap exclude 0
-    on the same side, "0" otherwise, "n/a" with one seed (no t-interval).
-
-    Both, because with few seeds the t-interval alone can mislead: held-out EM moves in steps
-    of 1/Q, so three seeds can give three identical differences and a zero-width interval,
-    while the bootstrap, which also resamples questions, still spans 0.
-    """
-    if math.isnan(t.low):
-        return "n/a"
-    if t.low > 0 and boot.low > 0:
-        return "+"
-    if t.high < 0 and boot.high < 0:
-        return "−"
-    return "0"
 
 
 # ----------------------------------------------------------------------------- writing

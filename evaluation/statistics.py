@@ -1,4 +1,5 @@
-"""Statistics of paired arm comparisons over seeds x questions: the interval, the power.
+"""The one statistics layer of paired arm comparisons over seeds x questions: intervals,
+verdicts, equivalence, power.
 
 A contrast compares two arms trained with the same seeds (same SFT start, same prompt order)
 and evaluated on the same questions. Its data is `d[s, q]`, arm minus reference on question
@@ -15,10 +16,21 @@ the residual `e` (`residual`: the seed-by-question interaction plus the sampling
     Var(mean d) = seed / S + question / Q + residual / (S Q),
 
 estimated from the ANOVA mean squares (method of moments) as `(MS_S + MS_Q - MS_E) / (S Q)`,
-with Satterthwaite's degrees of freedom for the t quantile. A bootstrap that resamples seeds
-and questions independently counts the residual about three times instead of once, which is
-why this interval is the primary one (the seed t-interval stays beside it: it ignores the
-question term, which matters when seeds are few and questions many).
+with Satterthwaite's degrees of freedom for the t quantile (`crossed_interval`). That estimate
+subtracts a mean square, and when the seed mean square falls below the residual's the
+Satterthwaite df collapses (1.4 on the powered comparison's first primary contrast): below
+`MIN_DF` the interval falls back to a stated conservative one, the upper bound
+`(MS_S + MS_Q) / (S Q)` of the variance (its expectation exceeds the true variance by
+`residual / (S Q)`) at `min(S, Q) - 1` df, the fewest any of its terms has (a Satterthwaite df
+of a sum of positive terms is never below that).
+
+Beside it, `seed_t` is the t-interval over seeds of the per-seed mean difference; it ignores
+the question term (shared question effects move every seed alike), so it is reported, not
+used for verdicts. There is no bootstrap here: resampling seeds and questions independently
+counts the residual about three times instead of once.
+
+Verdicts: `verdict` (+, −, 0 by a two-sided test at alpha); "matches" only by `equivalence`,
+two one-sided tests (TOST) against a margin declared in the experiment config before the runs.
 
 Power: the minimum detectable effect (MDE) of a design (`S` seeds, `Q` questions, `k`
 samples) at two-sided level `alpha` and power `power` is `(t_{1-alpha/2} + t_{power}) * SE`,
@@ -121,22 +133,49 @@ class Estimate:
     method: str
 
 
-def crossed_interval(d: np.ndarray, level: float = 0.95) -> Estimate:
+MIN_DF = 3.0
+"""Below this Satterthwaite df the crossed interval uses its conservative fallback."""
+
+
+def crossed_interval(d: np.ndarray, level: float = 0.95, min_df: float = MIN_DF) -> Estimate:
     """The grand mean of `d` `[S, Q]` with the crossed random-effects interval (module
     docstring): SE^2 = (MS_S + MS_Q - MS_E) / (S Q), Satterthwaite's df, a two-sided t-test's
-    p-value."""
+    p-value. When that df is below `min_df`: SE^2 = (MS_S + MS_Q) / (S Q) at min(S, Q) - 1 df
+    (conservative; `method` says so)."""
     d = np.asarray(d, dtype=np.float64)
     S, Q = d.shape
+    if S < 2 or Q < 2:
+        raise ValueError(f"a crossed interval needs 2+ seeds and 2+ questions, got {d.shape}")
     mean = float(d.mean())
     ms_seed, ms_question, ms_residual = mean_squares(d)
     variance = max((ms_seed + ms_question - ms_residual) / (S * Q), 1e-300)
-    terms = [(ms_seed, S - 1), (ms_question, Q - 1), (-ms_residual, (S - 1) * (Q - 1))]
-    df = variance**2 * (S * Q) ** 2 / sum(ms**2 / dof for ms, dof in terms if dof > 0)
-    df = float(min(max(df, 1.0), S * Q - 1))
-    se = math.sqrt(variance)
+    df = satterthwaite(
+        variance * S * Q,
+        [(ms_seed, S - 1), (ms_question, Q - 1), (-ms_residual, (S - 1) * (Q - 1))],
+    )
+    method = "crossed random effects"
+    if df < min_df:
+        variance = max((ms_seed + ms_question) / (S * Q), 1e-300)
+        df = float(min(S, Q) - 1)
+        method = f"crossed random effects, conservative (Satterthwaite df < {min_df:g})"
+    return t_estimate(mean, math.sqrt(variance), df, level, method)
+
+
+def satterthwaite(total: float, terms: Sequence[tuple[float, int]]) -> float:
+    """Satterthwaite's df of `total = sum(ms)` over `(ms, dof)` terms: `total^2 / sum(ms^2 /
+    dof)`, kept within [1, sum of dof]."""
+    most = sum(dof for _, dof in terms)
+    spread = sum(ms**2 / dof for ms, dof in terms if dof > 0)
+    if spread == 0:  # every mean square 0 (a constant table): nothing to lose df to
+        return float(most)
+    return float(min(max(total**2 / spread, 1.0), most))
+
+
+def t_estimate(mean: float, se: float, df: float, level: float, method: str) -> Estimate:
+    """`mean +- t_{(1+level)/2, df} * se` with the two-sided p-value of mean = 0."""
     half = float(stats.t.ppf((1 + level) / 2, df)) * se
     p = float(2 * stats.t.sf(abs(mean) / se, df)) if se > 0 else (0.0 if mean else 1.0)
-    return Estimate(mean, mean - half, mean + half, se, df, p, level, "crossed random effects")
+    return Estimate(mean, mean - half, mean + half, se, df, p, level, method)
 
 
 def seed_t(d: np.ndarray, level: float = 0.95) -> Estimate:
@@ -191,10 +230,47 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 
 def verdict(estimate: Estimate, alpha: float = 0.05, p: float | None = None) -> str:
     """ "+" or "−" when the difference is significant at `alpha` (`p`: an adjusted p-value
-    in place of the estimate's own), "0" when it is not."""
+    in place of the estimate's own), "0" when it is not (no difference shown: not "equal",
+    which only `equivalence` can say)."""
     if (estimate.p if p is None else p) >= alpha:
         return "0"
     return "+" if estimate.estimate > 0 else "−"
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """Two one-sided tests (TOST) of `|true difference| < margin`: `p_lower` tests
+    H0: diff <= -margin, `p_upper` H0: diff >= +margin; `p` is the larger. `equivalent` when
+    `p < alpha`, the same as the `1 - 2 alpha` interval [`low`, `high`] lying inside
+    (-margin, +margin)."""
+
+    margin: float
+    p_lower: float
+    p_upper: float
+    p: float
+    low: float
+    high: float
+    alpha: float
+    equivalent: bool
+
+
+def equivalence(estimate: Estimate, margin: float, alpha: float = 0.05) -> Equivalence:
+    """TOST on an estimate's own SE and df (the crossed interval's, its conservative fallback
+    included): with t_lo = (mean + margin) / se and t_hi = (mean - margin) / se,
+    p_lower = P(T_df > t_lo), p_upper = P(T_df < t_hi)."""
+    if margin <= 0:
+        raise ValueError(f"an equivalence margin must be positive, not {margin}")
+    mean, se, df = estimate.estimate, estimate.se, estimate.df
+    if se > 0:
+        p_lower = float(stats.t.sf((mean + margin) / se, df))
+        p_upper = float(stats.t.cdf((mean - margin) / se, df))
+        half = float(stats.t.ppf(1 - alpha, df)) * se
+    else:  # no spread at all: the point decides
+        p_lower = 0.0 if mean > -margin else 1.0
+        p_upper = 0.0 if mean < margin else 1.0
+        half = 0.0
+    p = max(p_lower, p_upper)
+    return Equivalence(margin, p_lower, p_upper, p, mean - half, mean + half, alpha, p < alpha)
 
 
 def at_budgets(costs: Sequence[float], quality: Sequence[float], budgets: Sequence[float]):

@@ -32,7 +32,9 @@ many seeds as the preset lists. The L1 gate's threshold is `tau_l1`, from its ow
 calibrate` sweep (the bridge preset sets one); left unset it is sqrt(tau) of the L2 gate's (by
 Jensen, mean|d| <= sqrt(mean d^2), so at least as permissive), not a calibrated gate.
 Everything is resumable: a finished run (its `final/` and held-out `eval.json`) is reused when
-the command is run again with the same out dir.
+the command is run again with the same out dir, and only when its stored config hash
+(`config_hash.json`, `fingerprint`) is that of the config just built; a run or SFT start made
+with other settings is refused in one line naming what differs, never silently reused.
 """
 
 from evaluation.experiment.config import ExperimentConfig, experiment_config

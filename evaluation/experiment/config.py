@@ -18,7 +18,9 @@ from pydantic import Field, ValidationError
 
 from core.config import StrictModel, build_config, format_validation_error, read_config_file
 from core.errors import UserError
+from evaluation.costs import MEASURED_HERE, CostModel
 from evaluation.experiment.arms import ARMS, Arm
+from evaluation.experiment.precondition import Precondition
 from models.tiny import TinyPolicyConfig
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
@@ -38,6 +40,13 @@ class Contrast(StrictModel):
         False,
         description="A pre-declared primary contrast, tested at `alpha` on its own; all the"
         " others are Holm-corrected together.",
+    )
+    equivalence_margin: float | None = Field(
+        None,
+        gt=0,
+        description='Declared before the runs: the two arms "match" only when two one-sided'
+        " tests (TOST, at `alpha`) put the difference inside +-margin. None: no equivalence"
+        " claim can be made.",
     )
 
 
@@ -129,6 +138,27 @@ class ExperimentConfig(StrictModel):
         description="Quality at matched cost: budgets at these fractions of the smallest"
         " total any arm reached on each cost axis, read off each run's in-training curve.",
     )
+    precondition: Precondition | None = Field(
+        None,
+        description="The dose-response gate (evaluation/experiment/precondition.py): does the"
+        " 1.5x fresh step gain >= ratio x the planned comparison's MDE? Reported in"
+        " results.json as `precondition`, beside the contrasts.",
+    )
+    pilot_bed: str | None = Field(
+        None,
+        description="Run this bed of `precondition.beds`: its overrides are laid over the"
+        " settings so far (None: the preset as written, the first bed of the search).",
+    )
+    cost_model: CostModel = Field(
+        default_factory=lambda: MEASURED_HERE.model_copy(),
+        description="Prices of the ledgered work for quality at matched modelled cost"
+        " (evaluation/costs.py; default: measured on this machine).",
+    )
+    env_ratios: list[float] = Field(
+        [10.0, 100.0, 1000.0, 10000.0],
+        description="rho = a / c values (a search call in teacher-forced tokens) at which"
+        " quality at matched modelled cost is read; measured here rho is about 6.",
+    )
     policy: TinyPolicyConfig = Field(
         default_factory=TinyPolicyConfig,
         description="The tiny policy the SFT start is trained from (built once under the data"
@@ -158,7 +188,6 @@ class ExperimentConfig(StrictModel):
         description="interleaved: runs ordered seed by seed, every arm of a seed in turn, so"
         " with `jobs` runs at once every arm meets the same machine load; by_arm: arm by arm.",
     )
-    bootstrap_resamples: int = Field(2000, ge=100, description="Seeds x questions bootstrap.")
     train_overrides: list[str] = Field([], description="Extra dotted overrides for every run.")
     jobs: int = Field(
         2, ge=1, description="Runs trained at once, each in its own process with cpu/jobs threads."
@@ -240,6 +269,13 @@ def experiment_config(
         data.update(read_preset(quick_overlay(data)))
     data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
     cfg = build_config(ExperimentConfig, data, overrides)
+    if cfg.pilot_bed is not None:
+        beds = {b.name: b for b in (cfg.precondition.beds if cfg.precondition else [])}
+        if cfg.pilot_bed not in beds:
+            raise UserError(
+                f"unknown pilot_bed {cfg.pilot_bed!r}; declared beds: {', '.join(beds) or 'none'}"
+            )
+        cfg = build_config(ExperimentConfig, data, [*beds[cfg.pilot_bed].overrides, *overrides])
     named = [*cfg.arms, *cfg.references]
     named += [name for c in cfg.contrasts for name in (c.arm, c.reference)]
     for name in named:
@@ -247,6 +283,11 @@ def experiment_config(
     missing = [r for r in cfg.references if r not in cfg.arms]
     if missing:
         raise UserError(f"reference arms {missing} are not among the arms {cfg.arms}")
+    if cfg.precondition is not None:
+        named = [cfg.precondition.arm, cfg.precondition.reference]
+        missing = [n for n in named if n not in cfg.arms]
+        if missing:
+            raise UserError(f"the precondition names arms {missing} not among {cfg.arms}")
     missing = [n for c in cfg.contrasts for n in (c.arm, c.reference) if n not in cfg.arms]
     if missing:
         raise UserError(f"contrasts name arms {missing} that are not among the arms {cfg.arms}")

@@ -68,7 +68,7 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     except RunInterrupted as err:  # a run kept its checkpoint: the same command continues it
         message = str(err).split("; continue with")[0]
         raise RunInterrupted(f"{message}; rerun the same command to continue", err.signum) from None
-    summary = summarize(results, cfg.references, sft_report, cfg.bootstrap_resamples, cfg)
+    summary = summarize(results, cfg.references, sft_report, cfg)
     total_wall_time = time.perf_counter() - started
     runs = [load_run(r.run_dir, label=r.arm) for r in results]
     charts = plot_runs(runs, out / "charts", force=True)  # the experiment's own charts

@@ -7,9 +7,11 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from evaluation.costs import modelled_cost_markdown
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.experiment.summary import CPU_KEYS, TIME_KEYS, BudgetRow, ExperimentSummary
-from evaluation.metrics import Interval, Spread, markdown_table
+from evaluation.metrics import Spread, markdown_table
+from evaluation.statistics import Equivalence, Estimate
 
 SFT_START = "sft_start"
 
@@ -21,15 +23,17 @@ def format_spread(spread: Spread, digits: int = 3) -> str:
     return f"{spread.mean:.{digits}f} ± {spread.std:.{digits}f}"
 
 
-def format_interval(interval: Interval) -> str:
-    """`+mean [+low, +high]`; the mean alone when there is no interval (one seed)."""
-    if math.isnan(interval.low):
-        return f"{interval.mean:+.3f}"
-    return f"{interval.mean:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}]"
+def format_interval(interval: Estimate | None) -> str:
+    """`+mean [+low, +high]`; n/a when there is no interval (one seed)."""
+    if interval is None or math.isnan(interval.low):
+        return "n/a"
+    return f"{interval.estimate:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}]"
 
 
-def format_bootstrap(interval: Interval) -> str:
-    return f"boot [{interval.low:+.3f}, {interval.high:+.3f}]"
+def format_seed_t(interval: Estimate | None) -> str:
+    if interval is None or math.isnan(interval.low):
+        return "seed t n/a"
+    return f"seed t [{interval.low:+.3f}, {interval.high:+.3f}]"
 
 
 def results_markdown(
@@ -38,7 +42,20 @@ def results_markdown(
     """The three tables of docs/results.md: held-out quality, paired differences, cost; then
     links to `charts` (paths under the out dir's charts/)."""
     k = summary.k
-    lines = [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
+    lines = []
+    if summary.precondition is not None:
+        pre = summary.precondition
+        seeds, questions, k_planned = pre.design
+        lines.append(
+            f"**Precondition (declared before the runs): {pre.verdict}** (the 1.5x fresh step,"
+            f" paired over {len(pre.seeds)} seeds x {pre.questions} questions; MDE of the"
+            f" planned comparison at {seeds} seeds x {questions} questions x k={k_planned},"
+            " from this pilot's variance components). Replay arms are compared only on a bed"
+            " that says GO.\n"
+        )
+    lines += [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
+    if summary.modelled_cost:
+        lines.append("\n" + modelled_cost_markdown(summary.modelled_cost, cfg.cost_model))
     lines += [
         f"Held-out: {summary.num_questions} {cfg.task} test questions, the same for every "
         f"run; k={k} samples at the rollout temperature plus greedy. Mean ± sample std over "
@@ -83,22 +100,27 @@ def contrast_tables(summary: ExperimentSummary, cfg: ExperimentConfig) -> list[s
             METRIC_NAMES[c.metric].replace("k", str(summary.k)),
             f"{len(c.seeds)} x {c.questions}",
             f"{c.estimate:+.4f}",
-            f"[{c.low:+.4f}, {c.high:+.4f}]",
+            f"[{c.low:+.4f}, {c.high:+.4f}]" + ("*" if "conservative" in c.method else ""),
             f"[{c.seed_t.low:+.4f}, {c.seed_t.high:+.4f}]",
             f"{c.p:.3f}" + (f" (Holm {c.p_holm:.3f})" if c.p_holm is not None else ""),
             f"{c.mde:.4f}",
             c.verdict,
+            format_equivalence(c.equivalence),
         ]
         for c in summary.contrasts
     ]
     return [
         f"Contrasts declared before the runs (arm − reference, paired by seed and question)."
         f" Interval: {level}% crossed random effects over seeds x questions (seed and question"
-        f" effects and their interaction, each counted once); beside it the {level}% t-interval"
+        f" effects and their interaction, each counted once; * : Satterthwaite df below 3, so"
+        f" the stated conservative fallback of `evaluation.statistics.crossed_interval`);"
+        f" beside it the {level}% t-interval"
         f" over seeds. MDE: the smallest true difference this design (seeds x questions x"
         f" k={summary.k}) detects with power {cfg.power:.0%} at alpha {cfg.alpha}, from the"
         " variances it measured. Verdict: + or − when p < alpha (secondary contrasts:"
-        " Holm-adjusted over all of them), 0 otherwise (no difference shown).\n",
+        " Holm-adjusted over all of them), 0 otherwise (no difference shown, which is not"
+        " equality). Equivalence: two one-sided tests at alpha against the margin the contrast"
+        ' declared before the runs; "matches" is said only when they reject.\n',
         markdown_table(
             [
                 "",
@@ -111,10 +133,21 @@ def contrast_tables(summary: ExperimentSummary, cfg: ExperimentConfig) -> list[s
                 "p",
                 "MDE",
                 "verdict",
+                "equivalence (TOST)",
             ],
             rows,
         ),
     ]
+
+
+def format_equivalence(eq: Equivalence | None) -> str:
+    """ "matches within ±m (TOST p)" only when two one-sided tests against the margin declared
+    before the runs reject; "–" when no margin was declared (no equivalence claim)."""
+    if eq is None:
+        return "–"
+    if eq.equivalent:
+        return f"matches within ±{eq.margin:g} (p {eq.p:.3f})"
+    return f"not shown within ±{eq.margin:g} (p {eq.p:.3f})"
 
 
 AXIS_NAMES = {
@@ -159,12 +192,12 @@ def matched_cost_tables(summary: ExperimentSummary) -> list[str]:
 
 
 def paired_tables(summary: ExperimentSummary) -> list[str]:
-    """Paired differences with seed-level intervals and their verdict (`paired_verdict`)."""
+    """Paired differences with the crossed interval, the seed t-interval and the verdict."""
     k, rows = summary.k, []
     for name, arm in summary.arms.items():
         for ref, stats in arm.seed_stats.items():
             cells = [
-                f"{format_interval(st.t)}<br>{format_bootstrap(st.bootstrap)}"
+                f"{format_interval(st.crossed)}<br>{format_seed_t(st.seed_t)}"
                 for _, st in stats.items()
             ]
             verdicts = [st.verdict for _, st in stats.items()]
@@ -173,10 +206,13 @@ def paired_tables(summary: ExperimentSummary) -> list[str]:
         return []
     return [
         "\nPaired differences (arm − reference), seeds matched (same seed: same SFT start and "
-        "prompt order). First line: mean over seeds of the per-seed difference with its 95% "
-        "t-interval over seeds; `boot`: 95% bootstrap interval resampling seeds and questions. "
-        "Verdict per metric (Mean, Best, greedy): + or − when both intervals exclude 0 on the "
-        "same side, 0 when either does not (no difference shown), n/a with one seed.\n",
+        "prompt order). First line: the mean paired difference with its 95% crossed "
+        "random-effects interval over seeds x questions (`evaluation.statistics`; with too "
+        "few degrees of freedom, its stated conservative fallback); `seed t`: the 95% "
+        "t-interval over seeds of the per-seed difference, which ignores question effects. "
+        "Verdict per metric (Mean, Best, greedy): + or − when the crossed interval's two-sided "
+        'test rejects 0 at 0.05, 0 when it does not (no difference shown; not "equal"), n/a '
+        "with one seed. Not Holm-corrected: descriptive beside the declared contrasts.\n",
         markdown_table(
             ["arm", "vs", "seeds", f"Δ Mean@{k}", f"Δ Best@{k}", "Δ greedy EM", "verdict"], rows
         ),

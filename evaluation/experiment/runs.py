@@ -2,7 +2,10 @@
 
 Every run starts from the same SFT start with the same seeds (so the same prompt order) and
 is evaluated on one fixed held-out set. A finished run (its `final/` and `heldout/eval.json`)
-is reused when the experiment is run again with the same out dir.
+is reused when the experiment is run again with the same out dir, only when its
+`config_hash.json` matches the config just built (a checkpointed or older run: the config.yaml
+it wrote at its start), and its evaluation only when it used the same k, seed, temperature
+and questions; otherwise one line names what differs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from core.progress import say
 from evaluation.experiment.arms import Arm
 from evaluation.experiment.config import ExperimentConfig
+from evaluation.experiment.fingerprint import check_reuse, digest, run_settings, write_hash
 from evaluation.experiment.server import die_with_parent
 from evaluation.experiment.train_configs import arm_train_config
 
@@ -57,8 +61,6 @@ def final_eval(
     `out/eval.json` exists)."""
     from evaluation.evaluate import EvalConfig, evaluate, load_report
 
-    if (out / "eval.json").is_file():
-        return load_report(out)
     eval_cfg = EvalConfig(
         k=cfg.final_k,
         greedy=True,
@@ -68,6 +70,11 @@ def final_eval(
         generation=train_config.generation,
         retrieval=train_config.retrieval,
     )
+    if (out / "eval.json").is_file():  # reused only when it evaluated what is asked now
+        report = load_report(out)
+        wanted = eval_settings(eval_cfg.k, eval_cfg.seed, eval_cfg.sample_temperature, datasets)
+        check_reuse(out, wanted, "held-out evaluation", report_settings(report))
+        return report
     report = evaluate(model_dir, datasets, config=eval_cfg, out_dir=out)
     a, k = report.average, report.k
     say(
@@ -76,6 +83,19 @@ def final_eval(
         f" {a['mean_at_k']:.3f}, Best@{k} {a['best_at_k']:.3f}, greedy EM {a['greedy_em']:.3f}"
     )
     return report
+
+
+def eval_settings(k: int, seed: int, temperature: float, datasets) -> dict[str, Any]:
+    """What a held-out evaluation's scores depend on beside the model (whose own folder is
+    checked): samples, sampling seed and temperature, and the questions (their digest)."""
+    ids = [e.id for d in datasets for e in d.examples]
+    return {"k": k, "seed": seed, "temperature": temperature, "questions": digest(ids)}
+
+
+def report_settings(report: EvalReport) -> dict[str, Any]:
+    """`eval_settings` as an evaluation's own eval.json records them."""
+    return {"k": report.k, "seed": report.seed, "temperature": report.temperature,
+            "questions": digest(report.question_ids())}  # fmt: skip
 
 
 @dataclass
@@ -101,10 +121,14 @@ def run_arm(
 
     run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"
     config = arm_train_config(cfg, arm, url, sft_dir, run_dir, seed)
+    settings = run_settings(config, sft_dir, run_environment(cfg))
     done = (run_dir / "final" / "config.json").is_file()
-    if not done:
+    if done:  # reused only when it was trained with exactly this config
+        check_reuse(run_dir, settings, "run", settings_written(cfg, run_dir, sft_dir))
+    else:
         print(f"experiment: training {arm.name} seed {seed}", file=sys.stderr, flush=True)
         if list_checkpoints(run_dir / "checkpoints"):  # stopped with a checkpoint: continue
+            check_reuse(run_dir, settings, "run", settings_written(cfg, run_dir, sft_dir))
             train(config, resume=run_dir)
         else:
             if run_dir.exists():  # stopped before any checkpoint: start it again
@@ -112,6 +136,7 @@ def run_arm(
 
                 shutil.rmtree(run_dir)
             train(config)
+        write_hash(run_dir, settings)
     report = final_eval(
         cfg,
         run_dir / "final",
@@ -122,6 +147,24 @@ def run_arm(
     )
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     return RunResult(arm.name, seed, run_dir, report, metrics, config.grpo.fresh_rows)
+
+
+def run_environment(cfg: ExperimentConfig) -> dict[str, Any]:
+    """What the retrieval server of the runs was started with (part of a run's hash)."""
+    return {"corpus_limit": cfg.corpus_limit, "server_overrides": list(cfg.server_overrides)}
+
+
+def settings_written(cfg: ExperimentConfig, run_dir: Path, sft_dir: Path) -> dict[str, Any] | None:
+    """A run's settings read back from the config.yaml training wrote at its start (None
+    without one): what an unfinished run, or one finished before runs carried a hash, is
+    checked against. Its SFT start's hash is the current one (the run never recorded it)."""
+    from core.config import load_config
+    from trainer.config import TrainConfig
+
+    if not (run_dir / "config.yaml").is_file():
+        return None
+    config = load_config(TrainConfig, run_dir / "config.yaml", [])
+    return run_settings(config, sft_dir, run_environment(cfg))
 
 
 def run_arm_in_worker(

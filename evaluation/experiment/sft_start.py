@@ -1,7 +1,10 @@
 """The tiny policy and the SFT start every arm shares, built once and cached under the data dir.
 
-A cached start's folder name says what it was trained on and with, so starts of different
-tasks or settings never meet.
+A cached start's folder name says roughly what it was trained on and with; its
+`config_hash.json` (`fingerprint`) says exactly: the settings `run_sft` reads, the base
+config's `sft:` section and the experiment's `train_overrides` and `sft_overrides` included.
+A start whose stored hash differs from the one just built is refused, in one line naming what
+differs, never silently reused.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from core.progress import say
 from evaluation.experiment.config import ExperimentConfig
+from evaluation.experiment.fingerprint import check_reuse, sft_settings, stored_hash, write_hash
 from evaluation.experiment.train_configs import base_train_config
 
 
@@ -91,10 +95,25 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     from trainer.sft import run_sft
 
     sft_dir = sft_start_dir(cfg)
-    if (sft_dir / "config.json").is_file():
-        return sft_dir
     prerequisite = sft_prerequisite(cfg)
     init = ensure_sft(prerequisite, url, log) if prerequisite else ensure_policy(cfg)
+    config = sft_train_config(cfg, url, sft_dir, init)
+    settings = sft_settings(config, init_identity(cfg, init))
+    if (sft_dir / "config.json").is_file():  # reused only when made with these settings
+        check_reuse(sft_dir, settings, "SFT start")
+        return sft_dir
+    say(f"experiment: SFT start -> {sft_dir} from {init} (once; cached)")
+    start = time.perf_counter()
+    run_sft(config)
+    write_hash(sft_dir, settings)
+    with log.open("a") as fh:
+        fh.write(f"sft {sft_dir}: {time.perf_counter() - start:.0f}s\n")
+    return sft_dir
+
+
+def sft_train_config(cfg: ExperimentConfig, url: str, sft_dir: Path, init: Path):
+    """The TrainConfig `run_sft` trains the start with: the base config (its `sft:` section
+    included) with the experiment's settings, `train_overrides` and `sft_overrides`."""
     extra = [
         f"sft.init_model={init}",
         f"sft.split={sft_split(cfg)}",
@@ -105,10 +124,13 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     if cfg.sft_max_examples:
         extra.append(f"sft.max_examples={cfg.sft_max_examples}")
     extra += cfg.sft_overrides
-    config = base_train_config(cfg, url, sft_dir, Path(cfg.out_dir) / "sft", 0, extra)
-    say(f"experiment: SFT start -> {sft_dir} from {init} (once; cached)")
-    start = time.perf_counter()
-    run_sft(config)
-    with log.open("a") as fh:
-        fh.write(f"sft {sft_dir}: {time.perf_counter() - start:.0f}s\n")
-    return sft_dir
+    return base_train_config(cfg, url, sft_dir, Path(cfg.out_dir) / "sft", 0, extra)
+
+
+def init_identity(cfg: ExperimentConfig, init: Path) -> dict[str, Any]:
+    """What the start is initialised from (the prerequisite start's config hash, or the tiny
+    policy's sizes) and the corpus its scripted searches ran over."""
+    environment = {"corpus_limit": cfg.corpus_limit, "retriever": cfg.retriever}
+    if cfg.sft_from_task:
+        return {"sft_start_sha256": stored_hash(init), **environment}
+    return {"policy": cfg.policy.model_dump(mode="json"), **environment}

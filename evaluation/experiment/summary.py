@@ -19,23 +19,18 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from core.errors import UserError
+from evaluation.costs import ModelledCostRow, matched_modelled_cost
 from evaluation.experiment.config import ExperimentConfig
-from evaluation.metrics import (
-    Interval,
-    PairedDifference,
-    Spread,
-    bootstrap_seeds_questions,
-    mean_spread,
-    paired_difference,
-    paired_verdict,
-    seed_t_interval,
-)
+from evaluation.experiment.precondition import PreconditionResult, gate, precondition_line
+from evaluation.metrics import PairedDifference, Spread, mean_spread, paired_difference
 from evaluation.statistics import (
     Components,
+    Equivalence,
     Estimate,
     at_budgets,
     components,
     crossed_interval,
+    equivalence,
     holm,
     mean_interval,
     minimum_detectable_effect,
@@ -77,17 +72,19 @@ class ByMetric(Generic[T]):
 
 @dataclass(frozen=True)
 class SeedComparison:
-    """One metric of an arm against a reference, over the seeds both ran: the t-interval over
-    seeds of the per-seed paired difference and the seeds x questions bootstrap (95%)."""
+    """One metric of an arm against a reference, over the seeds both ran: the crossed
+    random-effects interval over seeds x questions (`evaluation.statistics.crossed_interval`,
+    with its conservative fallback) and, beside it, the t-interval over seeds (95%). With one
+    common seed neither exists (None)."""
 
     seeds: list[int]
-    t: Interval
-    bootstrap: Interval
+    crossed: Estimate | None
+    seed_t: Estimate | None
 
     @property
     def verdict(self) -> str:
-        """+, − or 0 by both intervals, n/a with one seed (`paired_verdict`)."""
-        return paired_verdict(self.t, self.bootstrap)
+        """+, − or 0 by the crossed interval's two-sided test at 0.05, n/a with one seed."""
+        return "n/a" if self.crossed is None else verdict(self.crossed)
 
 
 @dataclass(frozen=True)
@@ -139,6 +136,9 @@ class ContrastResult:
     seed_t: Estimate
     """The t-interval over seeds of the per-seed difference, beside the primary interval."""
     components: Components
+    equivalence: Equivalence | None = None
+    """TOST against the contrast's `equivalence_margin`, declared before the runs (None when
+    it declares none: then the contrast can never be said to "match")."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,10 @@ class ExperimentSummary:
     """The declared contrasts, primary ones first."""
     matched_cost: list[BudgetRow] = field(default_factory=list)
     """Quality at equal budgets of generated tokens, env requests, CPU and wall seconds."""
+    modelled_cost: list[ModelledCostRow] = field(default_factory=list)
+    """Quality at matched modelled cost for each env-to-compute ratio (evaluation/costs.py)."""
+    precondition: PreconditionResult | None = None
+    """The dose-response gate, when the config declares one: GO / NO-GO with its numbers."""
 
 
 @dataclass(frozen=True)
@@ -272,22 +276,18 @@ def paired_differences(runs: list[RunResult], refs: list[RunResult]) -> ByMetric
     )
 
 
-def seed_statistics(
-    runs: list[RunResult], refs: list[RunResult], resamples: int
-) -> ByMetric[SeedComparison]:
-    """Per metric, over the seeds both arms ran: the t-interval over seeds of the per-seed
-    paired difference and the seeds x questions bootstrap interval (95%)."""
+def seed_statistics(runs: list[RunResult], refs: list[RunResult]) -> ByMetric[SeedComparison]:
+    """Per metric, over the seeds both arms ran: the crossed interval of the paired
+    per-question difference and the t-interval over seeds (95%)."""
     mine, theirs = {r.seed: r for r in runs}, {r.seed: r for r in refs}
     seeds = sorted(set(mine) & set(theirs))
 
     def compare(metric: str, short: str) -> SeedComparison:
         a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
         b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
-        return SeedComparison(
-            seeds=seeds,
-            t=seed_t_interval(list(a.mean(axis=1) - b.mean(axis=1))),
-            bootstrap=bootstrap_seeds_questions(a, b, resamples=resamples),
-        )
+        if len(seeds) < 2 or a.shape[1] < 2:
+            return SeedComparison(seeds, None, None)
+        return SeedComparison(seeds, crossed_interval(a - b), seed_t(a - b))
 
     return ByMetric.build(compare)
 
@@ -296,7 +296,6 @@ def summarize_arm(
     runs: list[RunResult],
     arms: dict[str, list[RunResult]],
     references: Sequence[str],
-    resamples: int,
 ) -> ArmSummary:
     """One arm's runs (sorted by seed) over seeds, compared with each reference arm it has
     not already been compared with the other way round."""
@@ -308,7 +307,7 @@ def summarize_arm(
         if ref == name or ref not in arms or name in references[: references.index(ref)]:
             continue  # itself, absent, or already shown as `name` vs `ref` the other way
         diffs[ref] = paired_differences(runs, arms[ref])
-        seed_stats[ref] = seed_statistics(runs, arms[ref], resamples)
+        seed_stats[ref] = seed_statistics(runs, arms[ref])
     return ArmSummary(
         seeds=[r.seed for r in runs],
         run_dirs=[str(r.run_dir) for r in runs],
@@ -373,6 +372,11 @@ def contrast_results(
                 verdict=verdict(est, cfg.alpha, p_holm),
                 seed_t=by_seed,
                 components=parts,
+                equivalence=(
+                    equivalence(est, c.equivalence_margin, cfg.alpha)
+                    if c.equivalence_margin is not None
+                    else None
+                ),
             )
         )
     return out
@@ -459,7 +463,6 @@ def summarize(
     results: list[RunResult],
     references: Sequence[str],
     sft_report: EvalReport | None = None,
-    resamples: int = 2000,
     cfg: ExperimentConfig | None = None,
 ) -> ExperimentSummary:
     """Per arm: held-out scores and costs over seeds, paired differences to the references.
@@ -477,9 +480,7 @@ def summarize(
         elif q != ids:
             raise UserError(f"{r.run_dir}: evaluated on other questions than the other runs")
     return ExperimentSummary(
-        arms={
-            name: summarize_arm(runs, arms, references, resamples) for name, runs in arms.items()
-        },
+        arms={name: summarize_arm(runs, arms, references) for name, runs in arms.items()},
         num_questions=len(ids or []),
         k=results[0].report.k if results else None,
         sft_start=(
@@ -489,4 +490,58 @@ def summarize(
         ),
         contrasts=contrast_results(arms, cfg) if cfg is not None else [],
         matched_cost=matched_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
+        modelled_cost=modelled_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
+        precondition=precondition_result(arms, cfg) if cfg is not None else None,
+    )
+
+
+def precondition_result(
+    arms: dict[str, list[RunResult]], cfg: ExperimentConfig
+) -> PreconditionResult | None:
+    """The declared precondition's gate (`precondition.gate`) over the seeds both of its arms
+    ran; None without a declared precondition or with fewer than two common seeds."""
+    pre = cfg.precondition
+    if pre is None:
+        return None
+    mine = {r.seed: r for r in arms.get(pre.arm, [])}
+    theirs = {r.seed: r for r in arms.get(pre.reference, [])}
+    seeds = sorted(set(mine) & set(theirs))
+    if len(seeds) < 2:
+        return None
+    short = dict(QUALITY_METRICS)[pre.metric]
+    a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
+    b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
+    noise = 0.0
+    if pre.metric == "mean_at_k":
+        noise = sampling_noise(
+            np.stack([correct_samples(mine[s].report) for s in seeds]),
+            np.stack([correct_samples(theirs[s].report) for s in seeds]),
+        )
+    k = mine[seeds[0]].report.k
+    design = (pre.planned_seeds, pre.planned_questions or a.shape[1], pre.planned_k)
+    gain, parts, mde, go = gate(a - b, noise, k, design, pre.ratio, cfg.alpha, cfg.power)
+    name = f"{pre.arm} − {pre.reference} ({pre.metric})"
+    return PreconditionResult(
+        arm=pre.arm, reference=pre.reference, metric=pre.metric, seeds=seeds,
+        questions=int(a.shape[1]), gain=gain, mde=mde, needed=pre.ratio * mde, design=design,
+        components=parts, go=go, verdict=precondition_line(gain, mde, pre.ratio, go, name),
+    )  # fmt: skip
+
+
+def modelled_cost(arms: dict[str, list[RunResult]], cfg: ExperimentConfig) -> list[ModelledCostRow]:
+    """`matched_modelled_cost` over the runs' metrics and in-training evaluations, for the
+    declared contrasts on Mean@k, at `cfg.env_ratios` and `cfg.budget_fractions`."""
+    from evaluation.plots import read_jsonl
+
+    curves = {
+        name: {
+            r.seed: (r.metrics, read_jsonl(r.run_dir / "eval.jsonl"))
+            for r in runs
+            if (r.run_dir / "eval.jsonl").is_file()
+        }
+        for name, runs in arms.items()
+    }
+    pairs = [(c.arm, c.reference) for c in cfg.contrasts if c.metric == "mean_at_k"]
+    return matched_modelled_cost(
+        curves, pairs, cfg.cost_model, cfg.env_ratios, cfg.budget_fractions
     )

@@ -1,0 +1,122 @@
+"""A run or an SFT start is reused only when its stored config hash is that of the config just
+built; otherwise one line names what differs (evaluation/experiment/fingerprint.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.errors import UserError
+from evaluation.experiment.config import experiment_config
+from evaluation.experiment.fingerprint import (
+    HASH_FILE,
+    check_reuse,
+    digest,
+    run_settings,
+    sft_settings,
+    write_hash,
+)
+from evaluation.experiment.runs import run_arm, run_environment
+from evaluation.experiment.sft_start import ensure_sft, init_identity, sft_train_config
+from evaluation.experiment.train_configs import arm_train_config
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = REPO / "configs" / "tiny-cpu.yaml"
+URL = "http://127.0.0.1:9"
+
+
+def _run_config(tmp_path, port_url=URL, out="o", **fields):
+    cfg = experiment_config(base_config=str(BASE), data_dir=str(tmp_path / "data"), **fields)
+    sft = tmp_path / "data" / "tiny-sft"
+    run_dir = tmp_path / out / "runs" / "on_policy" / "seed-1"
+    return cfg, arm_train_config(cfg, cfg.arm("on_policy"), port_url, sft, run_dir, 1), sft
+
+
+def test_the_hash_ignores_the_port_and_the_folder_and_sees_every_setting(tmp_path):
+    _, a, sft = _run_config(tmp_path)
+    _, moved, _ = _run_config(tmp_path, "http://127.0.0.1:4242", out="elsewhere")
+    _, other_lr, _ = _run_config(tmp_path, lr=1e-4)
+    assert digest(run_settings(a, sft)) == digest(run_settings(moved, sft))
+    assert digest(run_settings(a, sft)) != digest(run_settings(other_lr, sft))
+    assert digest(run_settings(a, sft)) != digest(run_settings(a, sft, {"corpus_limit": 2000}))
+
+
+def test_a_mismatch_is_refused_in_one_line_naming_what_differs(tmp_path):
+    _, a, sft = _run_config(tmp_path)
+    _, b, _ = _run_config(tmp_path, lr=1e-4, steps=70)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    stored = write_hash(folder, run_settings(a, sft))
+    assert json.loads((folder / HASH_FILE).read_text())["sha256"] == stored
+    check_reuse(folder, run_settings(a, sft), "run")  # the same config: reused
+    with pytest.raises(UserError) as err:
+        check_reuse(folder, run_settings(b, sft), "run")
+    line = str(err.value)
+    assert "\n" not in line and "grpo.lr 5e-05 -> 0.0001" in line and "steps 60 -> 70" in line
+    with pytest.raises(UserError, match=f"has no {HASH_FILE}"):
+        check_reuse(tmp_path / "bare", run_settings(a, sft), "run")
+    # without a hash file, the settings read back from what the folder holds are compared
+    check_reuse(tmp_path / "bare", run_settings(a, sft), "run", run_settings(a, sft))
+    with pytest.raises(UserError, match=r"grpo\.lr"):
+        check_reuse(tmp_path / "bare", run_settings(b, sft), "run", run_settings(a, sft))
+
+
+def test_a_finished_run_made_with_another_config_is_refused_before_any_work(tmp_path):
+    cfg, config, sft = _run_config(tmp_path, out_dir=str(tmp_path / "o"))
+    run_dir = Path(config.out_dir)
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "final" / "config.json").write_text("{}")
+    write_hash(run_dir, run_settings(config, sft, run_environment(cfg)))
+    changed = cfg.model_copy(update={"lr": 2e-5})
+    with pytest.raises(UserError, match=r"run .*seed-1 was made with other settings \(grpo.lr"):
+        run_arm(changed, changed.arm("on_policy"), 1, URL, sft, [])
+    # a finished run from before runs carried a hash: checked through its own config.yaml
+    (run_dir / HASH_FILE).unlink()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    with pytest.raises(UserError, match=r"grpo\.lr 5e-05 -> 2e-05"):
+        run_arm(changed, changed.arm("on_policy"), 1, URL, sft, [])
+
+
+def test_the_sft_key_holds_the_base_configs_sft_section_and_the_train_overrides(tmp_path):
+    def settings(**fields):
+        cfg = experiment_config(data_dir=str(tmp_path), **fields)
+        init = tmp_path / "tiny-policy"
+        return digest(sft_settings(sft_train_config(cfg, URL, tmp_path / "s", init),
+                                   init_identity(cfg, init)))  # fmt: skip
+
+    base = yaml.safe_load(BASE.read_text())
+    base["sft"]["lr"] = 1e-3
+    other_base = tmp_path / "other-base.yaml"
+    other_base.write_text(yaml.safe_dump(base))
+    default = settings(base_config=str(BASE))
+    assert settings(base_config=str(other_base)) != default  # the base config's sft: section
+    assert settings(base_config=str(BASE), train_overrides=["rollout.max_turns=2"]) != default
+    assert settings(base_config=str(BASE), sft_overrides=["sft.epochs=3"]) != default
+    # what SFT does not read leaves its key alone: the RL learning rate, steps, the port
+    assert settings(base_config=str(BASE), lr=1e-4, steps=7) == default
+
+
+def test_an_sft_start_made_with_other_settings_is_refused_not_reused(tmp_path):
+    small = ["policy.hidden_size=32", "policy.num_layers=1", "policy.intermediate_size=64"]
+    made = experiment_config(data_dir=str(tmp_path), base_config=str(BASE), overrides=small)
+    now = experiment_config(
+        data_dir=str(tmp_path),
+        base_config=str(BASE),
+        overrides=[*small, "train_overrides=[rollout.max_tokens_per_turn=9]"],
+    )
+    from evaluation.experiment.sft_start import ensure_policy, sft_start_dir
+
+    init = ensure_policy(made)  # the real tiny policy: the start's identity starts from it
+    start = sft_start_dir(made)
+    assert start == sft_start_dir(now)  # the same readable name: only the hash tells them apart
+    start.mkdir()
+    (start / "config.json").write_text("{}")
+    write_hash(start, sft_settings(sft_train_config(made, URL, start, init),
+                                   init_identity(made, init)))  # fmt: skip
+    log = tmp_path / "log"
+    assert ensure_sft(made, URL, log) == start  # the same settings: reused, nothing trained
+    with pytest.raises(UserError, match=r"SFT start .* \(rollout.max_tokens_per_turn 32 -> 9\)"):
+        ensure_sft(now, URL, log)

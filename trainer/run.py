@@ -27,6 +27,7 @@ from core.errors import RunInterrupted, UserError
 from core.paths import RUN, check_output, local_model
 from core.progress import say
 from trainer import distributed
+from trainer.async_rollout import make_gate
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from agent_env.data import QAExample
     from agent_env.generation.base import Generator
     from agent_env.retrieval_client import RetrievalClient
+    from trainer.async_rollout import RolloutWorkers
 
 
 @dataclass
@@ -55,6 +57,7 @@ class RunCounters:
     env_calls_total: int = 0
     search_calls_total: int = 0
     wall_time_total: float = 0.0
+    staleness_gate: dict | None = None  # an adaptive staleness gate's state (its tau)
 
 
 @dataclass
@@ -79,6 +82,8 @@ class Run:
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
+    workers: RolloutWorkers | None = None  # asynchronous rollout (trainer/async_rollout.py)
+    staleness_gate: Any = None  # the staleness rule's tau (`async_rollout.make_gate`)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -320,6 +325,7 @@ def setup_run(
         ref_model=ref_model,
         dist=dist,
         policy=distributed.wrap_policy(model, dist),
+        staleness_gate=make_gate(config),
     )
     start = 1
     if ckpt is not None:
@@ -327,6 +333,8 @@ def setup_run(
         scheduler.load_state_dict(ckpt.scheduler_state())
         run.buffer = ckpt.buffer()
         run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
+        if run.counters.staleness_gate and hasattr(run.staleness_gate, "load_state_dict"):
+            run.staleness_gate.load_state_dict(run.counters.staleness_gate)
         ckpt.restore_rng(dist.rank, dist.world)
         start = ckpt.step + 1
     return run, start
@@ -352,6 +360,8 @@ def save(run: Run, step: int) -> Path | None:
     rng_states = distributed.gather_rng_states(run.dist)
     if not run.dist.is_main:
         return None
+    if hasattr(run.staleness_gate, "state_dict"):
+        run.counters.staleness_gate = run.staleness_gate.state_dict()
     state = TrainState(
         model=run.model,
         tokenizer=run.tokenizer,

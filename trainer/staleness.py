@@ -8,7 +8,7 @@ log-probs of an older policy. Its Policy Drift under the current weights is
 `D(g) = mean over policy tokens of (logprob_current - logprob_sampler)^2` (L2; L1: `|.|`),
 the same `trainer.replay.policy_drift` the replay gate reads.
 
-Three rules, registered by name in `STALENESS_RULES` (configs name them as `async.rule`):
+Three rules, registered by name in `STALENESS_RULES` (configs name them as `async_rollout.rule`):
 
 - `version_bound` (AReaL's `max_head_offpolicyness`, TRL's `max_staleness`): admit a group
   when `lag <= max_lag`; drift is measured and logged but not used.

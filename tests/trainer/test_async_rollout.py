@@ -58,15 +58,16 @@ def stored_tokens(run_dir: Path) -> list[list[list[int]]]:
 
 
 def test_bound_0_with_a_worker_is_the_synchronous_loop(
-    tiny_policy, small_qa, retrieval_url, tmp_path
+    sft_policy, small_qa, retrieval_url, tmp_path
 ):
-    sync = train(config(retrieval_url, tiny_policy, small_qa, tmp_path / "sync"))
+    sync = train(config(retrieval_url, sft_policy, small_qa, tmp_path / "sync"))
     worker = train(
-        config(retrieval_url, tiny_policy, small_qa, tmp_path / "async",
+        config(retrieval_url, sft_policy, small_qa, tmp_path / "async",
                "async_rollout.workers=1", "async_rollout.max_lag=0")
     )  # fmt: skip
     a, b = rows(sync), rows(worker)
     assert [r["step"] for r in b] == [1, 2, 3]
+    assert any(r["loss"] != 0 for r in a)  # the weights moved: the versions differ
     assert stored_tokens(sync) == stored_tokens(worker)  # the same tokens, bit for bit
     assert len(stored_tokens(sync)) == 3 * 4
     for ra, rb in zip(a, b, strict=True):
@@ -85,12 +86,12 @@ def test_bound_0_with_a_worker_is_the_synchronous_loop(
 
 
 @pytest.mark.parametrize("rule", ["version_bound", "drift_gate"])
-def test_late_groups_pass_the_staleness_rule(rule, tiny_policy, small_qa, retrieval_url, tmp_path):
+def test_late_groups_pass_the_staleness_rule(rule, sft_policy, small_qa, retrieval_url, tmp_path):
     # tau below any real drift: the drift gate rejects every late group, the bound admits all
     run = train(
-        config(retrieval_url, tiny_policy, small_qa, tmp_path / rule, "steps=4",
+        config(retrieval_url, sft_policy, small_qa, tmp_path / rule, "steps=4",
                "async_rollout.workers=1", "async_rollout.max_lag=1",
-               f"async_rollout.rule={rule}", "async_rollout.tau=1e-12", "grpo.lr=1e-2")
+               f"async_rollout.rule={rule}", "async_rollout.tau=1e-9", "grpo.lr=1e-2")
     )  # fmt: skip
     got = rows(run)
     assert got[0]["rollout_lags"] == [0, 0, 0, 0]  # step 1 waits for nothing to train on
@@ -99,7 +100,7 @@ def test_late_groups_pass_the_staleness_rule(rule, tiny_policy, small_qa, retrie
     for r in got:
         late = sum(r["rollout_lags"])
         assert r["late_groups"] == late == len(r["late_drift"])
-        assert all(d > 0 for d in r["late_drift"])  # the weights moved under them
+        assert all(d > 1e-9 for d in r["late_drift"])  # the weights moved under them
         assert (r["cost_gate_tf_tokens"] > 0) == (late > 0)
         trained = len(r["fresh_group_ids"])
         if rule == "version_bound":
@@ -107,7 +108,7 @@ def test_late_groups_pass_the_staleness_rule(rule, tiny_policy, small_qa, retrie
             assert r["staleness_tau"] is None
         else:
             assert r["late_admitted"] == 0 and r["late_to_buffer"] == late
-            assert trained == 4 - late and r["staleness_tau"] == 1e-12
+            assert trained == 4 - late and r["staleness_tau"] == 1e-9
 
 
 def kill_worker_after_step(run_dir: Path, step: int, killed: list) -> None:
@@ -121,10 +122,10 @@ def kill_worker_after_step(run_dir: Path, step: int, killed: list) -> None:
 
 
 def test_a_killed_worker_stops_the_run_in_one_line_with_its_checkpoint(
-    tiny_policy, small_qa, retrieval_url, tmp_path
+    sft_policy, small_qa, retrieval_url, tmp_path
 ):
     out = tmp_path / "run"
-    cfg = config(retrieval_url, tiny_policy, small_qa, out, "steps=8",
+    cfg = config(retrieval_url, sft_policy, small_qa, out, "steps=8",
                  "checkpoint.save_every=1", "async_rollout.workers=1",
                  "async_rollout.max_lag=1")  # fmt: skip
     killed: list[int] = []
@@ -153,10 +154,10 @@ def stop_after_step(run_dir: Path, step: int) -> None:
 
 
 def test_resume_rolls_the_steps_in_flight_out_again_and_trains_no_group_twice(
-    tiny_policy, small_qa, retrieval_url, tmp_path
+    sft_policy, small_qa, retrieval_url, tmp_path
 ):
     out = tmp_path / "run"
-    cfg = config(retrieval_url, tiny_policy, small_qa, out, "steps=6",
+    cfg = config(retrieval_url, sft_policy, small_qa, out, "steps=6",
                  "checkpoint.save_every=0", "async_rollout.workers=1",
                  "async_rollout.max_lag=1", "async_rollout.rule=adaptive_drift_gate",
                  "async_rollout.tau=1e-3", "async_rollout.target=0.5")  # fmt: skip

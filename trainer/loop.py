@@ -71,7 +71,6 @@ from trainer.scoring import (
     forward_logprobs,
     left_pad,
 )
-from trainer.selectors import SELECTORS
 from trainer.telemetry import StepCost, StepRecord, quantiles
 
 if TYPE_CHECKING:
@@ -192,8 +191,7 @@ def train_step(run: Run, step: int) -> StepRecord:
         gap, tis = sampler_gap(fresh, sampler_logprobs(batch.groups, fresh), cfg.grpo.tis_cap)
     # 4. replay selection: one decision, the same on every process
     with run.phase("selection"):
-        selector = SELECTORS.get(cfg.arm)
-        selection = selector(run.buffer, step, cfg.select_params, run.score, fresh=fresh)
+        selection = run.replay.select(step, run.score, fresh)
         run.dist.agree(
             ([g.group_id for g in selection.groups], selection.swap_out),
             f"step {step}'s replay selection: selector {cfg.arm!r} is not a deterministic"
@@ -209,9 +207,7 @@ def train_step(run: Run, step: int) -> StepRecord:
         update = update_policy(run, update_batch, run.scan_graphs(selection))
         run.generator.sync_weights(run.model)  # wakes a sleeping engine
     # 6. ingress after the update
-    for group in selection.groups:
-        group.replay_count += 1
-    evicted = run.buffer.ingest(fresh, cfg.replay.store_zero_advantage)
+    evicted = run.replay.ingest(fresh)  # counts the selection's replays, then stores
     run.logs.groups_left(evicted, step)
     # 7. the step's record
     record_cost(run.cost, batch, trained, selection)
@@ -443,11 +439,13 @@ def assemble_batch(
     """The update's batch from the fresh and replayed groups. `weights` (one per replayed
     group, a sampling selector's importance weights; empty: 1) scale the replayed groups'
     advantages (`weighted_advantages`); `tis` (one `[G, T_g]` per fresh group) weights the
-    fresh tokens, replayed tokens keep weight 1."""
+    fresh tokens; a replayed group's tokens carry the weights stored with it
+    (`StoredGroup.token_weights`, the fresh step's), 1 when it has none."""
     weights = list(weights) or [1.0] * len(replayed)
     token_weights = None
-    if tis is not None:
-        token_weights = [*tis, *(torch.ones_like(g.gen_logprobs) for g in replayed)]
+    if tis is not None or any(g.token_weights is not None for g in replayed):
+        fresh_weights = tis if tis is not None else [torch.ones_like(g.gen_logprobs) for g in fresh]
+        token_weights = [*fresh_weights, *(stored_weights(g) for g in replayed)]
     return Batch(
         groups=[*fresh, *replayed],
         advantages=[g.advantages for g in fresh]
@@ -456,6 +454,13 @@ def assemble_batch(
         positions=list(range(len(fresh) + len(replayed))),
         first_replayed=len(fresh),
     )
+
+
+def stored_weights(group: StoredGroup) -> Tensor:
+    """A stored group's per-token weights `[G, T]`: those its fresh step used, else 1."""
+    if group.token_weights is None:
+        return torch.ones_like(group.gen_logprobs)
+    return group.token_weights
 
 
 @dataclass

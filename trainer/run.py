@@ -36,6 +36,7 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import TrainConfig
+from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import distinct_tokens, score_groups
 from trainer.telemetry import RunLogs, StepCost
@@ -67,7 +68,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    buffer: ReplayBuffer
+    buffer: ReplayBuffer  # the replay lifecycle's (`replay.buffer`)
     generator: Generator
     client: RetrievalClient
     train_examples: list[QAExample]
@@ -79,6 +80,15 @@ class Run:
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
+    replay: GroupReplay | None = None  # the replay lifecycle: selector, gate, ingress; buffer
+
+    def __post_init__(self) -> None:
+        if self.replay is None:
+            self.replay = GroupReplay.from_params(
+                self.buffer.capacity, self.config.arm, self.config.select_params,
+                store_zero_advantage=self.config.replay.store_zero_advantage,
+            )  # fmt: skip
+        self.replay.buffer = self.buffer
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -325,7 +335,7 @@ def setup_run(
     if ckpt is not None:
         run.optimizer.load_state_dict(ckpt.optimizer_state())
         scheduler.load_state_dict(ckpt.scheduler_state())
-        run.buffer = ckpt.buffer()
+        run.buffer = run.replay.buffer = ckpt.buffer()
         run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
         ckpt.restore_rng(dist.rank, dist.world)
         start = ckpt.step + 1

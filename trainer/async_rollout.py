@@ -60,8 +60,9 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from core.errors import UserError
+from trainer.gate import AdaptiveGate, FixedGate
 from trainer.replay import StoredGroup, policy_drift
-from trainer.staleness import STALENESS_RULES, AdaptiveGate, Admission, as_tensors, decide
+from trainer.staleness import STALENESS_RULES, Admission, as_tensors, decide
 
 if TYPE_CHECKING:
     from agent_env.rollout import RolloutResult
@@ -399,22 +400,12 @@ def add_stats(client_stats, delta: dict[str, Any]) -> None:
 # --- admission of late groups -------------------------------------------------------------
 
 
-class FixedTau:
-    """The staleness gate of `drift_gate`: a constant tau (the `trainer.gate` interface)."""
-
-    def __init__(self, tau: float) -> None:
-        self.tau = tau
-
-    def update(self, drifts: Tensor, admitted: Tensor) -> None:
-        """Nothing to learn."""
-
-
 def make_gate(config: TrainConfig):
     """The staleness gate the config names: AdaptiveGate for adaptive_drift_gate, else fixed."""
     a = config.async_rollout
     if STALENESS_RULES.get(a.rule).adaptive:
         return AdaptiveGate(tau=a.tau, target=a.target, kind=a.target_kind, rate=a.adapt_rate)
-    return FixedTau(a.tau)
+    return FixedGate(a.tau)
 
 
 @dataclass

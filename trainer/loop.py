@@ -72,7 +72,6 @@ from trainer.scoring import (
     forward_logprobs,
     left_pad,
 )
-from trainer.selectors import SELECTORS
 from trainer.telemetry import StepCost, StepRecord, quantiles
 
 if TYPE_CHECKING:
@@ -201,8 +200,7 @@ def train_step(run: Run, step: int) -> StepRecord:
         fresh = late.trained
     # 4. replay selection: one decision, the same on every process
     with run.phase("selection"):
-        selector = SELECTORS.get(cfg.arm)
-        selection = selector(run.buffer, step, cfg.select_params, run.score, fresh=fresh)
+        selection = run.replay.select(step, run.score, fresh)
         run.dist.agree(
             ([g.group_id for g in selection.groups], selection.swap_out),
             f"step {step}'s replay selection: selector {cfg.arm!r} is not a deterministic"
@@ -220,9 +218,8 @@ def train_step(run: Run, step: int) -> StepRecord:
         if run.workers is not None:
             run.workers.publish(run.model, step)  # version `step`, for the rollout workers
     # 6. ingress after the update
-    for group in selection.groups:
-        group.replay_count += 1
-    evicted = run.buffer.ingest([*fresh, *late.to_buffer], cfg.replay.store_zero_advantage)
+    # (late groups over the staleness rule, if any, are stored beside the fresh ones)
+    evicted = run.replay.ingest([*fresh, *late.to_buffer])  # counts the replays, then stores
     run.logs.groups_left(evicted, step)
     # 7. the step's record
     record_cost(run.cost, batch, trained, selection)
@@ -472,11 +469,13 @@ def assemble_batch(
     """The update's batch from the fresh and replayed groups. `weights` (one per replayed
     group, a sampling selector's importance weights; empty: 1) scale the replayed groups'
     advantages (`weighted_advantages`); `tis` (one `[G, T_g]` per fresh group) weights the
-    fresh tokens, replayed tokens keep weight 1."""
+    fresh tokens; a replayed group's tokens carry the weights stored with it
+    (`StoredGroup.token_weights`, the fresh step's), 1 when it has none."""
     weights = list(weights) or [1.0] * len(replayed)
     token_weights = None
-    if tis is not None:
-        token_weights = [*tis, *(torch.ones_like(g.gen_logprobs) for g in replayed)]
+    if tis is not None or any(g.token_weights is not None for g in replayed):
+        fresh_weights = tis if tis is not None else [torch.ones_like(g.gen_logprobs) for g in fresh]
+        token_weights = [*fresh_weights, *(stored_weights(g) for g in replayed)]
     return Batch(
         groups=[*fresh, *replayed],
         advantages=[g.advantages for g in fresh]
@@ -485,6 +484,13 @@ def assemble_batch(
         positions=list(range(len(fresh) + len(replayed))),
         first_replayed=len(fresh),
     )
+
+
+def stored_weights(group: StoredGroup) -> Tensor:
+    """A stored group's per-token weights `[G, T]`: those its fresh step used, else 1."""
+    if group.token_weights is None:
+        return torch.ones_like(group.gen_logprobs)
+    return group.token_weights
 
 
 @dataclass

@@ -37,6 +37,7 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import TrainConfig
+from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import distinct_tokens, score_groups
 from trainer.telemetry import RunLogs, StepCost
@@ -70,7 +71,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    buffer: ReplayBuffer
+    buffer: ReplayBuffer  # the replay lifecycle's (`replay.buffer`)
     generator: Generator
     client: RetrievalClient
     train_examples: list[QAExample]
@@ -82,8 +83,17 @@ class Run:
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
+    replay: GroupReplay | None = None  # the replay lifecycle: selector, gate, ingress; buffer
     workers: RolloutWorkers | None = None  # asynchronous rollout (trainer/async_rollout.py)
     staleness_gate: Any = None  # the staleness rule's tau (`async_rollout.make_gate`)
+
+    def __post_init__(self) -> None:
+        if self.replay is None:
+            self.replay = GroupReplay.from_params(
+                self.buffer.capacity, self.config.arm, self.config.select_params,
+                store_zero_advantage=self.config.replay.store_zero_advantage,
+            )  # fmt: skip
+        self.replay.buffer = self.buffer
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -331,7 +341,7 @@ def setup_run(
     if ckpt is not None:
         run.optimizer.load_state_dict(ckpt.optimizer_state())
         scheduler.load_state_dict(ckpt.scheduler_state())
-        run.buffer = ckpt.buffer()
+        run.buffer = run.replay.buffer = ckpt.buffer()
         run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
         if run.counters.staleness_gate and hasattr(run.staleness_gate, "load_state_dict"):
             run.staleness_gate.load_state_dict(run.counters.staleness_gate)

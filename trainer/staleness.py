@@ -24,8 +24,9 @@ run whose rollouts are never late is exactly the synchronous loop whatever the r
 How it departs from the counting rules it is compared with: they decide by the lag alone;
 the drift rules pay one teacher-forced pass per late group for the decision (hdr's loop
 already runs that pass over every fresh group for the behaviour log-probs, so the pass costs
-nothing extra there; the ledger counts it as `cost_gate_tf_tokens`). Pure: imports torch and
-core.registry only.
+nothing extra there; the ledger counts it as `cost_gate_tf_tokens`). The gates themselves
+(`FixedGate`, `AdaptiveGate`) are `trainer.gate`'s, shared with the replay lifecycle. Pure:
+imports torch, core.registry and trainer.gate only.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -72,70 +72,6 @@ def drift_gate(drifts: Tensor, lags: Tensor, tau: float, max_lag: int) -> Tensor
 STALENESS_RULES.register("version_bound")(StalenessRule(version_bound, uses_drift=False))
 STALENESS_RULES.register("drift_gate")(StalenessRule(drift_gate))
 STALENESS_RULES.register("adaptive_drift_gate")(StalenessRule(drift_gate, adaptive=True))
-
-
-def adapt_tau(
-    tau: float, measured: float, target: float, rate: float, lo: float, hi: float
-) -> float:
-    """One step of the log-space controller: `tau * exp(rate * e)`, clipped to `[lo, hi]`,
-    with the relative error `e = clip((target - measured) / target, -1, 1)`.
-
-    Measured below target (too few late groups admitted, or less drift than the budget)
-    raises tau; above lowers it. Multiplicative steps keep tau positive and make the step
-    size independent of tau's scale, which spans decades between models."""
-    error = max(-1.0, min(1.0, (target - measured) / target))
-    return float(min(hi, max(lo, tau * math.exp(rate * error))))
-
-
-@dataclass
-class AdaptiveGate:
-    """A drift gate whose `tau` holds `target` online (the `trainer.gate` interface: `tau`,
-    `update(drifts, admitted)`, and `state_dict` / `load_state_dict` for checkpoints).
-
-    `kind="acceptance"`: `target` is the share of scored groups admitted (in (0, 1]);
-    `kind="drift_budget"`: `target` is the mean drift of the admitted groups. After each
-    decision, `update` measures that quantity over the groups just scored and moves tau by
-    `adapt_tau`. A decision that scored nothing leaves tau as it is; one that admitted
-    nothing measures a drift of 0 for the budget (below it: tau rises). `last_measured` is
-    the measurement of the latest update (NaN before), logged per step."""
-
-    tau: float
-    target: float
-    kind: Literal["acceptance", "drift_budget"] = "acceptance"
-    rate: float = 0.1
-    tau_min: float = 1e-8
-    tau_max: float = 1e4
-    last_measured: float = math.nan
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("acceptance", "drift_budget"):
-            raise ValueError(f"kind must be acceptance or drift_budget, got {self.kind!r}")
-        if not self.target > 0 or (self.kind == "acceptance" and self.target > 1):
-            raise ValueError(f"target {self.target} is out of range for {self.kind}")
-        if not 0 < self.tau_min <= self.tau <= self.tau_max:
-            raise ValueError(f"tau {self.tau} must lie in [{self.tau_min}, {self.tau_max}]")
-
-    def measure(self, drifts: Tensor, admitted: Tensor) -> float:
-        """The controlled quantity of one decision: `[n]` drifts, `[n]` bool admitted."""
-        if self.kind == "acceptance":
-            return float(admitted.float().mean())
-        taken = drifts[admitted]
-        return float(taken.float().mean()) if len(taken) else 0.0
-
-    def update(self, drifts: Tensor, admitted: Tensor) -> None:
-        if len(drifts) == 0:
-            return
-        self.last_measured = self.measure(drifts, admitted)
-        self.tau = adapt_tau(
-            self.tau, self.last_measured, self.target, self.rate, self.tau_min, self.tau_max
-        )
-
-    def state_dict(self) -> dict[str, float]:
-        return {"tau": self.tau, "last_measured": self.last_measured}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.tau = float(state["tau"])
-        self.last_measured = float(state["last_measured"])
 
 
 @dataclass

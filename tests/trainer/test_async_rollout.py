@@ -13,13 +13,13 @@ processes, a real retrieval server and the tiny policy:
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
-import multiprocessing
 import pytest
 import torch
 from conftest import TINY_CPU, tiny_overrides

@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from core.errors import UserError
-from trainer.staleness import (
-    STALENESS_RULES,
-    AdaptiveGate,
-    adapt_tau,
-    as_tensors,
-    decide,
-)
+from trainer.gate import AdaptiveGate, Gate, adapt_tau
+from trainer.staleness import STALENESS_RULES, as_tensors, decide
 
 # five groups: on time, then late by 1, 1, 2 and 3 updates
 DRIFTS, LAGS = as_tensors([0.30, 0.01, 0.20, 0.02, 0.001], [0, 1, 1, 2, 3])
@@ -118,6 +113,7 @@ def test_adaptive_gate_holds_a_drift_budget():
 
 def test_adaptive_gate_ignores_an_empty_decision_and_round_trips_its_state():
     gate = AdaptiveGate(tau=0.05, target=0.5)
+    assert isinstance(gate, Gate)  # the lifecycle's gate interface
     gate.update(torch.zeros(0), torch.zeros(0, dtype=torch.bool))
     assert gate.tau == 0.05 and math.isnan(gate.last_measured)
     gate.update(torch.tensor([0.01, 0.1]), torch.tensor([True, False]))

@@ -85,6 +85,7 @@ def test_bound_0_with_a_worker_is_the_synchronous_loop(
     assert max(float((ta[k] - tb[k]).abs().max()) for k in ta) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["version_bound", "drift_gate"])
 def test_late_groups_pass_the_staleness_rule(rule, sft_policy, small_qa, retrieval_url, tmp_path):
     # tau below any real drift: the drift gate rejects every late group, the bound admits all
@@ -153,6 +154,7 @@ def stop_after_step(run_dir: Path, step: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_resume_rolls_the_steps_in_flight_out_again_and_trains_no_group_twice(
     sft_policy, small_qa, retrieval_url, tmp_path
 ):
@@ -183,3 +185,76 @@ def test_resume_rolls_the_steps_in_flight_out_again_and_trains_no_group_twice(
     ids = [i for r in got for i in r["fresh_group_ids"]]
     assert len(ids) == len(set(ids))  # no fresh group trained twice
     assert torch.isfinite(torch.tensor([r["loss"] for r in got])).all()
+
+
+def stop_server_after_step(server, run_dir: Path, step: int, then: threading.Event) -> None:
+    deadline = time.monotonic() + 900
+    while len(rows(run_dir)) < step and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.stop()
+    then.set()
+
+
+def outage_config(url, model, qa, out, grace_s: float) -> TrainConfig:
+    return config(url, model, qa, out, "steps=4", "checkpoint.save_every=1",
+                  "async_rollout.workers=1", "async_rollout.max_lag=1",
+                  "retrieval.max_retries=2", "retrieval.backoff_s=0.05",
+                  "retrieval.backoff_max_s=0.2", f"retrieval.outage_grace_s={grace_s}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_worker_waits_out_a_retrieval_outage_and_the_run_completes(
+    small_index, sft_policy, small_qa, tmp_path
+):
+    from servers import running_server
+
+    out, stopped, restarted = tmp_path / "run", threading.Event(), []
+
+    def outage(server, port: int) -> None:
+        stop_server_after_step(server, out, 1, stopped)
+        time.sleep(8.0)
+        restarted.append(running_server(small_index, port=port))
+        restarted[0].__enter__()  # the same URL again
+
+    with running_server(small_index) as first:
+        port = int(first.url.rsplit(":", 1)[1])
+        cfg = outage_config(first.url, sft_policy, small_qa, out, grace_s=300)
+        worker = threading.Thread(target=outage, args=(first, port), daemon=True)
+        worker.start()
+        try:
+            run_dir = train(cfg)
+        finally:
+            worker.join(timeout=120)
+            if restarted:
+                restarted[0].__exit__(None, None, None)
+    got = rows(run_dir)
+    assert stopped.is_set() and [r["step"] for r in got] == [1, 2, 3, 4]
+    # the worker's client paused (its counters join the run's) and nothing was lost
+    assert sum(r["retrieval_outages"] for r in got) >= 1
+    assert sum(r["retrieval_outage_s"] for r in got) >= 2
+    assert all(r["dropped_groups"] == 0 and r["retrieval_failed_queries"] == 0 for r in got)
+
+
+@pytest.mark.slow
+def test_past_the_grace_an_async_run_stops_in_one_line_with_its_checkpoint(
+    small_index, sft_policy, small_qa, tmp_path
+):
+    from servers import running_server
+
+    out, stopped = tmp_path / "run", threading.Event()
+    with running_server(small_index) as server:
+        cfg = outage_config(server.url, sft_policy, small_qa, out, grace_s=2)
+        watcher = threading.Thread(
+            target=stop_server_after_step, args=(server, out, 1, stopped), daemon=True
+        )
+        watcher.start()
+        with pytest.raises(UserError) as raised:
+            train(cfg)
+        watcher.join(timeout=60)
+    message = str(raised.value)
+    done = len(rows(out))
+    assert "\n" not in message and done < 4
+    assert "no retrieval server answered for 2 s (retrieval.outage_grace_s)" in message
+    assert f"step {done + 1} stopped:" in message
+    assert f"last checkpoint: step {done}; continue with --resume {out}" in message
+    assert open_checkpoint(out).step == done

@@ -431,6 +431,7 @@ class LateDecision:
             "late_to_buffer": len(self.to_buffer),
             "late_dropped": self.dropped,
             "late_drift": a.drifts[late].tolist(),
+            "late_admitted_drift": a.drifts[late & a.admitted].tolist(),
             "late_admitted_share": a.late_admitted_share,
             "staleness_tau": None if a.tau == float("inf") else a.tau,
         }

@@ -164,7 +164,11 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
     take the newest weights, roll out its shards, send them. Every failure is one message."""
     from dataclasses import replace
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which stops us
+    # Ctrl-C or a scheduler's SIGTERM to the process group stops the trainer after its step,
+    # and the trainer stops us; a trainer that dies leaves us its orphans: we leave too
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
     torch.set_num_threads(spec.threads)
     step = spec.start
     try:
@@ -189,7 +193,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
         have = -1
         for step in range(spec.start, cfg.steps + 1):
             while board.version < step - 1 - a.max_lag:
-                if stop.is_set():
+                if stop.is_set() or os.getppid() != parent:
                     return
                 time.sleep(POLL_S)
             have = board.load_into(model, have)
@@ -362,13 +366,10 @@ class RolloutWorkers:
         self.stop.set()
         for proc in self.processes:
             proc.join(timeout=2)
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=10)
+        for proc in self.processes:  # one still in a rollout: its work is discarded anyway
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+                proc.join(timeout=30)
         while not self.inbox.empty():
             self._take(timeout=0)
         unused = len(self.arrived)

@@ -8,11 +8,13 @@ then for each latency starts a real `hdr serve` with `emulated_cost.request_late
 (added to every /retrieve request) and trains the same seed with:
 
 - `sync`: the synchronous loop, rollouts in the trainer's process;
-- `sync_concurrent`: `--workers` rollout workers with the queue bound 0: still synchronous
-  (every rollout waits for the last update) but each step's shards roll out in parallel, so
-  it issues as many concurrent retrieval requests as the asynchronous runs do;
+- `sync_concurrent`: `--workers` rollout workers with the queue bound 0 and
+  `async_rollout.split=shards`: still synchronous (every rollout waits for the last update)
+  but each step's shards roll out in parallel, so it issues as many concurrent retrieval
+  requests as the asynchronous runs do;
 - one asynchronous run per staleness rule (`version_bound`, `drift_gate`,
-  `adaptive_drift_gate`), `--workers` workers, `max_lag` 1.
+  `adaptive_drift_gate`), `--workers` workers taking whole steps in turn
+  (`async_rollout.split=steps`), `max_lag` 1.
 
 `speedup_vs_sync` is groups/s over the better of the two synchronous loops (so overlap, not
 extra parallelism, is what it measures). groups/s are fresh groups over the steps' wall time
@@ -194,12 +196,18 @@ def summarise(name: str, latency: float, rows: list[dict], heldout, cpu: float) 
 
 
 def runs_for(args) -> list[tuple[str, list[str]]]:
+    """The runs at one latency: both synchronous loops, then one asynchronous run per rule
+    (steps dealt round-robin to the workers, each one torch thread: more threads than cores
+    over all processes makes OpenMP's waiting threads slow everything down)."""
     w = args.workers
-    shards = [f"distributed.rollout_shards={w}"]
-    out = [("sync", shards), ("sync_concurrent",
-            [*shards, f"async_rollout.workers={w}", "async_rollout.max_lag=0"])]  # fmt: skip
+    workers = [f"distributed.rollout_shards={w}", f"async_rollout.workers={w}",
+               "async_rollout.worker_threads=1"]  # fmt: skip
+    out = [
+        ("sync", [f"distributed.rollout_shards={w}"]),
+        ("sync_concurrent", [*workers, "async_rollout.split=shards", "async_rollout.max_lag=0"]),
+    ]
     for rule in RULES:
-        out.append((rule, [*shards, f"async_rollout.workers={w}", "async_rollout.max_lag=1",
+        out.append((rule, [*workers, "async_rollout.split=steps", "async_rollout.max_lag=1",
                            f"async_rollout.rule={rule}", f"async_rollout.tau={args.tau}",
                            "async_rollout.target=0.5"]))  # fmt: skip
     return out
@@ -211,6 +219,7 @@ def staleness_hurts(paths, url: str, work: Path, args, rule: str) -> dict:
     w = args.workers
     extra = [f"grpo.lr={args.high_lr}", f"distributed.rollout_shards={w}",
              f"async_rollout.workers={w}", "async_rollout.max_lag=2",
+             "async_rollout.worker_threads=1",
              f"async_rollout.rule={rule}", f"async_rollout.tau={args.tau}"]  # fmt: skip
     rows, heldout, cpu = train_once(base, extra)
     return {**summarise(rule, 0.0, rows, heldout, cpu), "lr": args.high_lr}
@@ -224,9 +233,13 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=1e-3, help="drift_gate's tau (adaptive: start)")
     ap.add_argument("--high-lr", type=float, default=2e-2)
     ap.add_argument("--eval-questions", type=int, default=16)
+    ap.add_argument("--trainer-threads", type=int, default=1, help="torch threads, trainer")
     ap.add_argument("--work", default="/tmp/hdr-async-bench")
     ap.add_argument("--out", default=str(REPO / "bench/results/async.json"))
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.trainer_threads)  # workers: 1 each (runs_for)
     work = Path(args.work)
     paths = prepare(work)
     results, hurt = [], []
@@ -254,7 +267,8 @@ def main() -> None:
     report = {
         "command": "python bench/async_rollout.py " + " ".join(sys.argv[1:]),
         "machine": f"{os.cpu_count()} CPU cores, shared with other work while measured",
-        "steps": args.steps, "workers": args.workers, "batch": "b=8, G=4, 1 search turn",
+        "steps": args.steps, "workers": args.workers, "trainer_threads": args.trainer_threads,
+        "batch": "b=8, G=4, 1 search turn",
         "target": f"speedup_vs_sync >= {TARGET} at 500 ms a call",
         "quality": "untestable on this bed (tiny policy, a few steps, 16 held-out questions)",
         "rows": results, "staleness_hurts": hurt,

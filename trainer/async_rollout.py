@@ -123,6 +123,14 @@ class WeightBoard:
             time.sleep(POLL_S)
 
 
+def responsible(split: str, workers: int, start: int, step: int) -> set[int]:
+    """The workers that roll out (part of) `step`: all of them, each its shards (`shards`), or
+    one, steps dealt round-robin from the run's first step (`steps`)."""
+    if split == "shards":
+        return set(range(workers))
+    return {(step - start) % workers}
+
+
 # --- the worker process -------------------------------------------------------------------
 
 
@@ -188,10 +196,14 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
         client = connect(cfg.retrieval, seed=cfg.seed + 1 + spec.index)
         train_examples, _ = load_examples(cfg)
         side = RolloutSide(cfg, generator, client, tokenizer)
-        shards = range(spec.index, cfg.distributed.rollout_shards, a.workers)
+        shards = range(cfg.distributed.rollout_shards)
+        if a.split == "shards":
+            shards = range(spec.index, cfg.distributed.rollout_shards, a.workers)
         conn.send(("ready", spec.index, os.getpid()))
         have = -1
         for step in range(spec.start, cfg.steps + 1):
+            if spec.index not in responsible(a.split, a.workers, spec.start, step):
+                continue
             while board.version < step - 1 - a.max_lag:
                 if stop.is_set() or os.getppid() != parent:
                     return
@@ -241,6 +253,7 @@ class RolloutWorkers:
     board: WeightBoard
     processes: list
     stop: Any
+    start: int  # the first step of this process's run
     inbox: queue.Queue = field(default_factory=queue.Queue)
     arrived: dict[int, dict[int, Delivered]] = field(default_factory=dict)
     failed: dict[int, tuple[int, str, str]] = field(default_factory=dict)  # w -> (step, kind, line)
@@ -256,10 +269,11 @@ class RolloutWorkers:
         ctx = mp.get_context("spawn")
         board = WeightBoard(run.model, start - 1, ctx)
         stop = ctx.Event()
-        workers = cls(cfg, board, [], stop)
+        workers = cls(cfg, board, [], stop, start)
         for w in range(cfg.async_rollout.workers):
             receive, send = ctx.Pipe(duplex=False)
-            spec = WorkerSpec(cfg, w, start, torch.get_num_threads())
+            threads = cfg.async_rollout.worker_threads or torch.get_num_threads()
+            spec = WorkerSpec(cfg, w, start, threads)
             proc = ctx.Process(
                 target=worker_main, args=(spec, board, send, stop), name=f"hdr-rollout-{w}"
             )
@@ -317,9 +331,10 @@ class RolloutWorkers:
         from agent_env.retrieval_client import RetrievalUnavailable
         from agent_env.rollout import RolloutResult
 
-        n = len(self.processes)
-        while len(self.arrived.get(step, {})) < n:
-            missing = set(range(n)) - set(self.arrived.get(step, {}))
+        a = self.config.async_rollout
+        needed = responsible(a.split, a.workers, self.start, step)
+        while not needed <= set(self.arrived.get(step, {})):
+            missing = needed - set(self.arrived.get(step, {}))
             for w in sorted(missing):
                 if w in self.failed:
                     failed_step, kind, line = self.failed[w]

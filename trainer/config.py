@@ -200,9 +200,15 @@ class AsyncConfig(StrictModel):
         0,
         ge=0,
         description="Rollout worker processes (hf generator, each with its own copy of the"
-        " weights and its own retrieval client); each rolls out its share of every step's"
-        " rollout shards (`distributed.rollout_shards`, a multiple of it). 0: rollouts run in"
-        " the trainer's process.",
+        " weights and its own retrieval client), sharing the rollouts as `split` says."
+        " 0: rollouts run in the trainer's process.",
+    )
+    split: Literal["steps", "shards"] = Field(
+        "steps",
+        description="How the workers share the rollouts: steps dealt round-robin (with"
+        " max_lag >= 1 several steps roll out at once), or every step's"
+        " `distributed.rollout_shards` split among them (a step's rollout in parallel; with"
+        " max_lag 0, the synchronous loop issuing `workers` concurrent requests).",
     )
     max_lag: int = Field(
         0,
@@ -240,6 +246,14 @@ class AsyncConfig(StrictModel):
     )
     start_timeout_s: float = Field(
         600.0, gt=0, description="Most seconds a worker may take to load and report ready."
+    )
+    worker_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per worker; None: the trainer's (what makes `max_lag` 0"
+        " bit-identical to the synchronous loop). With more threads than cores over all"
+        " processes, OpenMP's waiting threads slow every process down: give workers 1 each"
+        " on a small machine.",
     )
 
     @field_validator("rule")
@@ -420,7 +434,7 @@ class TrainConfig(StrictModel):
                 "grpo.tis_cap=null (late groups train on the sampler's log-probs already)",
             ),
             (
-                self.distributed.rollout_shards % a.workers != 0,
+                a.split == "shards" and self.distributed.rollout_shards % a.workers != 0,
                 f"distributed.rollout_shards a multiple of async_rollout.workers={a.workers}",
             ),
         ]

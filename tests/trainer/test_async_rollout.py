@@ -57,13 +57,25 @@ def stored_tokens(run_dir: Path) -> list[list[list[int]]]:
     return [g.input_ids.tolist() for g in open_checkpoint(run_dir).buffer()]
 
 
-def test_bound_0_with_a_worker_is_the_synchronous_loop(
-    sft_policy, small_qa, retrieval_url, tmp_path
+WORKER_SETUPS = [
+    pytest.param(["async_rollout.workers=1"], id="one-worker"),
+    # two workers each rolling out one of every step's two shards, or whole steps in turn
+    pytest.param(["async_rollout.workers=2", "async_rollout.split=shards"],
+                 id="two-workers-shards", marks=pytest.mark.slow),
+    pytest.param(["async_rollout.workers=2", "async_rollout.split=steps"],
+                 id="two-workers-steps", marks=pytest.mark.slow),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("setup", WORKER_SETUPS)
+def test_bound_0_with_workers_is_the_synchronous_loop(
+    setup, sft_policy, small_qa, retrieval_url, tmp_path
 ):
-    sync = train(config(retrieval_url, sft_policy, small_qa, tmp_path / "sync"))
+    shards = "distributed.rollout_shards=2"
+    sync = train(config(retrieval_url, sft_policy, small_qa, tmp_path / "sync", shards))
     worker = train(
-        config(retrieval_url, sft_policy, small_qa, tmp_path / "async",
-               "async_rollout.workers=1", "async_rollout.max_lag=0")
+        config(retrieval_url, sft_policy, small_qa, tmp_path / "async", shards, *setup,
+               "async_rollout.max_lag=0")
     )  # fmt: skip
     a, b = rows(sync), rows(worker)
     assert [r["step"] for r in b] == [1, 2, 3]
@@ -110,6 +122,13 @@ def test_late_groups_pass_the_staleness_rule(rule, sft_policy, small_qa, retriev
         else:
             assert r["late_admitted"] == 0 and r["late_to_buffer"] == late
             assert trained == 4 - late and r["staleness_tau"] == 1e-9
+
+
+def test_steps_are_dealt_round_robin_or_shared():
+    from trainer.async_rollout import responsible
+
+    assert [responsible("steps", 2, 3, s) for s in (3, 4, 5)] == [{0}, {1}, {0}]
+    assert responsible("shards", 3, 1, 7) == {0, 1, 2}
 
 
 def kill_worker_after_step(run_dir: Path, step: int, killed: list) -> None:

@@ -17,6 +17,7 @@ from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
 from core.config import StrictModel
 from trainer.selectors import SELECTORS
+from trainer.staleness import STALENESS_RULES
 
 
 class ModelConfig(StrictModel):
@@ -190,6 +191,94 @@ class DistributedConfig(StrictModel):
     )
 
 
+class AsyncConfig(StrictModel):
+    """Asynchronous rollout (trainer/async_rollout.py): rollout worker processes generate
+    ahead of the trainer, and a staleness rule decides which late groups enter the update.
+    The defaults (no workers, `max_lag` 0) are the synchronous loop."""
+
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Rollout worker processes (hf generator, each with its own copy of the"
+        " weights and its own retrieval client), sharing the rollouts as `split` says."
+        " 0: rollouts run in the trainer's process.",
+    )
+    split: Literal["steps", "shards"] = Field(
+        "steps",
+        description="How the workers share the rollouts: steps dealt round-robin (with"
+        " max_lag >= 1 several steps roll out at once), or every step's"
+        " `distributed.rollout_shards` split among them (a step's rollout in parallel; with"
+        " max_lag 0, the synchronous loop issuing `workers` concurrent requests).",
+    )
+    max_lag: int = Field(
+        0,
+        ge=0,
+        description="Queue bound and hard version cap k: step s's rollout may start once the"
+        " weights of update s-1-k are published, so a group is at most k updates late"
+        " (AReaL's max_head_offpolicyness). 0: every rollout waits for the last update, the"
+        " synchronous loop.",
+    )
+    rule: str = Field(
+        "version_bound",
+        description="Staleness rule for late groups: " + ", ".join(STALENESS_RULES.names()),
+    )
+    tau: float = Field(
+        0.05,
+        gt=0,
+        description="drift_gate: admit a late group when D(g) <= tau; adaptive_drift_gate: the"
+        " starting tau. Same drift as the replay gate (`replay.drift_norm`).",
+    )
+    target_kind: Literal["acceptance", "drift_budget"] = Field(
+        "acceptance",
+        description="adaptive_drift_gate: hold the share of late groups admitted"
+        " (acceptance), or the mean drift of the late groups admitted (drift_budget).",
+    )
+    target: float = Field(
+        0.5, gt=0, description="adaptive_drift_gate: the acceptance rate (<= 1) or drift budget."
+    )
+    adapt_rate: float = Field(
+        0.1, gt=0, description="adaptive_drift_gate: log-space step of tau per update."
+    )
+    over_gate: Literal["buffer", "drop"] = Field(
+        "buffer",
+        description="A late group the rule rejects enters the replay buffer (Headroom may bring"
+        " it back once its drift passes the replay gate) or is dropped.",
+    )
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="Most seconds a worker may take to load and report ready."
+    )
+    worker_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per worker; None: the trainer's (what makes `max_lag` 0"
+        " bit-identical to the synchronous loop). With more threads than cores over all"
+        " processes, OpenMP's waiting threads slow every process down: give workers 1 each"
+        " on a small machine.",
+    )
+
+    @field_validator("rule")
+    @classmethod
+    def _known_rule(cls, v: str) -> str:
+        if v not in STALENESS_RULES:
+            raise ValueError(
+                f"unknown staleness rule {v!r}; valid: {', '.join(STALENESS_RULES.names())}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _target_in_range(self) -> AsyncConfig:
+        if self.target_kind == "acceptance" and self.target > 1:
+            raise ValueError(
+                f"async_rollout.target={self.target} is an acceptance rate: add one <= 1"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts run in worker processes."""
+        return self.workers > 0
+
+
 class SFTConfig(StrictModel):
     """The supervised warm start (`hdr sft`); reads the rest of the training config."""
 
@@ -262,6 +351,7 @@ class TrainConfig(StrictModel):
     log: LogConfig = Field(default_factory=LogConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    async_rollout: AsyncConfig = Field(default_factory=AsyncConfig)
 
     @field_validator("arm")
     @classmethod
@@ -324,6 +414,33 @@ class TrainConfig(StrictModel):
                 f" grpo.batch_prompts={self.grpo.batch_prompts} (a shard holds at least one"
                 f" prompt): add distributed.rollout_shards={self.grpo.batch_prompts} or fewer"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _async_runs_what_it_supports(self) -> TrainConfig:
+        a = self.async_rollout
+        if a.max_lag > 0 and not a.enabled:
+            raise ValueError(
+                f"async_rollout.max_lag={a.max_lag} needs rollout workers:"
+                " add async_rollout.workers=1"
+            )
+        if not a.enabled:
+            return self
+        refuse = [
+            (self.generation.backend != "hf", "generation.backend=hf (the workers' generator)"),
+            (self.grpo.dynamic_sampling, "grpo.dynamic_sampling=false (no refills)"),
+            (
+                self.grpo.tis_cap is not None,
+                "grpo.tis_cap=null (late groups train on the sampler's log-probs already)",
+            ),
+            (
+                a.split == "shards" and self.distributed.rollout_shards % a.workers != 0,
+                f"distributed.rollout_shards a multiple of async_rollout.workers={a.workers}",
+            ),
+        ]
+        for broken, fix in refuse:
+            if broken:
+                raise ValueError(f"asynchronous rollout (async_rollout.workers > 0) needs {fix}")
         return self
 
     @property

@@ -52,6 +52,7 @@ from torch import Tensor
 from core.errors import UserError
 from core.progress import progress, say
 from trainer import distributed
+from trainer.async_rollout import RolloutWorkerLost, RolloutWorkers, add_stats, admit_late, on_time
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainConfig
 from trainer.grpo import (
@@ -71,7 +72,6 @@ from trainer.scoring import (
     forward_logprobs,
     left_pad,
 )
-from trainer.selectors import SELECTORS
 from trainer.telemetry import StepCost, StepRecord, quantiles
 
 if TYPE_CHECKING:
@@ -96,8 +96,12 @@ def train(config: TrainConfig, resume: str | Path | None = None, force: bool = F
     with StopSignals() as stop:
         run, start = setup_run(config, resume, force)
         try:
+            if config.async_rollout.enabled:
+                run.workers = RolloutWorkers.start(run, start)
             train_steps(run, start, stop)
         finally:
+            if run.workers is not None:
+                run.workers.close()  # rollouts in flight are discarded (re-rolled on resume)
             distributed.shutdown(run.dist)
     return run.run_dir
 
@@ -141,7 +145,7 @@ def step_or_stop(run: Run, step: int) -> StepRecord:
 
     try:
         return train_step(run, step)
-    except RetrievalUnavailable as err:
+    except (RetrievalUnavailable, RolloutWorkerLost) as err:
         run.logs.flush()
         found = list_checkpoints(run.run_dir / "checkpoints")
         where = (
@@ -189,11 +193,14 @@ def train_step(run: Run, step: int) -> StepRecord:
     with run.phase("scoring"):
         run.generator.sleep()
         fresh, entropy = behaviour(run, batch.groups, step)
-        gap, tis = sampler_gap(fresh, sampler_logprobs(batch.groups, fresh), cfg.grpo.tis_cap)
+        sampled = sampler_logprobs(batch.groups, fresh)
+        gap, tis = sampler_gap(*on_time(fresh, sampled, batch.lags), cfg.grpo.tis_cap)
+        # late groups (asynchronous rollout) pass the staleness rule or go to the buffer
+        late = admit_late(run, fresh, sampled, batch.lags)
+        fresh = late.trained
     # 4. replay selection: one decision, the same on every process
     with run.phase("selection"):
-        selector = SELECTORS.get(cfg.arm)
-        selection = selector(run.buffer, step, cfg.select_params, run.score, fresh=fresh)
+        selection = run.replay.select(step, run.score, fresh)
         run.dist.agree(
             ([g.group_id for g in selection.groups], selection.swap_out),
             f"step {step}'s replay selection: selector {cfg.arm!r} is not a deterministic"
@@ -208,15 +215,18 @@ def train_step(run: Run, step: int) -> StepRecord:
         update_batch = assemble_batch(trained, selection.groups, selection.weights, kept_tis)
         update = update_policy(run, update_batch, run.scan_graphs(selection))
         run.generator.sync_weights(run.model)  # wakes a sleeping engine
+        if run.workers is not None:
+            run.workers.publish(run.model, step)  # version `step`, for the rollout workers
     # 6. ingress after the update
-    for group in selection.groups:
-        group.replay_count += 1
-    evicted = run.buffer.ingest(fresh, cfg.replay.store_zero_advantage)
+    # (late groups over the staleness rule, if any, are stored beside the fresh ones)
+    evicted = run.replay.ingest([*fresh, *late.to_buffer])  # counts the replays, then stores
     run.logs.groups_left(evicted, step)
     # 7. the step's record
     record_cost(run.cost, batch, trained, selection)
-    return step_record(run, step, started, batch, fresh, entropy, gap, selection, update,
-                       client_before)  # fmt: skip
+    record = step_record(run, step, started, batch, fresh, entropy, gap, selection, update,
+                         client_before)  # fmt: skip
+    record.async_rollout = late.record()
+    return record
 
 
 # --- 1-2. rollout --------------------------------------------------------------------------
@@ -229,6 +239,7 @@ class FreshBatch:
     groups: list[Group]  # kept groups (b, or fewer after dynamic sampling's filter)
     rollouts: list[RolloutResult]  # the step's batch and each refill
     passages: int  # documents the environment returned over all of them
+    lags: list[int] | None = None  # per group, updates late (rollout workers); None: on time
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -275,6 +286,8 @@ def rollout_fresh(run: Run, step: int) -> FreshBatch:
     out its shards of every batch and all of them receive every group (trainer/distributed.py),
     so what follows is the same on every process."""
     cfg = run.config
+    if run.workers is not None:
+        return collect_fresh(run, step)
     b = cfg.grpo.batch_prompts
     passages_before = run.client.stats.passages
 
@@ -299,6 +312,19 @@ def rollout_fresh(run: Run, step: int) -> FreshBatch:
         )
     passages = run.dist.sum({"passages": run.client.stats.passages - passages_before})
     return FreshBatch(kept, rollouts, int(passages["passages"]))
+
+
+def collect_fresh(run: Run, step: int) -> FreshBatch:
+    """The step's rollout from the rollout workers (trainer/async_rollout.py), with each
+    group's lag; the workers' retrieval counters join the run's client's."""
+    result, lags, stats = run.workers.collect(step)
+    add_stats(run.client.stats, stats)
+    if not result.groups:
+        raise UserError(
+            f"step {step}: every rollout failed to reach the retrieval server"
+            f" ({', '.join(run.config.retrieval.urls)}); is it running? (hdr serve --index DIR)"
+        )
+    return FreshBatch(result.groups, [result], int(stats["passages"]), lags)
 
 
 # --- 3. behaviour log-probs, and the sampler's beside them --------------------------------
@@ -443,11 +469,13 @@ def assemble_batch(
     """The update's batch from the fresh and replayed groups. `weights` (one per replayed
     group, a sampling selector's importance weights; empty: 1) scale the replayed groups'
     advantages (`weighted_advantages`); `tis` (one `[G, T_g]` per fresh group) weights the
-    fresh tokens, replayed tokens keep weight 1."""
+    fresh tokens; a replayed group's tokens carry the weights stored with it
+    (`StoredGroup.token_weights`, the fresh step's), 1 when it has none."""
     weights = list(weights) or [1.0] * len(replayed)
     token_weights = None
-    if tis is not None:
-        token_weights = [*tis, *(torch.ones_like(g.gen_logprobs) for g in replayed)]
+    if tis is not None or any(g.token_weights is not None for g in replayed):
+        fresh_weights = tis if tis is not None else [torch.ones_like(g.gen_logprobs) for g in fresh]
+        token_weights = [*fresh_weights, *(stored_weights(g) for g in replayed)]
     return Batch(
         groups=[*fresh, *replayed],
         advantages=[g.advantages for g in fresh]
@@ -456,6 +484,13 @@ def assemble_batch(
         positions=list(range(len(fresh) + len(replayed))),
         first_replayed=len(fresh),
     )
+
+
+def stored_weights(group: StoredGroup) -> Tensor:
+    """A stored group's per-token weights `[G, T]`: those its fresh step used, else 1."""
+    if group.token_weights is None:
+        return torch.ones_like(group.gen_logprobs)
+    return group.token_weights
 
 
 @dataclass

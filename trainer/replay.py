@@ -96,6 +96,10 @@ class StoredGroup:
     entered_step: int
     replay_count: int = 0
     initial_headroom: float = float("nan")
+    # (G, T) float32 per-token weights from the step that made the group (e.g. TRL's
+    # importance-sampling ratio, 0 on a sequence its mask dropped); None: weight 1. They
+    # travel with the group, so a replayed row is weighted as its fresh step weighted it.
+    token_weights: Tensor | None = None
 
     def __post_init__(self) -> None:
         if math.isnan(self.initial_headroom):
@@ -111,6 +115,7 @@ class StoredGroup:
         return bool((self.advantages == 0).all().item())
 
     TENSORS = ("input_ids", "attention_mask", "loss_mask", "gen_logprobs", "rewards", "advantages")
+    OPTIONAL_TENSORS = ("token_weights",)
     META = ("group_id", "headroom", "entered_step", "replay_count", "initial_headroom")
 
 
@@ -123,8 +128,10 @@ def make_group(
     rewards: Tensor,
     advantages: Tensor,
     step: int,
+    token_weights: Tensor | None = None,
 ) -> StoredGroup:
-    """A `StoredGroup` whose stored headroom is computed from its generation-time log-probs."""
+    """A `StoredGroup` whose stored headroom is computed from its generation-time log-probs
+    (`token_weights`: see `StoredGroup.token_weights`)."""
     h = float(headroom(gen_logprobs, loss_mask, advantages).item())
     return StoredGroup(
         group_id=group_id,
@@ -137,6 +144,7 @@ def make_group(
         headroom=h,
         entered_step=step,
         initial_headroom=h,
+        token_weights=None if token_weights is None else token_weights.float(),
     )
 
 
@@ -184,8 +192,9 @@ class ReplayBuffer:
         tensors: dict[str, Tensor] = {}
         meta: list[dict] = []
         for i, group in enumerate(self._groups):
-            for name in StoredGroup.TENSORS:
-                tensors[f"{i}.{name}"] = getattr(group, name).contiguous()
+            for name in StoredGroup.TENSORS + StoredGroup.OPTIONAL_TENSORS:
+                if getattr(group, name) is not None:
+                    tensors[f"{i}.{name}"] = getattr(group, name).contiguous()
             meta.append({name: getattr(group, name) for name in StoredGroup.META})
         return tensors, meta
 
@@ -194,6 +203,8 @@ class ReplayBuffer:
         buffer = cls(capacity)
         for i, info in enumerate(meta):
             arrays = {name: tensors[f"{i}.{name}"] for name in StoredGroup.TENSORS}
+            for name in StoredGroup.OPTIONAL_TENSORS:
+                arrays[name] = tensors.get(f"{i}.{name}")
             buffer._groups.append(StoredGroup(**arrays, **info))
         return buffer
 
@@ -250,6 +261,7 @@ class Selection:
     groups: list[StoredGroup] = field(default_factory=list)
     scanned: int = 0
     drift_scanned: list[float] = field(default_factory=list)
+    admitted_scanned: list[bool] = field(default_factory=list)  # per scanned candidate
     headroom_scanned: list[float] = field(default_factory=list)  # refreshed values
     drift_admitted: list[float] = field(default_factory=list)
     headroom_stored: list[float] = field(default_factory=list)  # admitted, before refresh
@@ -324,6 +336,7 @@ def scan(
             sel.scanned += 1
             sel.drift_scanned.append(drift)
             sel.headroom_scanned.append(group.headroom)
+            sel.admitted_scanned.append(drift <= tau)
             if drift <= tau:
                 sel.groups.append(group)
                 sel.drift_admitted.append(drift)

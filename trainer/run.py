@@ -27,6 +27,7 @@ from core.errors import RunInterrupted, UserError
 from core.paths import RUN, check_output, local_model
 from core.progress import say
 from trainer import distributed
+from trainer.async_rollout import make_gate
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
@@ -36,6 +37,7 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import TrainConfig
+from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import distinct_tokens, score_groups
 from trainer.telemetry import RunLogs, StepCost
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from agent_env.data import QAExample
     from agent_env.generation.base import Generator
     from agent_env.retrieval_client import RetrievalClient
+    from trainer.async_rollout import RolloutWorkers
 
 
 @dataclass
@@ -55,6 +58,7 @@ class RunCounters:
     env_calls_total: int = 0
     search_calls_total: int = 0
     wall_time_total: float = 0.0
+    staleness_gate: dict | None = None  # an adaptive staleness gate's state (its tau)
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    buffer: ReplayBuffer
+    buffer: ReplayBuffer  # the replay lifecycle's (`replay.buffer`)
     generator: Generator
     client: RetrievalClient
     train_examples: list[QAExample]
@@ -79,6 +83,17 @@ class Run:
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
+    replay: GroupReplay | None = None  # the replay lifecycle: selector, gate, ingress; buffer
+    workers: RolloutWorkers | None = None  # asynchronous rollout (trainer/async_rollout.py)
+    staleness_gate: Any = None  # the staleness rule's tau (`async_rollout.make_gate`)
+
+    def __post_init__(self) -> None:
+        if self.replay is None:
+            self.replay = GroupReplay.from_params(
+                self.buffer.capacity, self.config.arm, self.config.select_params,
+                store_zero_advantage=self.config.replay.store_zero_advantage,
+            )  # fmt: skip
+        self.replay.buffer = self.buffer
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -320,13 +335,16 @@ def setup_run(
         ref_model=ref_model,
         dist=dist,
         policy=distributed.wrap_policy(model, dist),
+        staleness_gate=make_gate(config),
     )
     start = 1
     if ckpt is not None:
         run.optimizer.load_state_dict(ckpt.optimizer_state())
         scheduler.load_state_dict(ckpt.scheduler_state())
-        run.buffer = ckpt.buffer()
+        run.buffer = run.replay.buffer = ckpt.buffer()
         run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
+        if run.counters.staleness_gate and hasattr(run.staleness_gate, "load_state_dict"):
+            run.staleness_gate.load_state_dict(run.counters.staleness_gate)
         ckpt.restore_rng(dist.rank, dist.world)
         start = ckpt.step + 1
     return run, start
@@ -352,6 +370,8 @@ def save(run: Run, step: int) -> Path | None:
     rng_states = distributed.gather_rng_states(run.dist)
     if not run.dist.is_main:
         return None
+    if hasattr(run.staleness_gate, "state_dict"):
+        run.counters.staleness_gate = run.staleness_gate.state_dict()
     state = TrainState(
         model=run.model,
         tokenizer=run.tokenizer,

@@ -47,6 +47,7 @@ class StepCost:
     observation_tokens: int = 0  # environment text appended to responses (loss mask 0)
     behaviour_tf_tokens: int = 0  # scoring the kept fresh groups' behaviour log-probs
     scan_tf_tokens: int = 0  # re-scoring replay candidates
+    gate_tf_tokens: int = 0  # the staleness gate's pass over late groups (async rollout)
     update_tf_tokens: int = 0  # the update's forward + backward
     fresh_groups: int = 0  # groups rolled out (refills and dropped groups included)
     search_calls: int = 0  # tool calls (queries) sent to the environment
@@ -137,15 +138,19 @@ class StepRecord:
     # truncated importance sampling of the fresh tokens (with `grpo.tis_cap` only)
     is_weight_mean: float | None = None
     is_capped_frac: float | None = None
+    # asynchronous rollout (`trainer.async_rollout.LateDecision.record`): each fresh group's
+    # lag, the late groups' drift and admission, the staleness tau; None in the sync loop
+    async_rollout: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The metrics.jsonl line: every field, the ledger as `cost_*` keys, and the TIS
         fields only when TIS is on."""
-        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cost"}
+        skip = ("cost", "async_rollout")
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         for name in ("is_weight_mean", "is_capped_frac"):
             if record[name] is None:
                 del record[name]
-        return {**record, **self.cost.record()}
+        return {**record, **(self.async_rollout or {}), **self.cost.record()}
 
 
 COUNT_KEYS = tuple(k for k in COST_KEYS if not k.endswith("_s"))

@@ -31,7 +31,8 @@ ROOMS_TABLE = REPO / "docs" / "design.md"
 PRIMITIVE = {
     "trainer/grpo.py": {"torch"},
     "trainer/replay.py": {"torch", "trainer.grpo"},
-    "trainer/primitive.py": {"torch", "trainer.grpo", "trainer.replay"},
+    "trainer/gate.py": {"torch"},
+    "trainer/primitive.py": {"torch", "trainer.gate", "trainer.grpo", "trainer.replay"},
 }
 
 

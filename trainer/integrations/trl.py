@@ -61,6 +61,7 @@ from trainer.config import ReplayConfig, select_params
 from trainer.integrations.trl_layout import TRLRows, rows_from_trl, trl_inputs
 from trainer.integrations.trl_vllm import VLLMServerGenerator, colocate_generator
 from trainer.loop import assemble_batch
+from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import concat_left_padded, score_groups, stored_groups
 from trainer.selectors import SELECTORS
@@ -257,10 +258,23 @@ class ReplayStep:
     ingress (then `last`), and a record per step."""
 
     config: TRLReplayConfig
-    buffer: ReplayBuffer
+    lifecycle: GroupReplay  # buffer, selector, gate and ingress (trainer.primitive)
     pending: StepReplay | None = None
     last: StepReplay | None = None
     history: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, config: TRLReplayConfig, seed: int, total_steps: int) -> ReplayStep:
+        params = select_params(config.arm, config.replay, config.replay.budget, seed, total_steps)
+        lifecycle = GroupReplay.from_params(
+            config.replay.capacity, config.arm, params,
+            store_zero_advantage=config.replay.store_zero_advantage,
+        )  # fmt: skip
+        return cls(config, lifecycle)
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        return self.lifecycle.buffer
 
     def extend(self, trainer: ReplayGRPOTrainer, batch: dict[str, Any], rewards: Tensor) -> dict:
         """TRL's fresh generation batch -> the update's batch: fresh rows as stored groups,
@@ -282,13 +296,12 @@ class ReplayStep:
                 dedupe=world == 1,  # as many forwards on every process (ZeRO-3 gathers per call)
             )  # fmt: skip
         everyone = gather(fresh, world)
-        params = select_params(
+        self.lifecycle.params = select_params(  # the run's length is known once training starts
             self.config.arm, self.config.replay, self.config.replay.budget, trainer.args.seed,
             trainer.state.max_steps,
         )  # fmt: skip
-        selector = SELECTORS.get(self.config.arm)
         with self.scoring(trainer):
-            selection = selector(self.buffer, step, params, self.scorer(trainer), fresh=everyone)
+            selection = self.lifecycle.select(step, self.scorer(trainer), everyone)
         swapped = set(selection.swap_out)
         kept = [k for k in range(b) if rank * b + k not in swapped]  # global index of group k
         weights = selection.weights or [1.0] * len(selection.groups)
@@ -322,9 +335,7 @@ class ReplayStep:
         replayed ones count one more replay."""
         if self.pending is None:
             return
-        for group in self.pending.selection.groups:
-            group.replay_count += 1
-        self.buffer.ingest(self.pending.fresh, self.config.replay.store_zero_advantage)
+        self.lifecycle.ingest(self.pending.fresh)
         self.last, self.pending = self.pending, None
 
     def scorer(self, trainer: ReplayGRPOTrainer):
@@ -435,7 +446,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if self.beta != 0.0 and self.ref_model is None:
             raise ValueError("replay with beta > 0 needs a reference model (PEFT is not covered)")
         config = replay or TRLReplayConfig()
-        self.replay = ReplayStep(config, ReplayBuffer(config.replay.capacity))
+        self.replay = ReplayStep.build(config, self.args.seed, self.args.max_steps)
         self._step_rewards: Tensor | None = None
         self.add_callback(ReplayIngress(self.replay))
 

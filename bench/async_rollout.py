@@ -1,0 +1,304 @@
+"""Asynchronous rollout against the synchronous loop, at emulated search latencies.
+
+    .venv/bin/python bench/async_rollout.py --steps 6 --latencies 0 50 500
+
+Self-contained: it writes a small corpus (300 vital articles), a BM25 index over it, the QA
+task made from it, the tiny policy and a short SFT of it into `--work` (reused when there),
+then for each latency starts a real `hdr serve` with `emulated_cost.request_latency_ms` set
+(added to every /retrieve request) and trains the same seed with:
+
+- `sync`: the synchronous loop, rollouts in the trainer's process;
+- `sync_concurrent`: `--workers` rollout workers with the queue bound 0 and
+  `async_rollout.split=shards`: still synchronous (every rollout waits for the last update)
+  but each step's shards roll out in parallel, so it issues as many concurrent retrieval
+  requests as the asynchronous runs do;
+- one asynchronous run per staleness rule (`version_bound`, `drift_gate`,
+  `adaptive_drift_gate`), `--workers` workers taking whole steps in turn
+  (`async_rollout.split=steps`), `max_lag` 1.
+
+`speedup_vs_sync` is groups/s over the better of the two synchronous loops (so overlap, not
+extra parallelism, is what it measures). groups/s are fresh groups over the steps' wall time
+from step 2 on (step 1 includes the workers' first rollout; the workers' start-up, seconds of
+imports, is left out of every run). `cpu_cores` is process CPU seconds (trainer and its
+rollout workers; the server not counted) per wall second. Held-out scores (Mean@k, Best@k,
+greedy EM on `--eval-questions` questions after the last step) are reported, but a tiny
+policy trained a few steps cannot show a quality difference: quality claims are untestable on
+this bed.
+
+Then one setting where staleness hurts: a high learning rate (`--high-lr`), latency 0,
+`max_lag` 2: `version_bound` admits every late group; `drift_gate` rejects those whose drift
+is over tau; the rows give the drift of the late groups each admitted and rejected.
+
+Writes bench/results/async.json and prints the table. Target (in the bench, not a test): at
+500 ms a call, speedup_vs_sync >= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = 1.5
+RULES = ("version_bound", "drift_gate", "adaptive_drift_gate")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare(work: Path) -> dict[str, Path]:
+    """Corpus, BM25 index, QA task, tiny policy and its SFT under `work` (kept for reuse)."""
+    from collections import Counter
+
+    from models.tiny import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
+    from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
+    from retrieval_server.index_build import build_index
+
+    work.mkdir(parents=True, exist_ok=True)
+    paths = {k: work / v for k, v in
+             {"corpus": "corpus.jsonl", "index": "index", "qa": "qa.jsonl",
+              "policy": "policy", "sft": "sft"}.items()}  # fmt: skip
+    articles = list(itertools.islice(iter_vital_articles(), 300))
+    if not paths["corpus"].exists():
+        write_corpus(paths["corpus"], [article_contents(a) for a in articles])
+    if not (paths["index"] / "manifest.json").exists():
+        build_index(paths["corpus"], paths["index"], bm25=True, dense=False, show_progress=False)
+    if not paths["qa"].exists():
+        counts = Counter(a.description.strip() for a in articles)
+        with paths["qa"].open("w") as f:
+            for i, a in enumerate(articles):
+                q = a.description.strip()
+                if q and counts[q] == 1:
+                    f.write(json.dumps({"id": str(i), "question": q, "golden_answers": [a.title]}))
+                    f.write("\n")
+    if not (paths["policy"] / "config.json").exists():
+        config = TinyPolicyConfig(
+            vocab_size=600, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+        )
+        init_tiny_policy(paths["policy"], vital_corpus_texts(limit=300), config)
+    return paths
+
+
+def overrides(paths, url: str, out: Path, steps: int, eval_questions: int) -> list[str]:
+    return [
+        f"retrieval.urls=[{url}]", "retrieval.retriever=bm25", f"model.path={paths['sft']}",
+        f"data.train={paths['qa']}", f"data.eval={paths['qa']}", f"out_dir={out}",
+        f"steps={steps}", "grpo.batch_prompts=8", "grpo.group_size=4", "grpo.warmup_steps=1",
+        "grpo.lr=1e-3", "grpo.micro_batch=16", "replay.budget=2", "replay.capacity=16",
+        "replay.tau=1.0", "rollout.max_tokens_per_turn=16", "rollout.reward=f1",
+        "rollout.format_weight=0.5", f"eval.every={steps}", "eval.at_start=false",
+        f"eval.num_questions={eval_questions}", "eval.k=2", "checkpoint.save_every=0",
+        "log.progress=false", "log.tensorboard=false", "sft.eval_questions=0",
+    ]  # fmt: skip
+
+
+def sft(paths, url: str) -> None:
+    from core.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.sft import run_sft
+
+    if (paths["sft"] / "config.json").exists():
+        return
+    base = overrides(paths, url, paths["sft"].with_name("sft-unused"), 2, 4)
+    extra = [f"sft.init_model={paths['policy']}", "sft.epochs=4", "sft.lr=5e-3"]
+    cfg = load_config(TrainConfig, REPO / "configs/tiny-cpu.yaml", [*base, *extra])
+    run_sft(cfg)
+
+
+def serve(index: Path, port: int, latency_ms: float) -> subprocess.Popen:
+    command = [sys.executable, "-m", "hdr", "serve", "--index", str(index), "--port", str(port),
+               "--retriever", "bm25", f"emulated_cost.request_latency_ms={latency_ms}"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import httpx
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("hdr serve did not start")
+
+
+def cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped rollout workers
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def train_once(base: list[str], extra: list[str]) -> tuple[list[dict], dict | None, float]:
+    from core.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.loop import train
+
+    cfg = load_config(TrainConfig, REPO / "configs/tiny-cpu.yaml", [*base, *extra])
+    shutil.rmtree(cfg.out_dir, ignore_errors=True)
+    cpu = cpu_seconds()
+    run_dir = train(cfg)
+    cpu = cpu_seconds() - cpu
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return rows, (evals[-1] if evals else None), cpu
+
+
+def summarise(name: str, latency: float, rows: list[dict], heldout, cpu: float) -> dict:
+    steady = rows[1:] or rows
+    wall = sum(r["time_step"] for r in steady)
+    groups = sum(r["cost_fresh_groups"] for r in steady)
+    lags = [lag for r in rows for lag in r.get("rollout_lags", [])]
+    late = sum(r.get("late_groups", 0) for r in rows)
+    admitted = sum(r.get("late_admitted", 0) for r in rows)
+    drift_in = [d for r in rows for d in r.get("late_admitted_drift", [])]
+    every = [d for r in rows for d in r.get("late_drift", [])]
+    drift_out = list(every)
+    for d in drift_in:
+        drift_out.remove(d)
+    wall_total = sum(r["time_step"] for r in rows)
+    return {
+        "rule": name,
+        "search_latency_ms": latency,
+        "steps": len(rows),
+        "groups_per_s": groups / wall if wall else 0.0,
+        "steps_per_s": len(steady) / wall if wall else 0.0,
+        "cpu_cores": cpu / wall_total if wall_total else 0.0,
+        "mean_lag": statistics.fmean(lags) if lags else 0.0,
+        "late_groups": late,
+        "admitted_late_share": admitted / late if late else None,
+        "late_drift_admitted_p50": statistics.median(drift_in) if drift_in else None,
+        "late_drift_rejected_p50": statistics.median(drift_out) if drift_out else None,
+        "final_tau": rows[-1].get("staleness_tau"),
+        "loss_last": rows[-1]["loss"],
+        "heldout_mean_at_k": heldout["mean_at_k"] if heldout else None,
+        "heldout_best_at_k": heldout["best_at_k"] if heldout else None,
+        "heldout_greedy_em": heldout["greedy_em"] if heldout else None,
+    }
+
+
+def runs_for(args) -> list[tuple[str, list[str]]]:
+    """The runs at one latency: both synchronous loops, then one asynchronous run per rule
+    (steps dealt round-robin to the workers, each one torch thread: more threads than cores
+    over all processes makes OpenMP's waiting threads slow everything down)."""
+    w = args.workers
+    workers = [f"distributed.rollout_shards={w}", f"async_rollout.workers={w}",
+               "async_rollout.worker_threads=1"]  # fmt: skip
+    out = [
+        ("sync", [f"distributed.rollout_shards={w}"]),
+        ("sync_concurrent", [*workers, "async_rollout.split=shards", "async_rollout.max_lag=0"]),
+    ]
+    for rule in RULES:
+        out.append((rule, [*workers, "async_rollout.split=steps", "async_rollout.max_lag=1",
+                           f"async_rollout.rule={rule}", f"async_rollout.tau={args.tau}",
+                           "async_rollout.target=0.5"]))  # fmt: skip
+    return out
+
+
+def staleness_hurts(paths, url: str, work: Path, args, rule: str) -> dict:
+    """`rule` at a high learning rate with `max_lag` 2: what it admits, and at what drift."""
+    base = overrides(paths, url, work / f"hurt-{rule}", args.steps, args.eval_questions)
+    w = args.workers
+    extra = [f"grpo.lr={args.high_lr}", f"distributed.rollout_shards={w}",
+             f"async_rollout.workers={w}", "async_rollout.max_lag=2",
+             "async_rollout.worker_threads=1",
+             f"async_rollout.rule={rule}", f"async_rollout.tau={args.tau}"]  # fmt: skip
+    rows, heldout, cpu = train_once(base, extra)
+    return {**summarise(rule, 0.0, rows, heldout, cpu), "lr": args.high_lr}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--latencies", type=float, nargs="+", default=[0, 50, 500])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--tau", type=float, default=1e-3, help="drift_gate's tau (adaptive: start)")
+    ap.add_argument("--high-lr", type=float, default=2e-2)
+    ap.add_argument("--eval-questions", type=int, default=16)
+    ap.add_argument("--trainer-threads", type=int, default=1, help="torch threads, trainer")
+    ap.add_argument("--work", default="/tmp/hdr-async-bench")
+    ap.add_argument("--out", default=str(REPO / "bench/results/async.json"))
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.trainer_threads)  # workers: 1 each (runs_for)
+    work = Path(args.work)
+    paths = prepare(work)
+    results, hurt = [], []
+    for latency in args.latencies:
+        port = free_port()
+        server = serve(paths["index"], port, latency)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            sft(paths, url)
+            rows_here = []
+            for name, extra in runs_for(args):
+                base = overrides(paths, url, work / f"run-{name}", args.steps, args.eval_questions)
+                rows, heldout, cpu = train_once(base, extra)
+                rows_here.append(summarise(name, latency, rows, heldout, cpu))
+            best_sync = max(r["groups_per_s"] for r in rows_here[:2])
+            for r in rows_here:
+                r["speedup_vs_sync"] = r["groups_per_s"] / best_sync if best_sync else None
+            results += rows_here
+            if latency == args.latencies[0]:
+                hurt = [staleness_hurts(paths, url, work, args, rule)
+                        for rule in ("version_bound", "drift_gate")]  # fmt: skip
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    report = {
+        "command": "python bench/async_rollout.py " + " ".join(sys.argv[1:]),
+        "machine": f"{os.cpu_count()} CPU cores, shared with other work while measured",
+        "steps": args.steps, "workers": args.workers, "trainer_threads": args.trainer_threads,
+        "batch": "b=8, G=4, 1 search turn",
+        "target": f"speedup_vs_sync >= {TARGET} at 500 ms a call",
+        "quality": "untestable on this bed (tiny policy, a few steps, 16 held-out questions)",
+        "rows": results, "staleness_hurts": hurt,
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print_table(results, hurt)
+
+
+def fmt(v, digits=3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def print_table(results: list[dict], hurt: list[dict]) -> None:
+    console = Console()
+    cols = ("rule", "search_latency_ms", "groups_per_s", "speedup_vs_sync", "cpu_cores",
+            "mean_lag", "admitted_late_share", "late_drift_admitted_p50",
+            "late_drift_rejected_p50", "heldout_mean_at_k", "heldout_greedy_em")  # fmt: skip
+    for title, rows in (("asynchronous rollout", results), ("high lr, max_lag 2", hurt)):
+        table = Table(title=title)
+        for c in cols:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*(fmt(r.get(c)) for c in cols))
+        console.print(table)
+
+
+if __name__ == "__main__":
+    main()

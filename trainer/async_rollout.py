@@ -1,0 +1,495 @@
+"""Asynchronous rollout: worker processes generate ahead of the trainer; a staleness rule
+decides which late groups enter the update (docs/trainer.md, "Asynchronous rollout").
+
+Processes. `async_rollout.workers` = n rollout workers, each a `torch.multiprocessing` spawn
+child with its own copy of the policy (the hf generator), its own tokenizer and its own
+retrieval client. Worker w rolls out shards w, w+n, ... of every step's
+`distributed.rollout_shards` contiguous shards, each under torch's RNG seeded by
+`trainer.distributed.shard_seed(seed, step, 0, shard)`: a shard's tokens depend on the
+weights it was sampled with, never on which process sampled it.
+
+Versions and weight publication. The weights after update u are version u (a run starts at
+version `start - 1`: 0, or the resumed checkpoint's step). The trainer publishes each version
+into one shared-memory copy of the state dict (`WeightBoard`) under a sequence counter (a
+seqlock): the writer never waits for a reader, a reader copies and retries if the counter
+moved meanwhile, so a worker killed mid-copy cannot block the trainer.
+
+The bounded queue. A worker may start step s's rollout once version `s - 1 - max_lag` is
+published, and takes the newest version there is. The trainer trains step s after update
+`s - 1`, so every group is `lag = (s - 1) - v` updates late, `0 <= lag <= max_lag`, and at
+most `max_lag + 1` steps are rolled out ahead of the update that uses them. `max_lag = 0`:
+each rollout waits for the previous update and uses its weights: the synchronous loop, the
+same tokens bit for bit (the test compares them), only run in another process.
+
+The gate. The trainer teacher-forces every fresh group under its current weights (the loop's
+behaviour pass). For a late group that pass measures its Policy Drift `D(g)` against the
+sampler's log-probs, and the staleness rule (`trainer.staleness`) admits or rejects it. An
+admitted late group trains with the sampler's log-probs as its behaviour log-probs (the
+clipped ratio then corrects for the policy that really sampled it); a rejected one enters the
+replay buffer with them (`async_rollout.over_gate: buffer`: Headroom may bring it back when
+its drift passes the replay gate) or is dropped. The late groups' teacher-forced tokens are
+`cost_gate_tf_tokens` in the ledger (moved out of `cost_behaviour_tf_tokens`, which counts the
+on-time groups).
+
+Faults. A worker that dies (killed, out of memory) or fails (a retrieval outage past
+`retrieval.outage_grace_s`) stops the run, in one line naming the last checkpoint, at the
+first step that needs its rollout: every step before it trained and logged whole. Stopping
+discards the rollouts in flight; a resumed run rolls those steps out again from the
+checkpoint's weights (so a resumed asynchronous run's lags differ from an uninterrupted
+one's, and no group is ever trained twice).
+
+Departures: hf generation only (the vLLM engine in a worker is not built: it needs the
+engine's own weight loading across processes); one process group only (no torchrun); no
+dynamic sampling (a refill would be a rollout the queue did not plan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from core.errors import UserError
+from trainer.gate import AdaptiveGate, FixedGate
+from trainer.replay import StoredGroup, policy_drift
+from trainer.staleness import STALENESS_RULES, Admission, as_tensors, decide
+
+if TYPE_CHECKING:
+    from agent_env.rollout import RolloutResult
+    from trainer.config import TrainConfig
+    from trainer.run import Run
+
+POLL_S = 0.01  # how often a waiting worker looks at the published version
+
+
+class RolloutWorkerLost(UserError):
+    """A rollout worker ended or failed before delivering a rollout the trainer needs."""
+
+
+# --- weight publication -------------------------------------------------------------------
+
+
+class WeightBoard:
+    """One shared-memory copy of the policy's state dict and its version, for the workers.
+
+    `publish(model, version)` (trainer) copies the weights in; `load_into(model, have)`
+    (worker) copies them out when the version is newer than `have`. A sequence counter makes
+    the pair a seqlock: odd while the trainer writes; a reader that saw it odd, or changed,
+    copies again."""
+
+    def __init__(self, model: torch.nn.Module, version: int, ctx) -> None:
+        self.tensors = {
+            k: v.detach().to("cpu", copy=True).share_memory_()
+            for k, v in model.state_dict().items()
+        }
+        self.seq = ctx.Value("q", 0, lock=False)
+        self._version = ctx.Value("q", version, lock=False)
+
+    @property
+    def version(self) -> int:
+        return int(self._version.value)
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        self.seq.value += 1  # odd: writing
+        for name, value in model.state_dict().items():
+            self.tensors[name].copy_(value)
+        self._version.value = version
+        self.seq.value += 1  # even: done
+
+    @torch.no_grad()
+    def load_into(self, model: torch.nn.Module, have: int) -> int:
+        """Copy the published weights into `model` unless it already holds them (`have`);
+        returns the version it now holds."""
+        while True:
+            before = int(self.seq.value)
+            version = self.version
+            if before % 2 == 0 and version == have:
+                return have
+            if before % 2 == 0:
+                model.load_state_dict(self.tensors)
+                if int(self.seq.value) == before:
+                    return version
+            time.sleep(POLL_S)
+
+
+def responsible(split: str, workers: int, start: int, step: int) -> set[int]:
+    """The workers that roll out (part of) `step`: all of them, each its shards (`shards`), or
+    one, steps dealt round-robin from the run's first step (`steps`)."""
+    if split == "shards":
+        return set(range(workers))
+    return {(step - start) % workers}
+
+
+# --- the worker process -------------------------------------------------------------------
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to start: the run's config, its place, the steps it rolls out."""
+
+    config: TrainConfig
+    index: int
+    start: int
+    threads: int
+
+
+@dataclass
+class RolloutSide:
+    """The attributes `trainer.distributed._rollout_one_by_one` reads from a run."""
+
+    config: TrainConfig
+    generator: Any
+    client: Any
+    tokenizer: Any
+
+
+STAT_SUMS = ("calls", "requests", "attempts", "retries", "failures", "queries", "passages",
+             "failed_queries", "truncated_queries", "refused_queries", "bad_responses",
+             "outages", "outage_s", "latency_s")  # fmt: skip
+
+
+def stats_delta(before, after) -> dict[str, Any]:
+    """The client's counters moved between two copies of its stats."""
+    delta = {k: getattr(after, k) - getattr(before, k) for k in STAT_SUMS}
+    delta["request_latencies"] = after.request_latencies[len(before.request_latencies) :]
+    delta["max_in_flight"] = after.max_in_flight
+    return delta
+
+
+def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
+    """A rollout worker: for each of its steps, wait for the version the queue bound allows,
+    take the newest weights, roll out its shards, send them. Every failure is one message."""
+    from dataclasses import replace
+
+    # Ctrl-C or a scheduler's SIGTERM to the process group stops the trainer after its step,
+    # and the trainer stops us; a trainer that dies leaves us its orphans: we leave too
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    torch.set_num_threads(spec.threads)
+    step = spec.start
+    try:
+        from agent_env.generation import build_generator
+        from agent_env.retrieval_client import connect
+        from trainer.distributed import _rollout_one_by_one, shard_bounds
+        from trainer.loop import sample_prompts
+        from trainer.run import load_examples, load_policy
+
+        cfg, a = spec.config, spec.config.async_rollout
+        model, tokenizer = load_policy(cfg.model.path, cfg)
+        model.requires_grad_(False)
+        generator = build_generator(
+            cfg.generation, model_dir=cfg.model.path, tokenizer=tokenizer,
+            prompt=cfg.rollout.prompt, model=model,
+        )  # fmt: skip
+        client = connect(cfg.retrieval, seed=cfg.seed + 1 + spec.index)
+        train_examples, _ = load_examples(cfg)
+        side = RolloutSide(cfg, generator, client, tokenizer)
+        shards = range(cfg.distributed.rollout_shards)
+        if a.split == "shards":
+            shards = range(spec.index, cfg.distributed.rollout_shards, a.workers)
+        conn.send(("ready", spec.index, os.getpid()))
+        have = -1
+        for step in range(spec.start, cfg.steps + 1):
+            if spec.index not in responsible(a.split, a.workers, spec.start, step):
+                continue
+            while board.version < step - 1 - a.max_lag:
+                if stop.is_set() or os.getppid() != parent:
+                    return
+                time.sleep(POLL_S)
+            have = board.load_into(model, have)
+            examples = sample_prompts(train_examples, cfg.seed, step, cfg.grpo.batch_prompts)
+            bounds = shard_bounds(len(examples), cfg.distributed.rollout_shards)
+            mine = [(s, [examples[i] for i in bounds[s]]) for s in shards if bounds[s]]
+            before = replace(client.stats, request_latencies=list(client.stats.request_latencies))
+            pieces, spent = _rollout_one_by_one(side, mine, step, 0)
+            conn.send(("rollout", spec.index, step, have, pieces, spent,
+                       stats_delta(before, client.stats)))  # fmt: skip
+            if stop.is_set():
+                return
+    except BaseException as err:
+        from agent_env.retrieval_client import RetrievalUnavailable
+
+        kind = "retrieval" if isinstance(err, RetrievalUnavailable) else "error"
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if kind == "error" and not isinstance(err, UserError):
+            line = f"{type(err).__name__}: {line} ({traceback.format_exc(limit=-1).strip()})"
+        with contextlib.suppress(OSError):
+            conn.send(("error", spec.index, step, kind, line))
+    finally:
+        conn.close()
+
+
+# --- the trainer's side -------------------------------------------------------------------
+
+
+@dataclass
+class Delivered:
+    """One worker's rollout of its shards of one step."""
+
+    version: int
+    pieces: list  # [(shard, kept groups, dropped groups)]
+    spent: Any  # trainer.distributed.RolloutSpend
+    stats: dict[str, Any]
+
+
+@dataclass
+class RolloutWorkers:
+    """The trainer's handle on its rollout workers: `collect(step)` the step's rollout,
+    `publish(model, version)` after each update, `close()` at the end."""
+
+    config: TrainConfig
+    board: WeightBoard
+    processes: list
+    stop: Any
+    start: int  # the first step of this process's run
+    inbox: queue.Queue = field(default_factory=queue.Queue)
+    arrived: dict[int, dict[int, Delivered]] = field(default_factory=dict)
+    failed: dict[int, tuple[int, str, str]] = field(default_factory=dict)  # w -> (step, kind, line)
+    ended: set[int] = field(default_factory=set)
+    pids: dict[int, int] = field(default_factory=dict)
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, run: Run, start: int) -> RolloutWorkers:
+        """Spawn the workers with the run's current weights as version `start - 1` and wait
+        until every one has loaded (a worker's setup failure is one line here)."""
+        cfg = run.config
+        ctx = mp.get_context("spawn")
+        board = WeightBoard(run.model, start - 1, ctx)
+        stop = ctx.Event()
+        workers = cls(cfg, board, [], stop, start)
+        for w in range(cfg.async_rollout.workers):
+            receive, send = ctx.Pipe(duplex=False)
+            threads = cfg.async_rollout.worker_threads or torch.get_num_threads()
+            spec = WorkerSpec(cfg, w, start, threads)
+            proc = ctx.Process(
+                target=worker_main, args=(spec, board, send, stop), name=f"hdr-rollout-{w}"
+            )
+            proc.start()
+            send.close()  # the child holds the only writer: its death is EOF here
+            workers.processes.append(proc)
+            reader = threading.Thread(target=_read, args=(w, receive, workers.inbox), daemon=True)
+            reader.start()
+            workers.readers.append(reader)
+        workers._wait_ready(cfg.async_rollout.start_timeout_s)
+        return workers
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.pids) < len(self.processes):
+            for w, (_, _, line) in self.failed.items():
+                raise UserError(f"rollout worker {w} could not start: {line}")
+            for w in self.ended:
+                raise UserError(f"rollout worker {w} ended while starting ({self._exit(w)})")
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"rollout workers not ready after {timeout_s:.0f} s"
+                    " (async_rollout.start_timeout_s)"
+                )
+            self._take(timeout=0.5)
+
+    def _take(self, timeout: float) -> None:
+        try:
+            message = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return
+        kind, w = message[0], message[1]
+        if kind == "ready":
+            self.pids[w] = message[2]
+        elif kind == "rollout":
+            _, _, step, version, pieces, spent, stats = message
+            self.arrived.setdefault(step, {})[w] = Delivered(version, pieces, spent, stats)
+        elif kind == "error":
+            self.failed[w] = (message[2], message[3], message[4])
+        elif kind == "eof":
+            self.ended.add(w)
+
+    def _exit(self, w: int) -> str:
+        proc = self.processes[w]
+        proc.join(timeout=5)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            return f"pid {proc.pid}, killed by {signal.Signals(-code).name}"
+        return f"pid {proc.pid}, exit code {code}"
+
+    def collect(self, step: int) -> tuple[RolloutResult, list[int], dict[str, Any]]:
+        """Step `step`'s rollout from every worker: one RolloutResult in shard order, each
+        kept group's lag (`step - 1 - version`), and the workers' client counters summed.
+        Raises RetrievalUnavailable or RolloutWorkerLost when a worker cannot deliver it."""
+        from agent_env.retrieval_client import RetrievalUnavailable
+        from agent_env.rollout import RolloutResult
+
+        a = self.config.async_rollout
+        needed = responsible(a.split, a.workers, self.start, step)
+        while not needed <= set(self.arrived.get(step, {})):
+            missing = needed - set(self.arrived.get(step, {}))
+            for w in sorted(missing):
+                if w in self.failed:
+                    failed_step, kind, line = self.failed[w]
+                    if kind == "retrieval":
+                        raise RetrievalUnavailable(line)
+                    raise RolloutWorkerLost(
+                        f"rollout worker {w} failed in step {failed_step}'s rollout: {line}"
+                    )
+                if w in self.ended:
+                    raise RolloutWorkerLost(
+                        f"rollout worker {w} ended before delivering step {step}'s rollout"
+                        f" ({self._exit(w)})"
+                    )
+            self._take(timeout=0.5)
+        parts = self.arrived.pop(step)
+        ordered = sorted(
+            ((piece, parts[w].version) for w in parts for piece in parts[w].pieces),
+            key=lambda pv: pv[0][0],
+        )
+        spends = [d.spent for d in parts.values()]
+        result = RolloutResult(
+            groups=[g for (_, kept, _), _ in ordered for g in kept],
+            env_calls=sum(s.env_calls for s in spends),
+            retrieval_calls=sum(s.retrieval_calls for s in spends),
+            gen_time=max(s.gen_time for s in spends),
+            retrieval_time=max(s.retrieval_time for s in spends),
+            wall_time=max(s.wall_time for s in spends),
+            dropped=[g for (_, _, dropped), _ in ordered for g in dropped],
+        )
+        lags = [step - 1 - v for (_, kept, _), v in ordered for _ in kept]
+        stats: dict[str, Any] = {k: sum(d.stats[k] for d in parts.values()) for k in STAT_SUMS}
+        stats["request_latencies"] = [
+            x for d in parts.values() for x in d.stats["request_latencies"]
+        ]
+        stats["max_in_flight"] = max(d.stats["max_in_flight"] for d in parts.values())
+        return result, lags, stats
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        self.board.publish(model, version)
+
+    def close(self) -> int:
+        """Stop every worker (a rollout in flight is discarded); returns how many steps'
+        rollouts had arrived unused."""
+        self.stop.set()
+        for proc in self.processes:
+            proc.join(timeout=2)
+        for proc in self.processes:  # one still in a rollout: its work is discarded anyway
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=30)
+        while not self.inbox.empty():
+            self._take(timeout=0)
+        unused = len(self.arrived)
+        self.arrived.clear()
+        return unused
+
+
+def _read(w: int, conn, inbox: queue.Queue) -> None:
+    """Move worker `w`'s messages into the inbox as they come (so a worker never waits on
+    the trainer to send), then ("eof", w) once its end of the pipe is gone."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(("eof", w))
+    finally:
+        conn.close()
+
+
+def add_stats(client_stats, delta: dict[str, Any]) -> None:
+    """Count the workers' retrieval in the trainer's client counters (the step's record reads
+    its retrieval figures there)."""
+    for k in STAT_SUMS:
+        setattr(client_stats, k, getattr(client_stats, k) + delta[k])
+    client_stats.request_latencies.extend(delta["request_latencies"])
+    client_stats.max_in_flight = max(client_stats.max_in_flight, delta["max_in_flight"])
+
+
+# --- admission of late groups -------------------------------------------------------------
+
+
+def make_gate(config: TrainConfig):
+    """The staleness gate the config names: AdaptiveGate for adaptive_drift_gate, else fixed."""
+    a = config.async_rollout
+    if STALENESS_RULES.get(a.rule).adaptive:
+        return AdaptiveGate(tau=a.tau, target=a.target, kind=a.target_kind, rate=a.adapt_rate)
+    return FixedGate(a.tau)
+
+
+@dataclass
+class LateDecision:
+    """The step's fresh groups after the staleness rule: those that train, those that go to
+    the buffer instead, and what the decision saw."""
+
+    trained: list[StoredGroup]
+    to_buffer: list[StoredGroup]
+    dropped: int
+    admission: Admission | None
+
+    def record(self) -> dict[str, Any] | None:
+        """The step's `async_*` metrics (None when nothing was measured: the sync loop)."""
+        a = self.admission
+        if a is None:
+            return None
+        late = a.late
+        return {
+            "rollout_lags": a.lags.tolist(),
+            "late_groups": int(late.sum()),
+            "late_admitted": int((a.admitted & late).sum()),
+            "late_to_buffer": len(self.to_buffer),
+            "late_dropped": self.dropped,
+            "late_drift": a.drifts[late].tolist(),
+            "late_admitted_drift": a.drifts[late & a.admitted].tolist(),
+            "late_admitted_share": a.late_admitted_share,
+            "staleness_tau": None if a.tau == float("inf") else a.tau,
+        }
+
+
+def admit_late(
+    run: Run, fresh: list[StoredGroup], sampled: list[Tensor], lags: list[int] | None
+) -> LateDecision:
+    """Apply the configured staleness rule to the step's fresh groups (`lags` None: the
+    trainer rolled them out itself, all on time). `fresh[k].gen_logprobs` are teacher-forced
+    under the current weights; `sampled[k]` the sampler's, aligned `[G, T_k]`. Late groups
+    take the sampler's log-probs as behaviour log-probs, admitted or not."""
+    if lags is None:
+        return LateDecision(list(fresh), [], 0, None)
+    from trainer.scoring import distinct_tokens
+
+    cfg = run.config
+    norm = cfg.replay.drift_norm
+    drifts = [
+        float(policy_drift(g.gen_logprobs, s, g.loss_mask, norm))
+        for g, s in zip(fresh, sampled, strict=True)
+    ]
+    drift_t, lag_t = as_tensors(drifts, lags)
+    rule = STALENESS_RULES.get(cfg.async_rollout.rule)
+    admission = decide(rule, run.staleness_gate, drift_t, lag_t, cfg.async_rollout.max_lag)
+    late = [g for g, lag in zip(fresh, lags, strict=True) if lag > 0]
+    gate_tokens = distinct_tokens(late)
+    run.cost.gate_tf_tokens += gate_tokens
+    run.cost.behaviour_tf_tokens -= gate_tokens
+    trained, rejected = [], []
+    for g, s, lag, ok in zip(fresh, sampled, lags, admission.admitted.tolist(), strict=True):
+        if lag > 0:
+            g.gen_logprobs = s.float() * g.loss_mask  # the policy that sampled it
+        (trained if ok else rejected).append(g)
+    keep = cfg.async_rollout.over_gate == "buffer"
+    return LateDecision(trained, rejected if keep else [], 0 if keep else len(rejected), admission)
+
+
+def on_time(fresh: list, sampled: list, lags: list[int] | None) -> tuple[list, list]:
+    """The fresh groups sampled by the current weights (all of them when `lags` is None):
+    the sampler/trainer log-prob gap is measured on these, not on late groups' drift."""
+    if lags is None:
+        return fresh, sampled
+    pairs = [(g, s) for g, s, lag in zip(fresh, sampled, lags, strict=True) if lag == 0]
+    return [g for g, _ in pairs], [s for _, s in pairs]

@@ -293,21 +293,30 @@ class ReplayStep:
                 rows.attention_mask, rows.loss_mask, rewards.cpu().view(b, G),
                 batch["advantages"].cpu().float().view(b, G), step, names,
                 self.config.score_chunk, trainer.temperature, accelerator.autocast,
-                dedupe=world == 1,  # as many forwards on every process (ZeRO-3 gathers per call)
+                agree=zero3_call_agreement(accelerator),  # ZeRO-3 gathers per module call
             )  # fmt: skip
+        ratio = fresh_values(rows, fresh, range(b), "importance_sampling_ratio")
+        for group, weights in zip(fresh, ratio or [None] * b, strict=True):
+            group.token_weights = weights  # TRL's fresh-step weights travel with the group
         everyone = gather(fresh, world)
         self.lifecycle.params = select_params(  # the run's length is known once training starts
             self.config.arm, self.config.replay, self.config.replay.budget, trainer.args.seed,
             trainer.state.max_steps,
         )  # fmt: skip
         with self.scoring(trainer):
-            selection = self.lifecycle.select(step, self.scorer(trainer), everyone)
+            selection = self.lifecycle.select(
+                step, self.scorer(trainer), everyone, agree=self.decided_on_main(trainer)
+            )
         swapped = set(selection.swap_out)
         kept = [k for k in range(b) if rank * b + k not in swapped]  # global index of group k
         weights = selection.weights or [1.0] * len(selection.groups)
         replayed, replay_weights = selection.groups[rank::world], weights[rank::world]
-        if not kept and not replayed:
-            raise ValueError(f"step {step}: process {rank} has no group to train on")
+        idle = [  # decided from the shared selection, so every process raises together
+            p for p in range(world)
+            if all(p * b + k in swapped for k in range(b)) and not selection.groups[p::world]
+        ]  # fmt: skip
+        if idle:
+            raise ValueError(f"step {step}: process(es) {idle} have no group to train on")
         update = assemble_batch(
             [fresh[k] for k in kept], replayed, replay_weights,
             fresh_values(rows, fresh, kept, "importance_sampling_ratio"),
@@ -340,14 +349,53 @@ class ReplayStep:
 
     def scorer(self, trainer: ReplayGRPOTrainer):
         """The replay `ScoreFn`: hdr's teacher-forced scoring under the current weights."""
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        chunk = self.config.score_chunk
+        accelerator = trainer.accelerator
+        model = accelerator.unwrap_model(trainer.model)
+        chunk, agree = self.config.score_chunk, zero3_call_agreement(accelerator)
+        rank, world = accelerator.process_index, accelerator.num_processes
 
         def score(groups: Sequence[StoredGroup]) -> list[Tensor]:
-            with trainer.accelerator.autocast():
-                return score_groups(model, groups, chunk, trainer.temperature)
+            # each process scores a round-robin share (the same forward counts everywhere,
+            # `agree`) and every process gets every group's log-probs
+            with accelerator.autocast():
+                mine = score_groups(model, groups[rank::world], chunk, trainer.temperature,
+                                    agree=agree)  # fmt: skip
+            if world == 1:
+                return mine
+            from accelerate.utils import gather_object
+
+            found = dict(
+                gather_object(list(zip(range(rank, len(groups), world), mine, strict=True)))
+            )
+            return [found[i] for i in range(len(groups))]
 
         return score
+
+    def decided_on_main(self, trainer: ReplayGRPOTrainer):
+        """The lifecycle's `agree` across processes: the main process's selection, broadcast
+        (group ids, weights, swaps and what the scan saw), taken by every process from its
+        own copy of the buffer (None on one process)."""
+        accelerator = trainer.accelerator
+        if accelerator.num_processes == 1:
+            return None
+
+        def agree(selection: Selection) -> Selection:
+            from accelerate.utils import broadcast_object_list
+
+            fields_ = ("weights", "swap_out", "scanned", "drift_scanned", "admitted_scanned",
+                       "headroom_scanned", "drift_admitted", "headroom_stored",
+                       "headroom_refreshed")  # fmt: skip
+            payload = [([g.group_id for g in selection.groups],
+                        {f: getattr(selection, f) for f in fields_})]  # fmt: skip
+            broadcast_object_list(payload, from_process=0)
+            ids, values = payload[0]
+            by_id = {g.group_id: g for g in self.buffer}
+            missing = [i for i in ids if i not in by_id]
+            if missing:  # the buffers differ: cannot happen while every process ingests alike
+                raise RuntimeError(f"process {accelerator.process_index} lacks groups {missing}")
+            return Selection(groups=[by_id[i] for i in ids], **values)
+
+        return agree
 
     def replayed_values(self, trainer, key: str, groups: list[StoredGroup]) -> list[Tensor]:
         """A replayed group's value of a per-token TRL tensor: its stored behaviour log-probs
@@ -355,8 +403,14 @@ class ReplayStep:
         if key == "sampling_per_token_logps":
             return [g.gen_logprobs for g in groups]
         chunk, temperature = self.config.score_chunk, trainer.temperature
+        rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+        share = list(groups[rank::world])  # only the groups this process trains on
         with self.scoring(trainer), trainer.accelerator.autocast():
-            return score_groups(trainer.ref_model, groups, chunk, temperature)
+            mine = score_groups(trainer.ref_model, share, chunk, temperature,
+                                agree=zero3_call_agreement(trainer.accelerator))  # fmt: skip
+        out = [None] * len(groups)
+        out[rank::world] = mine
+        return out
 
     @staticmethod
     @contextlib.contextmanager
@@ -371,6 +425,27 @@ class ReplayStep:
             ),
         ):
             yield
+
+
+def zero3_call_agreement(accelerator):
+    """The `CallAgreement` across TRL's processes (None on one process): each process's
+    output-layer calls per scoring chunk, maxed elementwise over processes, so that ZeRO-3's
+    per-call weight gathers pair up whatever each process's rows hold (two all-reduces per
+    scoring pass: the number of chunks, then the calls)."""
+    if accelerator.num_processes == 1:
+        return None
+
+    def agree(calls: list[int]) -> list[int]:
+        import torch.distributed as dist
+
+        n = torch.tensor([len(calls)], device=accelerator.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        plan = torch.zeros(int(n), dtype=torch.long, device=accelerator.device)
+        plan[: len(calls)] = torch.tensor(calls, dtype=torch.long)
+        dist.all_reduce(plan, op=dist.ReduceOp.MAX)
+        return [int(c) for c in plan.cpu()]
+
+    return agree
 
 
 def fresh_values(rows: TRLRows, fresh: list[StoredGroup], kept: list[int], key: str):

@@ -101,6 +101,33 @@ def search_r1_reward(config: RolloutConfig):
     return reward
 
 
+def ended(trajectory, eos_id: int | None) -> list[int]:
+    """The token that tells TRL a trajectory ended: `[eos_id]` for one that was not cut
+    (answered on `</answer>`, or out of turns) and does not already end on EOS, else `[]`.
+    TRL counts a completion whose last id is neither EOS nor padding as truncated (its
+    `completions/clipped_ratio`, and `mask_truncated_completions` drops it from the loss); a
+    Search-R1 answer ends on the stop string, so without this nearly every one read as cut.
+    The EOS joins the environment's tokens (env_mask 0): it is never trained on."""
+    ids = trajectory.response_ids
+    if trajectory.truncated or eos_id is None or (ids and ids[-1] == eos_id):
+        return []
+    return [eos_id]
+
+
+def check_vllm_settings(args) -> None:
+    """Refuse, in one line, the colocated-vLLM settings the Search-R1 rollout cannot honour:
+    it calls each process's engine with that process's prompts, where TRL's own generation
+    first gathers prompts across a tensor-parallel group and wakes a sleeping engine."""
+    if not getattr(args, "use_vllm", False) or args.vllm_mode != "colocate":
+        return
+    if args.vllm_tensor_parallel_size > 1 or args.vllm_enable_sleep_mode:
+        raise ValueError(
+            "hdr's rollout in TRL's colocate mode supports vllm_tensor_parallel_size=1 without"
+            " vllm_enable_sleep_mode; for tensor parallelism or freeing the engine's memory use"
+            " vllm_mode=server (trl vllm-serve --tensor_parallel_size N)"
+        )
+
+
 class SearchR1Rollout:
     """TRL's `rollout_func`: hdr's multi-turn Search-R1 loop with TRL's generation engine.
 
@@ -149,11 +176,19 @@ class SearchR1Rollout:
         result = rollout_groups(generator, self.client, tokenizer, examples, G, config)
         self.last = result
         trajectories = [t for group in result.groups for t in group]
+        ends = [ended(t, tokenizer.eos_token_id) for t in trajectories]
         return {
             "prompt_ids": [t.prompt_ids for t in trajectories],
-            "completion_ids": [t.response_ids for t in trajectories],
-            "logprobs": [t.sampler_logprobs for t in trajectories],
-            "env_mask": [t.loss_mask for t in trajectories],
+            "completion_ids": [
+                t.response_ids + end for t, end in zip(trajectories, ends, strict=True)
+            ],
+            "logprobs": [
+                list(t.sampler_logprobs) + [0.0] * len(end)
+                for t, end in zip(trajectories, ends, strict=True)
+            ],
+            "env_mask": [
+                t.loss_mask + [0] * len(end) for t, end in zip(trajectories, ends, strict=True)
+            ],
             "answer": [t.answer for t in trajectories],
             "response_text": [response_text(t, tokenizer, config) for t in trajectories],
             "searches": [t.searches for t in trajectories],
@@ -515,7 +550,11 @@ class ReplayGRPOTrainer(GRPOTrainer):
     """TRL's `GRPOTrainer` with hdr's replay (see the module docstring). Two overrides, each
     calling TRL's method first and adding to its result; nothing of TRL's is copied."""
 
+    REPLAY_STATE = ("hdr_replay.safetensors", "hdr_replay.json")  # in each checkpoint
+
     def __init__(self, *args, replay: TRLReplayConfig | None = None, **kwargs) -> None:
+        if kwargs.get("args") is not None:
+            check_vllm_settings(kwargs["args"])
         super().__init__(*args, **kwargs)
         check_schedule(self.args, self.num_generations)
         if self.beta != 0.0 and self.ref_model is None:
@@ -524,6 +563,48 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self.replay = ReplayStep.build(config, self.args.seed, self.args.max_steps)
         self._step_rewards: Tensor | None = None
         self.add_callback(ReplayIngress(self.replay))
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, then the replay state beside it (every process holds the same
+        buffer; the main one writes it). Ingress ran at `on_step_end`, before TRL saves."""
+        super()._save_checkpoint(model, trial)
+        if not self.args.should_save:
+            return
+        import json
+        import os
+
+        from safetensors.torch import save_file
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        tensors, meta = self.replay.lifecycle.state()
+        tensors_name, meta_name = self.REPLAY_STATE
+        save_file(tensors, os.path.join(folder, tensors_name + ".tmp"))
+        with open(os.path.join(folder, meta_name + ".tmp"), "w") as f:
+            json.dump({**meta, "history": self.replay.history}, f)
+        for name in self.REPLAY_STATE:  # whole files only: a kill mid-write leaves .tmp
+            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """TRL's resume, and the replay state its checkpoint holds (as TRL restores its own
+        extra state here)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        import json
+        import os
+
+        from safetensors.torch import load_file
+
+        tensors_name, meta_name = self.REPLAY_STATE
+        if not os.path.exists(os.path.join(checkpoint, meta_name)):
+            raise ValueError(f"{checkpoint} holds no replay state ({meta_name}): not hdr's")
+        with open(os.path.join(checkpoint, meta_name)) as f:
+            meta = json.load(f)
+        self.replay.history = meta.pop("history", [])
+        self.replay.lifecycle.load_state(load_file(os.path.join(checkpoint, tensors_name)), meta)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL's batch keeps the advantages only; the buffer keeps the rewards too

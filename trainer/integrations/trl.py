@@ -28,8 +28,9 @@ tests that pin them): TRL's advantages divide by `std + 1e-4` (hdr: `1e-6`) and 
 `scale_rewards`; its loss normalisation is `loss_type` (`dapo`, the default, is hdr's token mean
 over the whole update); a replayed group's advantages are those stored when it was made.
 Across processes every process keeps the same buffer (the fresh groups are gathered), scores
-every candidate itself (so each runs the same forwards, which ZeRO-3 needs) and trains on a
-round-robin share of the admitted groups.
+a round-robin share of the candidates (gathered, so every process sees every score; each runs as
+many forwards and output-layer calls as the busiest, which ZeRO-3 needs), takes the main
+process's selection (broadcast) and trains on a round-robin share of the admitted groups.
 """
 
 from __future__ import annotations
@@ -523,8 +524,11 @@ class ReplayIngress(TrainerCallback):
 
 
 def check_schedule(args, num_generations: int) -> None:
-    """Replay treats one generation as one step: one optimizer step per generated batch,
-    whole groups on every process and in every micro-batch."""
+    """Replay treats one generation as one step: one optimizer step per generated batch and
+    whole groups on every process. Micro-batches do not hold whole groups: TRL shuffles the
+    rows before it splits them (`shuffle_sequence_dict`), which the token-mean losses (dapo)
+    do not mind; bnpo then divides each micro-batch by its own tokens (a per-micro-batch
+    mean once gradient accumulation is above 1)."""
     if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
         raise ValueError(
             "replay in TRL needs one optimizer step per generation: num_iterations=1 and"
@@ -533,7 +537,7 @@ def check_schedule(args, num_generations: int) -> None:
         )
     if num_generations % args.steps_per_generation:
         raise ValueError(
-            f"replay in TRL splits whole groups into micro-batches: num_generations"
+            f"replay in TRL splits the generation batch evenly into micro-batches: num_generations"
             f" ({num_generations}) must be a multiple of steps_per_generation"
             f" ({args.steps_per_generation})"
         )

@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -e ".[dev,trl]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,trl,deepspeed]"
 	touch $@
 
 setup-vllm: $(VENV_VLLM)/.installed

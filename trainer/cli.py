@@ -159,6 +159,9 @@ def trl_train_command(
     config: Path = typer.Option(..., "--config", "-c", help="TRL run config YAML."),
     server: list[str] = server_option(),
     set_: list[str] = set_option(),
+    resume: str | None = typer.Option(
+        None, "--resume", help='A checkpoint directory of this run, or "last" (with its buffer).'
+    ),
 ) -> None:
     """TRL's GRPOTrainer with hdr's Search-R1 rollout, exact-match reward and Headroom-Drift
     Replay (docs/integrations.md); prints TRL's output directory."""
@@ -166,7 +169,7 @@ def trl_train_command(
     from trainer.integrations.trl_run import TRLRunConfig, train_trl
 
     settings = [*server_overrides(server), *all_overrides(overrides, set_)]
-    typer.echo(str(train_trl(load_config(TRLRunConfig, config, settings))))
+    typer.echo(str(train_trl(load_config(TRLRunConfig, config, settings), resume)))
 
 
 def register(app: typer.Typer) -> None:

@@ -22,7 +22,8 @@ Models with extra logit transforms (soft-capping, logit scales) are not covered.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,26 @@ def position_ids_for(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+CallAgreement = Callable[[list[int]], list[int]]
+"""Across processes whose engine gathers weights per module call (DeepSpeed ZeRO-3): takes
+this process's output-layer calls per chunk of a scoring pass and returns the plan every
+process runs, the elementwise max over processes, padded to the longest list (a no-grad
+scoring pass then runs `len(plan)` backbone forwards and `plan[i]` output-layer calls in chunk
+`i` on every process; dummy ones where a process has fewer)."""
+
+
+def wanted_targets(attention_mask: Tensor, target_mask: Tensor | None = None) -> int:
+    """Positions whose next token `forward_logprobs` scores for these rows (`[n, T]` each)."""
+    real = attention_mask.bool()
+    target = real if target_mask is None else target_mask.bool()
+    return int((target[:, 1:] & real[:, 1:] & real[:, :-1]).sum())
+
+
+def head_calls(attention_mask: Tensor, target_mask: Tensor | None = None) -> int:
+    """Output-layer calls `forward_logprobs` makes for these rows (at least one)."""
+    return max(1, math.ceil(wanted_targets(attention_mask, target_mask) / HEAD_SLICE))
+
+
 def forward_logprobs(
     model,
     input_ids: Tensor,
@@ -49,13 +70,16 @@ def forward_logprobs(
     target_mask: Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    head_slices: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One forward pass over one chunk. Grad follows the caller's mode.
 
     `input_ids`, `attention_mask`, `target_mask`: `[n, T]`, left padded; `target_mask[i, t]`
     marks token `input_ids[i, t]` as wanted (defaults to every real token). Returns
     `logprobs [n, T-1]` = `log softmax(logits[:, t] / temperature)[input_ids[:, t+1]]` at the
-    wanted targets and 0 elsewhere, and the same-shaped entropy (or None).
+    wanted targets and 0 elsewhere, and the same-shaped entropy (or None). `head_slices`
+    (no grad): call the output layer that many times at least, the extra calls on one
+    position whose result is dropped (`CallAgreement`).
     """
     n, T = input_ids.shape
     if target_mask is None:
@@ -77,6 +101,8 @@ def forward_logprobs(
                        temperature, with_entropy, recompute)
         for lo in range(0, max(len(targets), 1), HEAD_SLICE)
     ]  # fmt: skip
+    for _ in range(len(pieces), head_slices or 0):  # padding calls: same gathers as the others
+        head(hidden[:1, -1])
     token_lp = torch.cat([lp for lp, _ in pieces])  # (K,)
     out = torch.zeros(n, T - 1, dtype=token_lp.dtype, device=token_lp.device)
     out[:, start:][wanted] = token_lp
@@ -124,6 +150,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     dedupe: bool = True,
+    agree: CallAgreement | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Teacher-forced log-probs of `input_ids[:, 1:]`, in chunks of `chunk_size` rows.
 
@@ -131,7 +158,8 @@ def token_logprobs(
     entropy (or None), on the CPU in the rows' original order. Rows that are exact duplicates
     (same ids, attention and target mask: a group's responses often are) are scored once when
     `dedupe`. Call under `torch.no_grad()` unless the graph is wanted (then memory is not
-    bounded: the update chunks by itself).
+    bounded: the update chunks by itself). `agree` (no grad, several processes): every
+    process runs the same number of forwards and output-layer calls (`CallAgreement`).
     """
     N, T = input_ids.shape
     if dedupe and N > 1:
@@ -140,7 +168,7 @@ def token_logprobs(
             tm = None if target_mask is None else target_mask[unique]
             lp, ent = token_logprobs(
                 model, input_ids[unique], attention_mask[unique], tm, chunk_size, temperature,
-                with_entropy, dedupe=False,
+                with_entropy, dedupe=False, agree=agree,
             )  # fmt: skip
             return lp[inverse], None if ent is None else ent[inverse]
     device = next(model.parameters()).device
@@ -148,8 +176,20 @@ def token_logprobs(
     order = torch.argsort(lengths, stable=True)
     out = torch.zeros(N, T - 1)
     ent = torch.zeros(N, T - 1) if with_entropy else None
-    for lo in range(0, N, chunk_size):
-        rows = order[lo : lo + chunk_size]
+    chunks = [order[lo : lo + chunk_size] for lo in range(0, N, chunk_size)]
+    plan = [None] * len(chunks)
+    if agree is not None:
+        plan = agree([
+            head_calls(attention_mask[rows], None if target_mask is None else target_mask[rows])
+            for rows in chunks
+        ])  # fmt: skip
+    for i, slices in enumerate(plan):
+        if i >= len(chunks):  # this process has fewer chunks: a dummy forward, dropped
+            dummy = torch.zeros(1, 2, dtype=torch.long, device=device)
+            forward_logprobs(model, dummy, torch.ones_like(dummy), None, temperature,
+                             head_slices=slices)  # fmt: skip
+            continue
+        rows = chunks[i]
         tm = None if target_mask is None else target_mask[rows].to(device)
         lp, e = forward_logprobs(
             model,
@@ -158,6 +198,7 @@ def token_logprobs(
             tm,
             temperature,
             with_entropy,
+            head_slices=slices,
         )
         out[rows] = lp.float().cpu()
         if ent is not None:
@@ -212,17 +253,22 @@ def score_groups(
     chunk_size: int = 16,
     temperature: float = 1.0,
     with_grad: bool = False,
+    agree: CallAgreement | None = None,
 ) -> list[Tensor]:
     """Current-policy log-probs of stored groups: one `[G, T_g]` tensor per group, aligned
     with its `input_ids` (0 off its loss mask). Usable as a replay `ScoreFn`. `with_grad`
-    keeps each tensor's graph (for an update that reuses this forward)."""
+    keeps each tensor's graph (for an update that reuses this forward); `agree`: see
+    `token_logprobs` (a process with no group still joins the agreed forwards)."""
     if not groups:
+        if agree is not None:
+            token_logprobs(model, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2),
+                           None, chunk_size, temperature, agree=agree)  # fmt: skip
         return []
     ids = concat_left_padded([g.input_ids for g in groups])
     attn = concat_left_padded([g.attention_mask for g in groups])
     target = concat_left_padded([g.loss_mask for g in groups])
     with torch.set_grad_enabled(with_grad):
-        lp, _ = token_logprobs(model, ids, attn, target, chunk_size, temperature)
+        lp, _ = token_logprobs(model, ids, attn, target, chunk_size, temperature, agree=agree)
     lp = align(lp)
     out, row = [], 0
     for g in groups:
@@ -300,19 +346,20 @@ def stored_groups(
     temperature: float,
     compute=contextlib.nullcontext,
     dedupe: bool = True,
+    agree: CallAgreement | None = None,
 ) -> tuple[list[StoredGroup], float, int]:
     """Rows of `b` groups of `G` (`[b*G, T]` each, left padded, group after group) as
     StoredGroups: behaviour log-probs teacher-forced under the current weights
     (`gen_logprobs`, no grad, under the `compute` context, e.g. autocast), the given `rewards`
     and `advantages` (`[b, G]`), each group trimmed to its own longest row and named by
     `names`. Also the mean token entropy over policy tokens and the tokens forwarded (the
-    cost ledger's). `dedupe=False` scores duplicate rows too, so that the number of forwards
-    depends on the number of rows only (sharded engines need every process to run as many)."""
+    cost ledger's). `dedupe=False` scores duplicate rows too; `agree` makes every process run
+    as many forwards and output-layer calls (`CallAgreement`, for ZeRO-3)."""
     forwarded = forwarded_tokens(input_ids, attention_mask, loss_mask)
     with torch.no_grad(), compute():
         lp, ent = token_logprobs(
             model, input_ids, attention_mask, loss_mask, chunk_size, temperature,
-            with_entropy=True, dedupe=dedupe,
+            with_entropy=True, dedupe=dedupe, agree=agree,
         )  # fmt: skip
     gen_logprobs, ent = align(lp) * loss_mask, align(ent)  # (b*G, T)
     fresh, G = [], rewards.shape[1]

@@ -33,6 +33,7 @@ from trainer.integrations.trl import (
     ReplayGRPOTrainer,
     SearchR1Rollout,
     TRLReplayConfig,
+    ended,
     exact_match_reward,
     search_r1_dataset,
     search_r1_reward,
@@ -200,10 +201,12 @@ def test_env_mask_keeps_information_out_of_trl_loss(
     rows = [
         row for g in fresh for row in zip(g.input_ids, g.attention_mask, g.loss_mask, strict=True)
     ]
+    # (a completion that was not cut ends on an EOS TRL reads as "finished", env_mask 0)
     for t, (ids, attn, mask) in zip(trajectories, rows, strict=True):
-        n = len(t.prompt_ids) + len(t.response_ids)
-        assert ids[attn.bool()].tolist() == t.prompt_ids + t.response_ids
-        assert mask[-n:].tolist() == [0] * len(t.prompt_ids) + t.loss_mask
+        end = ended(t, tokenizer.eos_token_id)
+        n = len(t.prompt_ids) + len(t.response_ids) + len(end)
+        assert ids[attn.bool()].tolist() == t.prompt_ids + t.response_ids + end
+        assert mask[-n:].tolist() == [0] * len(t.prompt_ids) + t.loss_mask + [0] * len(end)
     rollout.client.close()
 
 

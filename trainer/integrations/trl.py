@@ -28,8 +28,9 @@ tests that pin them): TRL's advantages divide by `std + 1e-4` (hdr: `1e-6`) and 
 `scale_rewards`; its loss normalisation is `loss_type` (`dapo`, the default, is hdr's token mean
 over the whole update); a replayed group's advantages are those stored when it was made.
 Across processes every process keeps the same buffer (the fresh groups are gathered), scores
-every candidate itself (so each runs the same forwards, which ZeRO-3 needs) and trains on a
-round-robin share of the admitted groups.
+a round-robin share of the candidates (gathered, so every process sees every score; each runs as
+many forwards and output-layer calls as the busiest, which ZeRO-3 needs), takes the main
+process's selection (broadcast) and trains on a round-robin share of the admitted groups.
 """
 
 from __future__ import annotations
@@ -101,6 +102,33 @@ def search_r1_reward(config: RolloutConfig):
     return reward
 
 
+def ended(trajectory, eos_id: int | None) -> list[int]:
+    """The token that tells TRL a trajectory ended: `[eos_id]` for one that was not cut
+    (answered on `</answer>`, or out of turns) and does not already end on EOS, else `[]`.
+    TRL counts a completion whose last id is neither EOS nor padding as truncated (its
+    `completions/clipped_ratio`, and `mask_truncated_completions` drops it from the loss); a
+    Search-R1 answer ends on the stop string, so without this nearly every one read as cut.
+    The EOS joins the environment's tokens (env_mask 0): it is never trained on."""
+    ids = trajectory.response_ids
+    if trajectory.truncated or eos_id is None or (ids and ids[-1] == eos_id):
+        return []
+    return [eos_id]
+
+
+def check_vllm_settings(args) -> None:
+    """Refuse, in one line, the colocated-vLLM settings the Search-R1 rollout cannot honour:
+    it calls each process's engine with that process's prompts, where TRL's own generation
+    first gathers prompts across a tensor-parallel group and wakes a sleeping engine."""
+    if not getattr(args, "use_vllm", False) or args.vllm_mode != "colocate":
+        return
+    if args.vllm_tensor_parallel_size > 1 or args.vllm_enable_sleep_mode:
+        raise ValueError(
+            "hdr's rollout in TRL's colocate mode supports vllm_tensor_parallel_size=1 without"
+            " vllm_enable_sleep_mode; for tensor parallelism or freeing the engine's memory use"
+            " vllm_mode=server (trl vllm-serve --tensor_parallel_size N)"
+        )
+
+
 class SearchR1Rollout:
     """TRL's `rollout_func`: hdr's multi-turn Search-R1 loop with TRL's generation engine.
 
@@ -149,11 +177,19 @@ class SearchR1Rollout:
         result = rollout_groups(generator, self.client, tokenizer, examples, G, config)
         self.last = result
         trajectories = [t for group in result.groups for t in group]
+        ends = [ended(t, tokenizer.eos_token_id) for t in trajectories]
         return {
             "prompt_ids": [t.prompt_ids for t in trajectories],
-            "completion_ids": [t.response_ids for t in trajectories],
-            "logprobs": [t.sampler_logprobs for t in trajectories],
-            "env_mask": [t.loss_mask for t in trajectories],
+            "completion_ids": [
+                t.response_ids + end for t, end in zip(trajectories, ends, strict=True)
+            ],
+            "logprobs": [
+                list(t.sampler_logprobs) + [0.0] * len(end)
+                for t, end in zip(trajectories, ends, strict=True)
+            ],
+            "env_mask": [
+                t.loss_mask + [0] * len(end) for t, end in zip(trajectories, ends, strict=True)
+            ],
             "answer": [t.answer for t in trajectories],
             "response_text": [response_text(t, tokenizer, config) for t in trajectories],
             "searches": [t.searches for t in trajectories],
@@ -293,21 +329,30 @@ class ReplayStep:
                 rows.attention_mask, rows.loss_mask, rewards.cpu().view(b, G),
                 batch["advantages"].cpu().float().view(b, G), step, names,
                 self.config.score_chunk, trainer.temperature, accelerator.autocast,
-                dedupe=world == 1,  # as many forwards on every process (ZeRO-3 gathers per call)
+                agree=zero3_call_agreement(accelerator),  # ZeRO-3 gathers per module call
             )  # fmt: skip
+        ratio = fresh_values(rows, fresh, range(b), "importance_sampling_ratio")
+        for group, weights in zip(fresh, ratio or [None] * b, strict=True):
+            group.token_weights = weights  # TRL's fresh-step weights travel with the group
         everyone = gather(fresh, world)
         self.lifecycle.params = select_params(  # the run's length is known once training starts
             self.config.arm, self.config.replay, self.config.replay.budget, trainer.args.seed,
             trainer.state.max_steps,
         )  # fmt: skip
         with self.scoring(trainer):
-            selection = self.lifecycle.select(step, self.scorer(trainer), everyone)
+            selection = self.lifecycle.select(
+                step, self.scorer(trainer), everyone, agree=self.decided_on_main(trainer)
+            )
         swapped = set(selection.swap_out)
         kept = [k for k in range(b) if rank * b + k not in swapped]  # global index of group k
         weights = selection.weights or [1.0] * len(selection.groups)
         replayed, replay_weights = selection.groups[rank::world], weights[rank::world]
-        if not kept and not replayed:
-            raise ValueError(f"step {step}: process {rank} has no group to train on")
+        idle = [  # decided from the shared selection, so every process raises together
+            p for p in range(world)
+            if all(p * b + k in swapped for k in range(b)) and not selection.groups[p::world]
+        ]  # fmt: skip
+        if idle:
+            raise ValueError(f"step {step}: process(es) {idle} have no group to train on")
         update = assemble_batch(
             [fresh[k] for k in kept], replayed, replay_weights,
             fresh_values(rows, fresh, kept, "importance_sampling_ratio"),
@@ -340,14 +385,53 @@ class ReplayStep:
 
     def scorer(self, trainer: ReplayGRPOTrainer):
         """The replay `ScoreFn`: hdr's teacher-forced scoring under the current weights."""
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        chunk = self.config.score_chunk
+        accelerator = trainer.accelerator
+        model = accelerator.unwrap_model(trainer.model)
+        chunk, agree = self.config.score_chunk, zero3_call_agreement(accelerator)
+        rank, world = accelerator.process_index, accelerator.num_processes
 
         def score(groups: Sequence[StoredGroup]) -> list[Tensor]:
-            with trainer.accelerator.autocast():
-                return score_groups(model, groups, chunk, trainer.temperature)
+            # each process scores a round-robin share (the same forward counts everywhere,
+            # `agree`) and every process gets every group's log-probs
+            with accelerator.autocast():
+                mine = score_groups(model, groups[rank::world], chunk, trainer.temperature,
+                                    agree=agree)  # fmt: skip
+            if world == 1:
+                return mine
+            from accelerate.utils import gather_object
+
+            found = dict(
+                gather_object(list(zip(range(rank, len(groups), world), mine, strict=True)))
+            )
+            return [found[i] for i in range(len(groups))]
 
         return score
+
+    def decided_on_main(self, trainer: ReplayGRPOTrainer):
+        """The lifecycle's `agree` across processes: the main process's selection, broadcast
+        (group ids, weights, swaps and what the scan saw), taken by every process from its
+        own copy of the buffer (None on one process)."""
+        accelerator = trainer.accelerator
+        if accelerator.num_processes == 1:
+            return None
+
+        def agree(selection: Selection) -> Selection:
+            from accelerate.utils import broadcast_object_list
+
+            fields_ = ("weights", "swap_out", "scanned", "drift_scanned", "admitted_scanned",
+                       "headroom_scanned", "drift_admitted", "headroom_stored",
+                       "headroom_refreshed")  # fmt: skip
+            payload = [([g.group_id for g in selection.groups],
+                        {f: getattr(selection, f) for f in fields_})]  # fmt: skip
+            broadcast_object_list(payload, from_process=0)
+            ids, values = payload[0]
+            by_id = {g.group_id: g for g in self.buffer}
+            missing = [i for i in ids if i not in by_id]
+            if missing:  # the buffers differ: cannot happen while every process ingests alike
+                raise RuntimeError(f"process {accelerator.process_index} lacks groups {missing}")
+            return Selection(groups=[by_id[i] for i in ids], **values)
+
+        return agree
 
     def replayed_values(self, trainer, key: str, groups: list[StoredGroup]) -> list[Tensor]:
         """A replayed group's value of a per-token TRL tensor: its stored behaviour log-probs
@@ -355,8 +439,14 @@ class ReplayStep:
         if key == "sampling_per_token_logps":
             return [g.gen_logprobs for g in groups]
         chunk, temperature = self.config.score_chunk, trainer.temperature
+        rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+        share = list(groups[rank::world])  # only the groups this process trains on
         with self.scoring(trainer), trainer.accelerator.autocast():
-            return score_groups(trainer.ref_model, groups, chunk, temperature)
+            mine = score_groups(trainer.ref_model, share, chunk, temperature,
+                                agree=zero3_call_agreement(trainer.accelerator))  # fmt: skip
+        out = [None] * len(groups)
+        out[rank::world] = mine
+        return out
 
     @staticmethod
     @contextlib.contextmanager
@@ -371,6 +461,27 @@ class ReplayStep:
             ),
         ):
             yield
+
+
+def zero3_call_agreement(accelerator):
+    """The `CallAgreement` across TRL's processes (None on one process): each process's
+    output-layer calls per scoring chunk, maxed elementwise over processes, so that ZeRO-3's
+    per-call weight gathers pair up whatever each process's rows hold (two all-reduces per
+    scoring pass: the number of chunks, then the calls)."""
+    if accelerator.num_processes == 1:
+        return None
+
+    def agree(calls: list[int]) -> list[int]:
+        import torch.distributed as dist
+
+        n = torch.tensor([len(calls)], device=accelerator.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        plan = torch.zeros(int(n), dtype=torch.long, device=accelerator.device)
+        plan[: len(calls)] = torch.tensor(calls, dtype=torch.long)
+        dist.all_reduce(plan, op=dist.ReduceOp.MAX)
+        return [int(c) for c in plan.cpu()]
+
+    return agree
 
 
 def fresh_values(rows: TRLRows, fresh: list[StoredGroup], kept: list[int], key: str):
@@ -413,8 +524,11 @@ class ReplayIngress(TrainerCallback):
 
 
 def check_schedule(args, num_generations: int) -> None:
-    """Replay treats one generation as one step: one optimizer step per generated batch,
-    whole groups on every process and in every micro-batch."""
+    """Replay treats one generation as one step: one optimizer step per generated batch and
+    whole groups on every process. Micro-batches do not hold whole groups: TRL shuffles the
+    rows before it splits them (`shuffle_sequence_dict`), which the token-mean losses (dapo)
+    do not mind; bnpo then divides each micro-batch by its own tokens (a per-micro-batch
+    mean once gradient accumulation is above 1)."""
     if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
         raise ValueError(
             "replay in TRL needs one optimizer step per generation: num_iterations=1 and"
@@ -423,7 +537,7 @@ def check_schedule(args, num_generations: int) -> None:
         )
     if num_generations % args.steps_per_generation:
         raise ValueError(
-            f"replay in TRL splits whole groups into micro-batches: num_generations"
+            f"replay in TRL splits the generation batch evenly into micro-batches: num_generations"
             f" ({num_generations}) must be a multiple of steps_per_generation"
             f" ({args.steps_per_generation})"
         )
@@ -440,7 +554,11 @@ class ReplayGRPOTrainer(GRPOTrainer):
     """TRL's `GRPOTrainer` with hdr's replay (see the module docstring). Two overrides, each
     calling TRL's method first and adding to its result; nothing of TRL's is copied."""
 
+    REPLAY_STATE = ("hdr_replay.safetensors", "hdr_replay.json")  # in each checkpoint
+
     def __init__(self, *args, replay: TRLReplayConfig | None = None, **kwargs) -> None:
+        if kwargs.get("args") is not None:
+            check_vllm_settings(kwargs["args"])
         super().__init__(*args, **kwargs)
         check_schedule(self.args, self.num_generations)
         if self.beta != 0.0 and self.ref_model is None:
@@ -449,6 +567,48 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self.replay = ReplayStep.build(config, self.args.seed, self.args.max_steps)
         self._step_rewards: Tensor | None = None
         self.add_callback(ReplayIngress(self.replay))
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, then the replay state beside it (every process holds the same
+        buffer; the main one writes it). Ingress ran at `on_step_end`, before TRL saves."""
+        super()._save_checkpoint(model, trial)
+        if not self.args.should_save:
+            return
+        import json
+        import os
+
+        from safetensors.torch import save_file
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        tensors, meta = self.replay.lifecycle.state()
+        tensors_name, meta_name = self.REPLAY_STATE
+        save_file(tensors, os.path.join(folder, tensors_name + ".tmp"))
+        with open(os.path.join(folder, meta_name + ".tmp"), "w") as f:
+            json.dump({**meta, "history": self.replay.history}, f)
+        for name in self.REPLAY_STATE:  # whole files only: a kill mid-write leaves .tmp
+            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """TRL's resume, and the replay state its checkpoint holds (as TRL restores its own
+        extra state here)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        import json
+        import os
+
+        from safetensors.torch import load_file
+
+        tensors_name, meta_name = self.REPLAY_STATE
+        if not os.path.exists(os.path.join(checkpoint, meta_name)):
+            raise ValueError(f"{checkpoint} holds no replay state ({meta_name}): not hdr's")
+        with open(os.path.join(checkpoint, meta_name)) as f:
+            meta = json.load(f)
+        self.replay.history = meta.pop("history", [])
+        self.replay.lifecycle.load_state(load_file(os.path.join(checkpoint, tensors_name)), meta)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL's batch keeps the advantages only; the buffer keeps the rewards too

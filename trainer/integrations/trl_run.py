@@ -67,6 +67,7 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
 
     from agent_env.data import load_task
     from agent_env.retrieval_client import connect
+    from trainer.integrations.accelerate_cpu import allow_deepspeed_on_cpu_processes
     from trainer.integrations.trl import (
         ReplayGRPOTrainer,
         SearchR1Rollout,
@@ -74,6 +75,7 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
         search_r1_reward,
     )
 
+    allow_deepspeed_on_cpu_processes()  # before accelerate's state exists (grpo_args)
     args = grpo_args(config)
     examples = load_task(config.data.train, config.data.train_split)[: config.max_questions]
     if not examples:
@@ -95,12 +97,21 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
         raise UserError(str(err)) from None
 
 
-def train_trl(config: TRLRunConfig) -> Path:
+def train_trl(config: TRLRunConfig, resume: str | None = None) -> Path:
     """Train; returns TRL's output directory, where the final model is saved and each process
-    writes what its replay did (`replay-{rank}.jsonl`)."""
+    writes what its replay did (`replay-{rank}.jsonl`). `resume`: a checkpoint directory, or
+    "last" for the newest under `output_dir`; the replay buffer comes back with it."""
     trainer = build_trainer(config)
+    checkpoint: str | bool | None = None
+    if resume is not None:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        checkpoint = get_last_checkpoint(trainer.args.output_dir) if resume == "last" else resume
+        if not checkpoint or not Path(checkpoint).is_dir():
+            trainer.rollout_func.client.close()
+            raise UserError(f"--resume {resume}: no checkpoint in {trainer.args.output_dir}")
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
     finally:
         trainer.rollout_func.client.close()

@@ -1,0 +1,76 @@
+"""The TRL review's defects 3, 6 and 8 on one process: colocated-vLLM settings refused in one
+line, completions that were not cut end on EOS (TRL's clipped_ratio reads real truncation), and
+the replay buffer travels in TRL's checkpoints and comes back on resume."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from test_trl import G, make_trainer
+from trl import GRPOConfig
+
+from agent_env.data import QAExample
+from agent_env.rollout import Trajectory
+from trainer.config import ReplayConfig
+from trainer.integrations.trl import TRLReplayConfig, check_vllm_settings, ended
+
+
+def trajectory(ids: list[int], truncated: bool = False) -> Trajectory:
+    example = QAExample(id="q", question="?", golden_answers=["a"], data_source="t")
+    return Trajectory(group_id="g", example=example, prompt_ids=[1, 2], response_ids=ids,
+                      loss_mask=[1] * len(ids), truncated=truncated)  # fmt: skip
+
+
+def test_only_cut_completions_stay_without_eos():
+    """Defect 6: an answer ends on `</answer>` (not EOS); it gets EOS so TRL does not count it
+    truncated; a cut one (response budget reached) does not; one already on EOS is left."""
+    assert ended(trajectory([5, 6, 7]), eos_id=2) == [2]
+    assert ended(trajectory([5, 6, 7], truncated=True), eos_id=2) == []
+    assert ended(trajectory([5, 6, 2]), eos_id=2) == []
+
+
+def test_trl_clipped_ratio_reads_real_truncation(sft_policy, retrieval_url, small_qa, tmp_path):
+    replay = TRLReplayConfig(arm="on_policy", replay=ReplayConfig(budget=0, capacity=0))
+    trainer = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=1)
+    trainer.train()
+    clipped = [h["completions/clipped_ratio"] for h in trainer.state.log_history
+               if "completions/clipped_ratio" in h]  # fmt: skip
+    trajs = [t for group in trainer.rollout_func.last.groups for t in group]
+    assert clipped == [pytest.approx(sum(t.truncated for t in trajs) / len(trajs))]
+
+
+def test_colocate_settings_the_rollout_cannot_honour_are_refused(tmp_path):
+    """Defect 3: one line naming the supported alternative."""
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])
+    args = GRPOConfig(**base)
+    for key, value in (("vllm_tensor_parallel_size", 2), ("vllm_enable_sleep_mode", True)):
+        args.use_vllm, args.vllm_mode = True, "colocate"
+        setattr(args, key, value)
+        with pytest.raises(ValueError, match="use vllm_mode=server") as err:
+            check_vllm_settings(args)
+        assert "\n" not in str(err.value)
+        setattr(args, key, GRPOConfig(**base).__dict__[key])
+    check_vllm_settings(args)  # tp 1, no sleep: accepted
+
+
+def test_resume_from_a_trl_checkpoint_keeps_the_buffer(
+    sft_policy, retrieval_url, small_qa, tmp_path
+):
+    """Defect 8: the buffer is in TRL's checkpoint and a resumed trainer starts with it."""
+    replay = TRLReplayConfig(
+        arm="headroom_drift", replay=ReplayConfig(budget=2, capacity=8, tau=10.0)
+    )
+    first = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=2,
+                         save_strategy="steps", save_steps=2)  # fmt: skip
+    first.train()
+    saved = [(g.group_id, g.replay_count, g.headroom) for g in first.replay.buffer]
+    assert saved and (tmp_path / "trl" / "checkpoint-2" / "hdr_replay.json").is_file()
+    again = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=3)
+    again.train(resume_from_checkpoint=str(tmp_path / "trl" / "checkpoint-2"))
+    assert [h["step"] for h in again.replay.history] == [1, 2, 3]  # restored, then step 3
+    step3 = again.replay.history[-1]
+    assert step3["step"] == 3 and step3["replayed"]  # step 3 replays the restored groups
+    assert set(step3["replayed"]) <= {name for name, _, _ in saved}
+    assert G == 4

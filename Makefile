@@ -54,7 +54,7 @@ serve: index
 	HF_HUB_OFFLINE=1 $(BIN)/hdr serve --index $(DATA)/index --port $(PORT)
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data-dir $(DATA) --runs $(RUNS)
+	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data-dir $(DATA) --out $(RUNS)/demo
 
 experiment: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --data-dir $(DATA) --out $(RUNS)/experiment

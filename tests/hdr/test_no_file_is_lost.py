@@ -144,8 +144,9 @@ COMMANDS: dict[str, tuple[Argv, OwnInput | None]] = {
         lambda w: ["experiment", "--quick", "--data-dir", str(w), "--out", str(w / "exp")],
     ),
     "demo": (
-        lambda w, out: ["demo", "--data-dir", str(w / "exp-data"), "--runs", str(out.parent)],
-        lambda w: ["demo", "--data-dir", str(w / "runs" / "demo"), "--runs", str(w / "runs")],
+        lambda w, out: ["demo", "--data-dir", str(w / "exp-data"), "--out", str(out)],
+        lambda w: ["demo", "--data-dir", str(w / "runs" / "demo"), "--out",
+                   str(w / "runs" / "demo")],
     ),
 }  # fmt: skip
 

@@ -304,7 +304,9 @@ def is_unfinished_build(partial: Path) -> bool:
 def encoded_chunks(partial: Path) -> list[Path]:
     """The finished chunk files of an unfinished dense build in `partial` (its resumable work)."""
     vectors = partial / VECTORS_DIR
-    return sorted(vectors.glob("[0-9]*.npy")) if vectors.is_dir() else []
+    if not vectors.is_dir():
+        return []
+    return sorted(p for p in vectors.glob("[0-9]*.npy") if not p.name.endswith(".tmp.npy"))
 
 
 def folder_bytes(folder: Path) -> int:
@@ -460,16 +462,19 @@ def disk_full_explained(partial: Path, needed_bytes: int, command: str) -> Itera
     try:
         yield
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
         held = folder_bytes(partial) if partial.is_dir() else 0
         free = shutil.disk_usage(partial if partial.is_dir() else partial.parent).free
+        # numpy's writes say only "N requested and M written" (no errno): a short write on a
+        # disk without room for the rest of the build is the same full disk
+        short_write = err.errno is None and free < needed_bytes - held
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) and not short_write:
+            raise
         raise UserError(
             f"no space left on the device of {partial}: it holds {human_bytes(held)} of"
             f" resumable work ({len(encoded_chunks(partial))} encoded chunks); the build needs"
             f" about {human_bytes(needed_bytes)} in all there and {human_bytes(free)} is free."
-            f" Free space and rerun `{command}` to resume, or remove the folder with"
-            f" `rm -r {partial}`"
+            f" Free space and rerun `{command}` with the same options to resume, or remove the"
+            f" folder with `rm -r {partial}`"
         ) from None
 
 
@@ -533,7 +538,7 @@ def build_index(
         f" --chunk-size {chunk_size}" if chunk_size != DEFAULT_CHUNK_SIZE else ""
     )
     needed = build_space_needed(documents, encoder.dimension, int(offsets[-1]), with_bm25)
-    with disk_full_explained(partial, needed, command + " (with the same options)"):
+    with disk_full_explained(partial, needed, command):
         chunk_paths = [
             partial / VECTORS_DIR / f"{i:06d}.npy" for i in range(-(-documents // chunk_size))
         ]

@@ -356,7 +356,8 @@ def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def settings_differences(earlier: dict[str, Any], now: dict[str, Any], most: int = 4) -> str:
     """`k 8 then, 5 now; settings.max_questions None then, 200 now`: what differs, briefly."""
     a, b = _flatten(earlier), _flatten(now)
-    keys = [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+    settings_first = sorted(set(a) | set(b), key=lambda key: (not key.startswith("settings."), key))
+    keys = [key for key in settings_first if a.get(key) != b.get(key)]
     shown = [f"{key.removeprefix('settings.')} {a.get(key)!r} then, {b.get(key)!r} now"
              for key in keys[:most]]  # fmt: skip
     more = f"; {len(keys) - most} more" if len(keys) > most else ""

@@ -19,6 +19,7 @@ promise holds for every subcommand.
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
 import re
 import shlex
@@ -80,7 +81,32 @@ def _register_all() -> None:
     register_evaluation(app)
 
 
+def reflow(text: str | None) -> str | None:
+    """`text` with each paragraph of prose on one line, so that help reads at any terminal
+    width: typer keeps the line breaks of a help text's later paragraphs and of epilogs, and
+    the source's 100-column lines showed as hard wraps mid-sentence. Indented lines (the
+    examples) are kept as they are."""
+    if text is None:
+        return None
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(
+        paragraph if any(line[:1].isspace() for line in paragraph.splitlines())
+        else " ".join(paragraph.split())
+        for paragraph in paragraphs
+    )  # fmt: skip
+
+
+def reflow_help(typer_app: typer.Typer) -> None:
+    """`reflow` every registered command's help and epilog, in groups too."""
+    for info in typer_app.registered_commands:
+        info.help = reflow(info.help or inspect.getdoc(info.callback))
+        info.epilog = reflow(info.epilog)
+    for group in typer_app.registered_groups:
+        reflow_help(group.typer_instance)
+
+
 _register_all()
+reflow_help(app)
 
 
 def quiet_third_party() -> None:

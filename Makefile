@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine (see README):
+# Two entry points for a fresh machine (see README.md and docs/guide.md):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
 #   make test   sets up .venv and runs lint plus the default (not slow) tests
 # and the container stack, end to end (docs/stack.md):

@@ -107,7 +107,9 @@ def test_missing_and_malformed_configs(tmp_path: Path) -> None:
 
 def test_a_model_directory_without_tokenizer_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    assert_one_line(hdr("rollout", "--model", str(tmp_path), "--n", "1"), "no tokenizer in")
+    assert_one_line(
+        hdr("rollout", "--model", str(tmp_path), "--max-questions", "1"), "no tokenizer in"
+    )
     assert_one_line(
         hdr("eval", "--model", str(tmp_path), "--data", "wiki-vital", "--out", str(tmp_path / "e")),
         "no tokenizer in",

@@ -131,8 +131,10 @@ COMMANDS: dict[str, tuple[Argv, OwnInput | None]] = {
                    str(w / "model"), "max_questions=1"],
     ),
     "rollout": (
-        lambda w, out: ["rollout", "--model", str(w / "model"), "--max-questions", "1", "--out", str(out)],
-        lambda w: ["rollout", "--model", str(w / "model"), "--max-questions", "1", "--out", str(w / "model")],
+        lambda w, out: ["rollout", "--model", str(w / "model"), "--max-questions", "1", "--out",
+                        str(out)],
+        lambda w: ["rollout", "--model", str(w / "model"), "--max-questions", "1", "--out",
+                   str(w / "model")],
     ),
     "plot": (
         lambda w, out: ["plot", str(w / "run"), "--out", str(out)],

@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine (see README):
+# Two entry points for a fresh machine (see README.md and docs/guide.md):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
 #   make test   sets up .venv and runs lint plus the default (not slow) tests, then sets up
 #               .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm
@@ -86,7 +86,7 @@ serve: index
 	HF_HUB_OFFLINE=1 $(BIN)/hdr serve --index $(DATA)/index --port $(PORT)
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data-dir $(DATA) --runs $(RUNS)
+	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data-dir $(DATA) --out $(RUNS)/demo
 
 experiment: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --data-dir $(DATA) --out $(RUNS)/experiment

@@ -12,14 +12,16 @@ import typer
 from core.options import (
     all_overrides,
     force_option,
+    old_name_option,
     overrides_argument,
     register_config,
+    renamed,
     set_option,
 )
 
 ROLLOUT_EXAMPLES = """Examples (a retrieval server must be running, see `hdr serve`):
 
-  hdr rollout --model data/tiny-sft --n 64 --group-size 8
+  hdr rollout --model data/tiny-sft --max-questions 64 --group-size 8
 
   hdr rollout --model data/tiny-policy --prompt compact max_turns=1 doc_words=8
 
@@ -54,9 +56,15 @@ def _rollout_config(
 
 def rollout_command(
     model: Path = typer.Option(..., "--model", help="Model dir (from_pretrained); tokenizer too."),
-    task: str = typer.Option("wiki-vital", "--task", help="wiki-vital, a .jsonl or a .parquet."),
+    task: str = typer.Option(
+        "wiki-vital", "--data", help="wiki-vital, a FlashRAG .jsonl or a Search-R1 .parquet."
+    ),
     split: str = typer.Option("test", "--split", help="wiki-vital split: train, test or all."),
-    n: int | None = typer.Option(None, "--n", min=1, help="First N questions (default: all)."),
+    n: int | None = typer.Option(
+        None, "--max-questions", min=1, help="Only the first N questions (default: all)."
+    ),
+    old_task: str | None = old_name_option("--task", "--data"),
+    old_n: int | None = old_name_option("--n", "--max-questions"),
     group_size: int = typer.Option(1, "--group-size", min=1, help="Responses per question (G)."),
     server: list[str] = typer.Option(
         ["http://127.0.0.1:8000"], "--server", help="Retrieval server URL (repeatable)."
@@ -89,6 +97,8 @@ def rollout_command(
     """Roll out a policy against a retrieval server; write trajectories, print a summary."""
     from agent_env.runner import RolloutJob, run_rollout_job
 
+    task = renamed("--task", "--data", old_task, task, "wiki-vital")
+    n = renamed("--n", "--max-questions", old_n, n)
     rollout_config, saved_retrieval = _rollout_config(
         model, config, prompt, all_overrides(overrides, set_)
     )

@@ -36,7 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import UserError, warn
 
 WIKI_VITAL = "wiki-vital"
 WIKI_BRIDGE = "wiki-bridge"
@@ -69,23 +69,46 @@ def load_flashrag_jsonl(path: str | Path, data_source: str | None = None) -> lis
         raise UserError(f"dataset file not found: {path}")
     source = data_source or _flashrag_source(path)
     examples = []
+    empty_gold: list[int] = []  # line numbers of questions no answer can match
     with path.open() as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                answers = row["golden_answers"]
-                examples.append(
-                    QAExample(
-                        id=f"{source}/{row.get('id', n - 1)}",
-                        question=str(row["question"]),
-                        golden_answers=[answers] if isinstance(answers, str) else list(answers),
-                        data_source=source,
-                    )
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{n}: not a FlashRAG QA line: not JSON ({err})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{n}: not a FlashRAG QA line: not a JSON object")
+            missing = [key for key in ("question", "golden_answers") if key not in row]
+            if missing:
+                raise UserError(
+                    f"{path}:{n}: not a FlashRAG QA line: missing key {', '.join(missing)}"
+                    f" (found: {', '.join(row) or 'none'})"
                 )
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise UserError(f"{path}:{n}: not a FlashRAG QA line ({err})") from None
+            answers = row["golden_answers"]
+            if not isinstance(answers, str | list):
+                raise UserError(
+                    f"{path}:{n}: golden_answers must be a list of strings, not"
+                    f" {type(answers).__name__}"
+                )
+            answers = [answers] if isinstance(answers, str) else [str(a) for a in answers]
+            if not [a for a in answers if a.strip()]:
+                empty_gold.append(n)
+            examples.append(
+                QAExample(
+                    id=f"{source}/{row.get('id', n - 1)}",
+                    question=str(row["question"]),
+                    golden_answers=answers,
+                    data_source=source,
+                )
+            )
+    if empty_gold:
+        warn(
+            f"{path}: {len(empty_gold)} of {len(examples)} questions have no golden answer"
+            f" (an empty golden_answers; first on line {empty_gold[0]}): no response can be"
+            " scored correct on them"
+        )
     return examples
 
 

@@ -51,7 +51,7 @@ def start(setting: str, root: Path, first_core: int) -> tuple[subprocess.Popen, 
     out.mkdir(parents=True)
     log = (out / "demo.log").open("w")
     command = ["taskset", "-c", cores, HDR, "demo", "--data-dir", str(out / "data"),
-               "--runs", str(out / "runs")]  # fmt: skip
+               "--out", str(out / "runs" / "demo")]  # fmt: skip
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log), time.time()
 
 

@@ -56,6 +56,24 @@ MISTAKES: list[tuple[str, list[str]]] = [
     ("train --out x (an option that is a setting)", ["train", "--out", "x"]),
     ("train --steps 4", ["train", "--steps", "4"]),
     ("train -h", ["train", "-h"]),
+    ("index build on a corpus with one Latin-1 byte on line 21",
+     ["index", "build", "--corpus", "data/latin1.jsonl", "--out", "data/i1", "--no-dense"]),
+    ("index build on a corpus whose ids repeat",
+     ["index", "build", "--corpus", "data/twice.jsonl", "--out", "data/i2", "--no-dense"]),
+    ("index build batch_size=8 (a KEY=VALUE on a subcommand without a config)",
+     ["index", "build", "--corpus", "data/wiki.jsonl", "--out", "data/i3", "--no-dense",
+      "batch_size=8"]),
+    ("index prepare-wiki limitt=5", ["index", "prepare-wiki", "--out", "data/w.jsonl", "limitt=5"]),
+    ("eval max_questions= (empty)",
+     ["eval", "--model", "data/my-model", "--data", "wiki-vital", "max_questions="]),
+    ("eval on a QA file with answer instead of golden_answers",
+     ["eval", "--model", "data/my-model", "--data", "data/qa.jsonl"]),
+    ("train arm=on_policy_larger", ["train", "--config", "configs/tiny-cpu.yaml",
+                                    "arm=on_policy_larger"]),
+    ("train arm=on_policy_lr0", ["train", "--config", "configs/tiny-cpu.yaml",
+                                 "arm=on_policy_lr0"]),
+    ("rollout --task a.jsonl --data b.jsonl (old and new name)",
+     ["rollout", "--model", "data/my-model", "--task", "a.jsonl", "--data", "b.jsonl"]),
 ]  # fmt: skip
 
 
@@ -83,6 +101,12 @@ def scratch() -> Path:
     small = TinyPolicyConfig(vocab_size=300, hidden_size=16, num_layers=1, num_heads=2,
                              intermediate_size=32)  # fmt: skip
     init_tiny_policy(root / "data" / "my-model", texts, small)
+    lines = FIXTURE.read_bytes().splitlines(keepends=True)
+    (root / "data" / "latin1.jsonl").write_bytes(
+        b"".join(lines * 2) + b'{"id": "20", "contents": "\\"Caf\xe9\\"\\nau lait"}\n'
+    )
+    (root / "data" / "twice.jsonl").write_bytes(b"".join(lines) + lines[7])
+    (root / "data" / "qa.jsonl").write_text('{"id": 0, "question": "q?", "answer": "a"}\n')
     (root / "runs" / "a").mkdir(parents=True)
     metrics = {"step": 1, "acceptance_rate": 0.5, "replay_ages": [1]}
     (root / "runs" / "a" / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")

@@ -1,9 +1,9 @@
 """Typed configs: pydantic models, YAML files as their instances, dotted CLI overrides.
 
 `load_config(TrainConfig, "configs/tiny-cpu.yaml", ["replay.tau=0.05"])` reads the file,
-applies each `a.b.c=value` override (value parsed as YAML, so numbers and lists work), and
-validates. Unknown keys are errors (`StrictModel` forbids extras) and every failure becomes
-one `UserError` line naming the offending key.
+applies each `a.b.c=value` override (value parsed as YAML, so numbers and lists work; an empty
+value is refused, `key=null` is None), and validates. Unknown keys are errors (`StrictModel`
+forbids extras) and every failure becomes one `UserError` line naming the offending key.
 """
 
 from __future__ import annotations
@@ -42,7 +42,12 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise UserError(f"override {override!r}: {part!r} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip():  # `max_questions=` reads as a forgotten value, not as "no limit"
+        raise UserError(
+            f"{key.strip()}= has no value: give one, or write {key.strip()}=null for none"
+            " (its default where that is none)"
+        )
+    node[parts[-1]] = yaml.safe_load(raw)
 
 
 def _section(model: type[BaseModel], path: Sequence[Any]) -> type[BaseModel] | None:

@@ -15,6 +15,7 @@ from core.options import (
     force_option,
     overrides_argument,
     register_config,
+    renamed,
     server_option,
     server_overrides,
     set_option,
@@ -50,7 +51,7 @@ Presets: the YAML files of configs/experiments/, each read on main.yaml.
 """
 DEMO_EXAMPLE = """Example:
 
-  hdr demo --data-dir data --runs runs steps=20
+  hdr demo --data-dir data --out runs/demo steps=20
 """
 
 
@@ -62,7 +63,9 @@ def eval_command(
     k: int = typer.Option(None, "--k", min=1, help="Samples per question (default: config, 8)."),
     server: list[str] = server_option(),
     out: Path = typer.Option(
-        None, "--out", help="Directory for eval.json / eval.md (default: eval/<model dir name>)."
+        None,
+        "--out",
+        help="Directory for eval.json / eval.md (default: runs/eval/<model dir name>).",
     ),
     config: Path = typer.Option(None, "--config", "-c", help="EvalConfig YAML."),
     train_config: Path = typer.Option(
@@ -77,15 +80,25 @@ def eval_command(
     force: bool = force_option(),
 ) -> None:
     """Mean@k, Best@k and greedy EM per dataset, with plain and size-weighted averages,
-    through the full rollout loop. Writes eval.json and eval.md; rerun to resume."""
+    through the full rollout loop. Writes eval.json and eval.md. Rerun the same command to
+    resume an interrupted evaluation; on a finished one it says so and does nothing."""
     from evaluation.evaluate import eval_config_for, evaluate
 
     settings = [*server_overrides(server), *all_overrides(overrides, set_)]
     cfg = eval_config_for(model, config, train_config, settings)
-    out_dir = out or Path("eval") / (model.parent.name if model.name == "final" else model.name)
+    out_dir = out or default_eval_dir(model)
     report = evaluate(model, data, k, None, cfg, out_dir, force=force)
+    if report.reused:
+        typer.echo(f"already complete: see {out_dir / 'eval.md'} (--force evaluates again)")
+        return
     typer.echo(report.markdown())
     typer.echo(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.md'}")
+
+
+def default_eval_dir(model: Path) -> Path:
+    """runs/eval/<model>: under runs/, which git ignores, as it does data/ (a run's final/
+    is named after its run)."""
+    return Path("runs") / "eval" / (model.parent.name if model.name == "final" else model.name)
 
 
 def plot_command(
@@ -249,9 +262,14 @@ def demo_command(
     data_dir: Path = typer.Option(
         Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
     ),
-    runs: Path = typer.Option(Path("runs"), "--runs", help="Where the demo's run goes."),
+    out: Path = typer.Option(
+        Path("runs/demo"), "--out", help="Directory of the demo's run, results and charts."
+    ),
     overrides: list[str] = overrides_argument("ExperimentConfig", "steps=20"),
     set_: list[str] = set_option(),
+    runs: Path | None = typer.Option(
+        None, "--runs", hidden=True, help="Old: the folder above --out (--runs R is --out R/demo)."
+    ),
 ) -> None:
     """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
     headroom_drift run and its held-out evaluation beside the SFT start."""
@@ -261,8 +279,11 @@ def demo_command(
         "demo",
         overrides=all_overrides(overrides, set_),
         data_dir=data_dir,
-        out_dir=runs / "demo",
-    )
+        out_dir=renamed(
+            "--runs", "--out", runs and runs / "demo", out, Path("runs/demo"),
+            note=f"--runs {runs} is now --out {runs and runs / 'demo'}, as in every subcommand",
+        ),
+    )  # fmt: skip
     out_dir = run_experiment(cfg)
     typer.echo((out_dir / "results.md").read_text())
     typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")

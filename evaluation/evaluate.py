@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
@@ -135,6 +135,20 @@ class EvalReport(BaseModel):
     wall_time: float = Field(description="Seconds of rollout (resumed chunks: as first run).")
     gen_time: float
     retrieval_time: float
+    fingerprint: str | None = Field(
+        None, description="Model, weights, questions and settings hashed: a rerun that has the"
+        " same one finds this evaluation complete.",
+    )  # fmt: skip
+    settings: dict[str, Any] | None = Field(
+        None, description="What the fingerprint covers (the question ids counted), so that a"
+        " rerun with other settings is told which differ.",
+    )  # fmt: skip
+    _reused: bool = PrivateAttr(False)
+
+    @property
+    def reused(self) -> bool:
+        """True when `evaluate` found this evaluation already complete and did no work."""
+        return self._reused
 
     def dataset(self, name: str) -> DatasetResult:
         for result in self.datasets:
@@ -295,16 +309,59 @@ def weights_signature(model_dir: Path) -> str:
     return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
 
-def _fingerprint(model_id: str, datasets: list[EvalDataset], config: EvalConfig) -> str:
+def _fingerprint_payload(
+    model_id: str, datasets: list[EvalDataset], config: EvalConfig
+) -> dict[str, Any]:
     settings = config.model_dump(mode="json", exclude={"progress", "retrieval"})
     settings["retriever"] = config.retrieval.retriever
     settings["topk"] = config.retrieval.topk
-    payload = {
+    return {
         "model": model_id,
         "settings": settings,
         "questions": {d.name: [e.id for e in d.examples] for d in datasets},
     }
+
+
+def _fingerprint(model_id: str, datasets: list[EvalDataset], config: EvalConfig) -> str:
+    payload = _fingerprint_payload(model_id, datasets, config)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _settings_record(model_id: str, datasets: list[EvalDataset], config: EvalConfig) -> dict:
+    """The fingerprint's payload with each dataset's question ids as a count and a digest."""
+    payload = _fingerprint_payload(model_id, datasets, config)
+    model, _, weights = payload["model"].partition("|")
+    payload["model"], payload["weights"] = model, weights
+    payload["questions"] = {
+        name: f"{len(ids)} questions, ids {_digest(ids)}"
+        for name, ids in payload["questions"].items()
+    }
+    return payload
+
+
+def _digest(ids: list[str]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8]
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def settings_differences(earlier: dict[str, Any], now: dict[str, Any], most: int = 4) -> str:
+    """`k 8 then, 5 now; settings.max_questions None then, 200 now`: what differs, briefly."""
+    a, b = _flatten(earlier), _flatten(now)
+    settings_first = sorted(set(a) | set(b), key=lambda key: (not key.startswith("settings."), key))
+    keys = [key for key in settings_first if a.get(key) != b.get(key)]
+    shown = [f"{key.removeprefix('settings.')} {a.get(key)!r} then, {b.get(key)!r} now"
+             for key in keys[:most]]  # fmt: skip
+    more = f"; {len(keys) - most} more" if len(keys) > most else ""
+    return "; ".join(shown) + more if shown else "an older format"
 
 
 def _read_partial(path: Path, fingerprint: str) -> dict[tuple[str, int], dict[str, Any]]:
@@ -504,24 +561,43 @@ def evaluate_policy(
         if was_training:
             model.train()
     report = _report(model_id, datasets, rows, config)
+    report.fingerprint = fingerprint
+    report.settings = _settings_record(f"{model_id}|{resume_key}", datasets, config)
     if out_dir is not None:
         write_report(report, out_dir)
         partial.unlink(missing_ok=True)
     return report
 
 
-def check_eval_output(out_dir: Path, fingerprint: str, force: bool, model_dir: Path) -> None:
+def check_eval_output(
+    out_dir: Path, fingerprint: str, force: bool, model_dir: Path, settings: dict[str, Any]
+) -> EvalReport | None:
     """`out_dir` may take this evaluation: new or empty, this evaluation's unfinished chunks
-    (resumed), or another evaluation with `force`; one UserError line otherwise."""
+    (resumed), or another evaluation with `force`; one UserError line otherwise, naming what
+    differs. Returns the finished report when `out_dir` already holds this same evaluation
+    (same model, weights, questions and settings): there is nothing left to do."""
     check_output(out_dir, EVAL, force=force, reuse=True, inputs=[model_dir])
     partial = out_dir / PARTIAL
     first = partial.read_text(encoding="utf-8").split("\n", 1)[0] if partial.is_file() else ""
     resumes = first == json.dumps({"fingerprint": fingerprint})
-    if EVAL.recognise(out_dir) and not (force or resumes):
-        raise UserError(
-            f"--out {out_dir} already holds an evaluation; pass --force to replace it, or choose"
-            " another --out"
-        )
+    if not EVAL.recognise(out_dir) or force or resumes:
+        return None
+    try:
+        earlier = load_report(out_dir)
+    except (UserError, ValueError):
+        earlier = None
+    if earlier is not None and earlier.fingerprint == fingerprint:
+        earlier._reused = True
+        return earlier
+    differs = (
+        f" with other settings ({settings_differences(earlier.settings, settings)})"
+        if earlier is not None and earlier.settings
+        else " (written by an older hdr, which did not record its settings)"
+    )
+    raise UserError(
+        f"--out {out_dir} already holds an evaluation{differs}; pass --force to replace it, or"
+        " choose another --out"
+    )
 
 
 def write_report(report: EvalReport, out_dir: str | Path) -> tuple[Path, Path]:
@@ -556,7 +632,8 @@ def evaluate(
     `datasets`: specs (`wiki-vital`, `.jsonl`, `.parquet`) or loaded `EvalDataset`s. `k` and
     `server_urls` override the config's. Writes `eval.json`, `eval.md` to `out_dir` if given:
     a new or empty folder, the same evaluation's unfinished one (resumed), or with `force` an
-    earlier evaluation (replaced); checked before any work.
+    earlier evaluation (replaced); checked before any work. When `out_dir` already holds this
+    same evaluation, finished, that report is returned (`report.reused`) and nothing is run.
     """
     from agent_env.generation import build_generator
     from agent_env.retrieval_client import connect
@@ -578,8 +655,12 @@ def evaluate(
     tokenizer = load_tokenizer(model_dir)
     resume_key = weights_signature(model_dir) if model_dir.is_dir() else ""
     if out_dir is not None:  # the inputs are checked; now where the results go
-        fingerprint = _fingerprint(f"{model_dir}|{resume_key}", loaded, config)
-        check_eval_output(Path(out_dir), fingerprint, force, model_dir)
+        model_id = f"{model_dir}|{resume_key}"
+        fingerprint = _fingerprint(model_id, loaded, config)
+        settings = _settings_record(model_id, loaded, config)
+        finished = check_eval_output(Path(out_dir), fingerprint, force, model_dir, settings)
+        if finished is not None:
+            return finished
     generator = build_generator(
         config.generation, model_dir=model_dir, tokenizer=tokenizer, prompt=config.rollout.prompt
     )

@@ -22,6 +22,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictInt,
     StrictStr,
     StringConstraints,
     create_model,
@@ -123,7 +125,9 @@ def profile_request_model(
 
     search-r1: up to `max_queries` queries (zero included) of any length (the server truncates),
     topk 0 or null = default, unknown fields ignored. strict: 1..max_queries queries of at most
-    `max_query_chars`, topk >= 1, unknown fields refused.
+    `max_query_chars`, topk >= 1, unknown fields refused, and no type coerced: `"topk": true`
+    or `"return_scores": "yes"` is a 422 (the search-r1 profile reads them as 1 and true, as
+    FastAPI's lax models in Search-R1's own server do).
     """
     if profile == "strict":
         strict_query = Annotated[
@@ -135,7 +139,8 @@ def profile_request_model(
             "StrictLimitedRequest",
             __base__=StrictRetrieveRequest,
             queries=(list[strict_query], Field(min_length=1, max_length=max_queries)),
-            topk=(int | None, Field(default=None, ge=1, le=max_topk)),
+            topk=(StrictInt | None, Field(default=None, ge=1, le=max_topk)),
+            return_scores=(StrictBool, Field(default=False)),
         )
     return create_model(
         "SearchR1LimitedRequest",

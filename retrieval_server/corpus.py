@@ -11,6 +11,7 @@ per article (its summary, whitespace collapsed), not 100-word chunks of the full
 
 from __future__ import annotations
 
+import array
 import importlib.util
 import itertools
 import json
@@ -118,28 +119,71 @@ def scan_corpus(path: Path) -> np.ndarray:
     """Check every line of a Search-R1 JSONL corpus and return its line offsets.
 
     The result is int64 (lines + 1,): the byte offset of each line, then the file size, so line
-    `i` is bytes `offsets[i]:offsets[i + 1]`. A bad line is a UserError naming it, raised before
-    any work is done with the corpus.
+    `i` is bytes `offsets[i]:offsets[i + 1]`. A bad line (not UTF-8, not JSON, no `contents` or
+    `id`) and a repeated id (the server would answer one passage twice in a top k) are a
+    UserError naming the lines, raised before any work is done with the corpus.
     """
     import numpy as np
 
     if not path.is_file():
         raise UserError(f"corpus file not found: {path}")
     offsets = [0]
+    id_hashes = array.array("q")  # hash of each line's id: 8 bytes a line, not a set of strings
     with path.open("rb") as file:
         for line_number, raw in enumerate(file, start=1):
             try:
-                record = json.loads(raw)
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(
+                    f"{path}:{line_number}: not UTF-8 (byte 0x{raw[err.start]:02x} at column"
+                    f" {err.start + 1}); Search-R1 corpora are UTF-8 JSONL"
+                ) from None
+            try:
+                record = json.loads(text)
             except json.JSONDecodeError:
                 raise UserError(f"{path}:{line_number}: not a JSON object") from None
             if not (isinstance(record, dict) and isinstance(record.get("contents"), str)):
                 raise UserError(f'{path}:{line_number}: needs a string field "contents"')
             if "id" not in record:
                 raise UserError(f'{path}:{line_number}: needs a field "id"')
+            id_hashes.append(hash(str(record["id"])))
             offsets.append(offsets[-1] + len(raw))
     if len(offsets) == 1:
         raise UserError(f"corpus {path} is empty")
-    return np.asarray(offsets, dtype=np.int64)
+    offsets_array = np.asarray(offsets, dtype=np.int64)
+    check_unique_ids(path, offsets_array, np.frombuffer(id_hashes, dtype=np.int64))
+    return offsets_array
+
+
+def check_unique_ids(path: Path, offsets: np.ndarray, id_hashes: np.ndarray) -> None:
+    """Refuse a corpus in which two lines share an id, naming the first such id (the one whose
+    second line comes first) and its line numbers. Ids are compared by hash first (8 bytes a
+    line at 21M passages); lines whose hashes collide are read back to compare the ids."""
+    import numpy as np
+
+    order = np.argsort(id_hashes, kind="stable")  # (lines,)
+    sorted_hashes = id_hashes[order]
+    repeated = np.flatnonzero(sorted_hashes[1:] == sorted_hashes[:-1])  # positions in `order`
+    if not len(repeated):
+        return
+    lines_by_id: dict[str, list[int]] = {}
+    candidates = np.unique(np.concatenate([order[repeated], order[repeated + 1]]))
+    with path.open("rb") as file:
+        for row in candidates.tolist():  # sorted: the file is read front to back
+            file.seek(int(offsets[row]))
+            record = json.loads(file.read(int(offsets[row + 1] - offsets[row])))
+            lines_by_id.setdefault(str(record["id"]), []).append(row + 1)
+    duplicates = {key: lines for key, lines in lines_by_id.items() if len(lines) > 1}
+    if not duplicates:
+        return  # only hashes collided
+    first = min(duplicates, key=lambda key: duplicates[key][1])
+    lines = duplicates[first]
+    shown = ", ".join(str(n) for n in lines[:5]) + (", ..." if len(lines) > 5 else "")
+    others = f"; {len(duplicates) - 1} more ids repeat" if len(duplicates) > 1 else ""
+    raise UserError(
+        f"{path}: id {first!r} appears on lines {shown}{others}; every passage needs its own id"
+        " (the server would return one passage twice in a top k)"
+    )
 
 
 def read_contents(path: Path, offsets: np.ndarray, start: int, stop: int) -> list[str]:

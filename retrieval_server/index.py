@@ -294,21 +294,34 @@ def has_hnsw(index: faiss.Index) -> bool:
     return hasattr(index, "hnsw")
 
 
+def check_matches_manifest(
+    path: Path, index: faiss.Index, manifest_path: Path, manifest: IndexManifest
+) -> None:
+    """One line naming the manifest field a FAISS file disagrees with, and both values."""
+    for field, holds, says in (
+        ("dimension", index.d, manifest.dimension),
+        ("documents", index.ntotal, manifest.documents),
+    ):
+        if holds != says:
+            raise UserError(
+                f"{path} does not match {manifest_path}: the index's {field} is {holds}, the"
+                f" manifest's {field} is {says}"
+            )
+
+
 def open_dense(files: IndexFiles, config: DenseSearchConfig, max_topk: int | None) -> faiss.Index:
     """The served FAISS index: read (or mapped), checked against the manifest, parameters set,
     on the GPUs `config.gpus` names (if any); `max_topk` is the most results a search asks."""
     manifest, index_dir = files.manifest, files.index_dir
     dense = read_dense(index_dir / DENSE_FILE, config.mmap)
-    if dense.ntotal != manifest.documents or dense.d != manifest.dimension:
-        raise UserError(f"{index_dir / DENSE_FILE} does not match {index_dir / MANIFEST}")
+    check_matches_manifest(index_dir / DENSE_FILE, dense, index_dir / MANIFEST, manifest)
     set_search_parameters(dense, config.nprobe, config.ef_search)
     k_factor = config.refine_k_factor if manifest.refine else 0
     if config.gpus is not None:
         dense, k_factor = to_gpus(dense, manifest.index_factory or "", config, max_topk, k_factor)
     if k_factor > 0:
         flat = read_dense(index_dir / REFINE_FILE, mmap=True)
-        if flat.ntotal != manifest.documents or flat.d != manifest.dimension:
-            raise UserError(f"{index_dir / REFINE_FILE} does not match {index_dir / MANIFEST}")
+        check_matches_manifest(index_dir / REFINE_FILE, flat, index_dir / MANIFEST, manifest)
         dense = with_refine(dense, flat, k_factor)
     return dense
 
@@ -390,8 +403,17 @@ def load_index(
     files = validate_index(index_dir, corpus)
     manifest, index_dir = files.manifest, files.index_dir
     offsets = np.load(index_dir / OFFSETS_FILE, mmap_mode="r", allow_pickle=False)
-    if len(offsets) != manifest.documents + 1 or int(offsets[-1]) != manifest.corpus_bytes:
-        raise UserError(f"{index_dir / OFFSETS_FILE} does not match {index_dir / MANIFEST}")
+    if len(offsets) != manifest.documents + 1:
+        raise UserError(
+            f"{index_dir / OFFSETS_FILE} does not match {index_dir / MANIFEST}: it holds"
+            f" {len(offsets) - 1} passages, the manifest's documents is {manifest.documents}"
+        )
+    if int(offsets[-1]) != manifest.corpus_bytes:
+        raise UserError(
+            f"{index_dir / OFFSETS_FILE} does not match {index_dir / MANIFEST}: it covers"
+            f" {int(offsets[-1])} corpus bytes, the manifest's corpus_bytes is"
+            f" {manifest.corpus_bytes}"
+        )
     has_dense = with_dense and manifest.index_factory is not None
     dense_config = dense or DenseSearchConfig()
     dense_index = open_dense(files, dense_config, max_topk) if has_dense else None

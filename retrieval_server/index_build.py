@@ -25,12 +25,14 @@ passages: bm25s indexes from token ids held in memory (a few GB per million pass
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -141,6 +143,12 @@ class FlatFileWriter:
         self._file.write(vectors.tobytes())
         self.written += len(vectors)
 
+    def abandon(self) -> None:
+        """Close after a failure, without the row check (a second full-disk error on the
+        final flush is dropped: the first one is what the caller reports)."""
+        with suppress(OSError):
+            self._file.close()
+
     def close(self) -> None:
         self._file.close()
         if self.written != self.total:
@@ -230,8 +238,10 @@ def write_dense(
             for vectors in source.chunks():
                 writer.add(vectors)
                 on_chunk(len(vectors))
-        finally:
-            writer.close()
+        except BaseException:
+            writer.abandon()  # the error says why (a full disk, Ctrl-C), not the row count
+            raise
+        writer.close()
         return
     index = new_faiss_index(factory, source.dimension)
     if not index.is_trained:
@@ -291,12 +301,42 @@ def is_unfinished_build(partial: Path) -> bool:
     return (partial / STAGING_MARK).is_file() or (partial / BUILD_STATE).is_file()
 
 
+def encoded_chunks(partial: Path) -> list[Path]:
+    """The finished chunk files of an unfinished dense build in `partial` (its resumable work)."""
+    vectors = partial / VECTORS_DIR
+    if not vectors.is_dir():
+        return []
+    return sorted(p for p in vectors.glob("[0-9]*.npy") if not p.name.endswith(".tmp.npy"))
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
 def fresh_partial(out_dir: Path) -> Path:
-    """An empty `DIR.partial`, marked as hdr's; an unfinished earlier build's is removed."""
+    """An empty `DIR.partial`, marked as hdr's. An unfinished earlier build there is removed
+    only if it holds no encoded chunks: those are hours of work at 21M passages, so a build
+    that cannot resume them refuses and says how to resume or remove them."""
     partial = partial_dir(out_dir)
     if partial.exists():
         if not is_unfinished_build(partial):
             raise UserError(f"{partial} exists and is not an unfinished hdr build; move it away")
+        chunks = encoded_chunks(partial)
+        if chunks:
+            raise UserError(
+                f"{partial} holds {len(chunks)} encoded chunks"
+                f" ({human_bytes(folder_bytes(partial))}) of an interrupted `hdr index build`,"
+                f" which this command would discard: rerun that build to resume it, or remove"
+                f" them with `rm -r {partial}` to start over"
+            )
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     (partial / STAGING_MARK).write_text("an unfinished hdr index build; safe to delete\n")
@@ -363,20 +403,87 @@ class BuildResult:
 
 
 def start_partial(out_dir: Path, state: dict[str, object]) -> Path:
-    """`DIR.partial` for a build with `state`: kept if an earlier run had the same state."""
+    """`DIR.partial` for a build with `state`: kept if an earlier run had the same state. An
+    earlier run's encoded chunks under another state are never discarded silently: the
+    build refuses, naming each setting that differs and how to resume or start over."""
     partial = partial_dir(out_dir)
     state_file = partial / BUILD_STATE
     if is_unfinished_build(partial):
         try:
-            same = json.loads(state_file.read_text()) == state
+            earlier = json.loads(state_file.read_text())
         except (OSError, ValueError):
-            same = False
-        if same:
+            earlier = None
+        if earlier == state:
             return partial
+        chunks = encoded_chunks(partial)
+        if chunks and isinstance(earlier, dict):
+            raise UserError(
+                f"{partial} holds {len(chunks)} encoded chunks of an interrupted build with"
+                f" other settings ({'; '.join(state_differences(earlier, state))}): rerun with"
+                f" the earlier settings to resume, or remove them with `rm -r {partial}` to"
+                " start over"
+            )
     partial = fresh_partial(out_dir)
     (partial / VECTORS_DIR).mkdir()
     state_file.write_text(json.dumps(state, indent=2) + "\n")
     return partial
+
+
+BUILD_OPTION_OF = {
+    "chunk_size": "--chunk-size",
+    "name": "--encoder",
+    "query_prefix": "--query-prefix",
+    "passage_prefix": "--passage-prefix",
+    "pooling": "--pooling",
+}
+
+
+def state_differences(earlier: dict, now: dict) -> list[str]:
+    """Each setting of a build state that differs, as `--chunk-size 1000 then, 500 now`."""
+    differences = []
+    if earlier.get("corpus_fingerprint") != now.get("corpus_fingerprint") or earlier.get(
+        "corpus_bytes"
+    ) != now.get("corpus_bytes"):
+        differences.append("the corpus file changed since")
+    flat_earlier = {"chunk_size": earlier.get("chunk_size"), **(earlier.get("encoder") or {})}
+    flat_now = {"chunk_size": now.get("chunk_size"), **(now.get("encoder") or {})}
+    for key in sorted(set(flat_earlier) | set(flat_now)):
+        if flat_earlier.get(key) != flat_now.get(key):
+            name = BUILD_OPTION_OF.get(key, f"encoder {key}")
+            differences.append(f"{name} {flat_earlier.get(key)!r} then, {flat_now.get(key)!r} now")
+    return differences or ["an older build format"]
+
+
+@contextmanager
+def disk_full_explained(partial: Path, needed_bytes: int, command: str) -> Iterator[None]:
+    """Turn "no space left on device" while writing into `partial` into one line naming the
+    folder, what it holds, the space the build needs and free, and how to resume or remove
+    it. The folder is kept: its finished chunks are resumable work."""
+    try:
+        yield
+    except OSError as err:
+        held = folder_bytes(partial) if partial.is_dir() else 0
+        free = shutil.disk_usage(partial if partial.is_dir() else partial.parent).free
+        # numpy's writes say only "N requested and M written" (no errno): a short write on a
+        # disk without room for the rest of the build is the same full disk
+        short_write = err.errno is None and free < needed_bytes - held
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) and not short_write:
+            raise
+        raise UserError(
+            f"no space left on the device of {partial}: it holds {human_bytes(held)} of"
+            f" resumable work ({len(encoded_chunks(partial))} encoded chunks); the build needs"
+            f" about {human_bytes(needed_bytes)} in all there and {human_bytes(free)} is free."
+            f" Free space and rerun `{command}` with the same options to resume, or remove the"
+            f" folder with `rm -r {partial}`"
+        ) from None
+
+
+def build_space_needed(documents: int, dimension: int, corpus_bytes: int, bm25: bool) -> int:
+    """Bytes a dense build writes at its peak: the chunks and the FAISS file beside them
+    (a Flat index is the vectors again; compressed ones are smaller), offsets, and BM25 (its
+    arrays measured at about half the corpus's bytes on wiki-vital)."""
+    vectors = documents * dimension * 4
+    return 2 * vectors + 8 * (documents + 1) + (corpus_bytes // 2 if bm25 else 0)
 
 
 def build_index(
@@ -427,34 +534,39 @@ def build_index(
         "chunk_size": chunk_size,
     }
     partial = start_partial(out_dir, state)
-    chunk_paths = [
-        partial / VECTORS_DIR / f"{i:06d}.npy" for i in range(-(-documents // chunk_size))
-    ]
-    done = [path for path in chunk_paths if path.is_file()]
-    with progress_bar(
-        total=documents, desc="encode passages", unit="doc", enabled=show_progress
-    ) as progress:
-        progress.update(sum(np.load(path, mmap_mode="r").shape[0] for path in done))
-        for number, path in enumerate(chunk_paths):
-            if path.is_file():
-                continue
-            start = number * chunk_size
-            stop = min(start + chunk_size, documents)
-            vectors = encoder.encode_passages(read_contents(corpus, offsets, start, stop))
-            tmp = path.with_suffix(".tmp.npy")
-            np.save(tmp, vectors, allow_pickle=False)  # (stop - start, dimension)
-            os.replace(tmp, path)  # a chunk file exists only when complete
-            progress.update(stop - start)
+    command = f"hdr index build --corpus {corpus} --out {out_dir}" + (
+        f" --chunk-size {chunk_size}" if chunk_size != DEFAULT_CHUNK_SIZE else ""
+    )
+    needed = build_space_needed(documents, encoder.dimension, int(offsets[-1]), with_bm25)
+    with disk_full_explained(partial, needed, command):
+        chunk_paths = [
+            partial / VECTORS_DIR / f"{i:06d}.npy" for i in range(-(-documents // chunk_size))
+        ]
+        done = [path for path in chunk_paths if path.is_file()]
+        with progress_bar(
+            total=documents, desc="encode passages", unit="doc", enabled=show_progress
+        ) as progress:
+            progress.update(sum(np.load(path, mmap_mode="r").shape[0] for path in done))
+            for number, path in enumerate(chunk_paths):
+                if path.is_file():
+                    continue
+                start = number * chunk_size
+                stop = min(start + chunk_size, documents)
+                vectors = encoder.encode_passages(read_contents(corpus, offsets, start, stop))
+                tmp = path.with_suffix(".tmp.npy")
+                np.save(tmp, vectors, allow_pickle=False)  # (stop - start, dimension)
+                os.replace(tmp, path)  # a chunk file exists only when complete
+                progress.update(stop - start)
 
-    np.save(partial / OFFSETS_FILE, offsets, allow_pickle=False)
-    with progress_bar(
-        total=documents, desc=f"index {factory}", unit="doc", enabled=show_progress
-    ) as bar:
-        write_dense(
-            ChunkFiles(chunk_paths), factory, partial / DENSE_FILE, train_sample, bar.update
-        )
-    if with_bm25:
-        write_bm25(corpus, offsets, partial / BM25_DIR, chunk_size, show_progress)
+        np.save(partial / OFFSETS_FILE, offsets, allow_pickle=False)
+        with progress_bar(
+            total=documents, desc=f"index {factory}", unit="doc", enabled=show_progress
+        ) as bar:
+            write_dense(
+                ChunkFiles(chunk_paths), factory, partial / DENSE_FILE, train_sample, bar.update
+            )
+        if with_bm25:
+            write_bm25(corpus, offsets, partial / BM25_DIR, chunk_size, show_progress)
     shutil.rmtree(partial / VECTORS_DIR)
     (partial / BUILD_STATE).unlink()
     manifest = new_manifest(

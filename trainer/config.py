@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -330,6 +330,15 @@ class SFTConfig(StrictModel):
         return self
 
 
+EXPERIMENT_ONLY_ARMS = {
+    "on_policy_larger": "arm=on_policy grpo.batch_prompts={larger} (1.5 x b fresh prompts)",
+    "on_policy_lr0": "arm=on_policy grpo.lr=0 (the control: nothing is learned)",
+    "on_policy_filtered": "arm=on_policy grpo.dynamic_sampling=true (DAPO-style refill)",
+}
+"""The experiment's arms that are settings of the `on_policy` selector, not selectors of their
+own (evaluation.experiment.arms defines them; the trainer cannot import it)."""
+
+
 class TrainConfig(StrictModel):
     """A GRPO training run with (or without) Headroom-Drift Replay."""
 
@@ -352,6 +361,21 @@ class TrainConfig(StrictModel):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     async_rollout: AsyncConfig = Field(default_factory=AsyncConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _experiment_arm_named(cls, data: Any) -> Any:
+        """An experiment's arm name that is no selector (`arm=on_policy_larger`) is answered
+        with what it means in a training config, computed from this config's b."""
+        if not isinstance(data, dict) or data.get("arm") not in EXPERIMENT_ONLY_ARMS:
+            return data
+        grpo = data.get("grpo") if isinstance(data.get("grpo"), dict) else {}
+        b = grpo.get("batch_prompts", GRPOConfig.model_fields["batch_prompts"].default)
+        means = EXPERIMENT_ONLY_ARMS[data["arm"]].format(larger=round(1.5 * b) if b else "1.5b")
+        raise ValueError(
+            f"arm={data['arm']} names an arm of `hdr experiment`, not a replay selector; in a"
+            f" training config it is {means} (this config's b is {b})"
+        )
 
     @field_validator("arm")
     @classmethod

@@ -327,3 +327,88 @@ def test_eval_config_takes_the_runs_prompt(tmp_path):
         eval_config_for(run / "final", overrides=["k=0"])
     with pytest.raises(UserError, match="bogus"):
         eval_config_for(tmp_path, overrides=["bogus=1"])
+
+
+def test_a_rerun_of_a_finished_eval_says_so_and_other_settings_are_named(
+    tmp_path, policy_dir, retrieval_url, vital_questions
+):
+    """The same command on a finished evaluation: "already complete", exit 0, nothing run or
+    rewritten. Other settings: the refusal names what differs. The default --out lies under
+    runs/ (ignored by git like data/). An empty `max_questions=` is refused, not "all"."""
+    import subprocess
+    import sys
+
+    qa = tmp_path / "nq.jsonl"
+    qa.write_text("".join(
+        json.dumps({"id": i, "question": ex.question, "golden_answers": ex.golden_answers}) + "\n"
+        for i, ex in enumerate(vital_questions[:3])
+    ))  # fmt: skip
+    hdr = [sys.executable, "-m", "hdr.cli", "eval", "--model", str(policy_dir), "--data", str(qa)]
+    settings = ["--server", retrieval_url, "generation.backend=scripted", "progress=false",
+                "retrieval.retriever=bm25", "rollout.max_turns=1"]  # fmt: skip
+
+    def run(*args: str):
+        return subprocess.run([*hdr, *args, *settings], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)  # fmt: skip
+
+    first = run("--k", "2")
+    assert first.returncode == 0, first.stderr
+    out = tmp_path / "runs" / "eval" / policy_dir.name  # the default, under runs/
+    written = (out / "eval.json").read_bytes()
+    assert load_report(out).settings["settings"]["k"] == 2
+
+    again = run("--k", "2")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == (
+        f"already complete: see {Path('runs') / 'eval' / policy_dir.name / 'eval.md'}"
+        " (--force evaluates again)"
+    )
+    assert (out / "eval.json").read_bytes() == written
+
+    other = run("--k", "3", "max_questions=2")
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert other.stderr.strip() == (
+        f"hdr: error: --out {Path('runs') / 'eval' / policy_dir.name} already holds an evaluation"
+        " with other settings (k 2 then, 3 now; max_questions None then, 2 now; questions.nq"
+        f" '3 questions, ids {digest(3)}' then, '2 questions, ids {digest(2)}' now); pass"
+        " --force to replace it, or choose another --out"
+    )
+
+    empty = run("max_questions=")
+    assert empty.returncode == 2
+    assert empty.stderr.strip() == (
+        "hdr: error: max_questions= has no value: give one, or write max_questions=null for"
+        " none (its default where that is none)"
+    )
+    assert (out / "eval.json").read_bytes() == written
+
+
+def digest(count: int) -> str:
+    import hashlib
+
+    ids = [f"nq/{i}" for i in range(count)]
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8]
+
+
+def test_a_flashrag_line_names_the_missing_key_and_empty_gold_is_warned(tmp_path, capsys):
+    from agent_env.data import load_flashrag_jsonl
+
+    wrong = tmp_path / "answer.jsonl"
+    wrong.write_text(json.dumps({"id": 0, "question": "q?", "answer": "a"}) + "\n")
+    with pytest.raises(UserError) as refused:
+        load_flashrag_jsonl(wrong)
+    assert str(refused.value) == (
+        f"{wrong}:1: not a FlashRAG QA line: missing key golden_answers (found: id, question,"
+        " answer)"
+    )
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("".join(
+        json.dumps({"id": i, "question": f"q{i}?", "golden_answers": gold}) + "\n"
+        for i, gold in enumerate([["a"], [], [""], "b"])
+    ))  # fmt: skip
+    examples = load_flashrag_jsonl(empty)
+    assert [ex.golden_answers for ex in examples] == [["a"], [], [""], ["b"]]
+    assert capsys.readouterr().err == (
+        f"hdr: warning: {empty}: 2 of 4 questions have no golden answer (an empty"
+        " golden_answers; first on line 2): no response can be scored correct on them\n"
+    )

@@ -3,6 +3,7 @@ mistake of the command line answered in one line with exit code 2."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -106,9 +107,69 @@ def test_missing_and_malformed_configs(tmp_path: Path) -> None:
 
 def test_a_model_directory_without_tokenizer_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    assert_one_line(hdr("rollout", "--model", str(tmp_path), "--n", "1"), "no tokenizer in")
+    assert_one_line(
+        hdr("rollout", "--model", str(tmp_path), "--max-questions", "1"), "no tokenizer in"
+    )
     assert_one_line(
         hdr("eval", "--model", str(tmp_path), "--data", "wiki-vital", "--out", str(tmp_path / "e")),
         "no tokenizer in",
     )
     assert not (tmp_path / "e").exists()
+
+
+ALL_COMMANDS = [[], ["index"], *SUBCOMMANDS, ["index", "convert"], ["index", "import"],
+                ["plan-memory"], ["trl-train"], ["power"]]  # fmt: skip
+
+
+def test_help_reads_at_any_width_without_hard_wraps_mid_sentence() -> None:
+    """At 1,000 columns nothing needs wrapping: a prose line followed by one that goes on
+    in lower case is a line break kept from the source (typer keeps them in epilogs and in a
+    help's later paragraphs); `hdr.cli.reflow` joins them."""
+    import os
+    import re
+
+    env = {**os.environ, "COLUMNS": "1000"}
+    for command in ALL_COMMANDS:
+        shown = subprocess.run([HDR, *command, "--help"], capture_output=True, text=True,
+                               env=env, timeout=120, check=True).stdout  # fmt: skip
+        lines = [line.strip() for line in shown.splitlines()]
+        for line, following in itertools.pairwise(lines):
+            if line and not line.startswith(("│", "╭", "╰")) and re.match(r"[a-z(]", following):
+                assert following.startswith("hdr "), (command, line, following)
+
+
+def test_ctrl_c_in_a_command_without_a_resume_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """typer answers Ctrl-C with Exit(130), which `standalone_mode=False` returns silently;
+    `hdr.cli.main` says it stopped, and that this command has nothing to resume. Ctrl-C comes
+    while `hdr rollout` waits for a retrieval server that accepts and never answers."""
+    import shlex
+    import signal
+    import socket
+
+    model = tmp_path / "policy"
+    built = hdr("init-model", "--out", str(model), "hidden_size=16", "num_layers=1",
+                "num_heads=2", "intermediate_size=32")  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(240)
+        argv = ["rollout", "--model", str(model), "--backend", "scripted", "--max-questions", "2",
+                "--server", f"http://127.0.0.1:{silent.getsockname()[1]}",
+                "--out", str(tmp_path / "t.jsonl")]  # fmt: skip
+        process = subprocess.Popen([HDR, *argv], stderr=subprocess.PIPE, text=True)
+        try:
+            connection, _ = silent.accept()  # the command is running: it asks the server
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=120)
+            connection.close()
+        finally:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    stopped = [line for line in stderr.splitlines() if line.startswith("hdr: stopped")]
+    assert stopped == [
+        "hdr: stopped; this command keeps nothing to resume from; to start it again run:"
+        f" {shlex.join(['hdr', *argv])}"
+    ], stderr

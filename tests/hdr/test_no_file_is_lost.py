@@ -131,8 +131,10 @@ COMMANDS: dict[str, tuple[Argv, OwnInput | None]] = {
                    str(w / "model"), "max_questions=1"],
     ),
     "rollout": (
-        lambda w, out: ["rollout", "--model", str(w / "model"), "--n", "1", "--out", str(out)],
-        lambda w: ["rollout", "--model", str(w / "model"), "--n", "1", "--out", str(w / "model")],
+        lambda w, out: ["rollout", "--model", str(w / "model"), "--max-questions", "1", "--out",
+                        str(out)],
+        lambda w: ["rollout", "--model", str(w / "model"), "--max-questions", "1", "--out",
+                   str(w / "model")],
     ),
     "plot": (
         lambda w, out: ["plot", str(w / "run"), "--out", str(out)],
@@ -144,8 +146,9 @@ COMMANDS: dict[str, tuple[Argv, OwnInput | None]] = {
         lambda w: ["experiment", "--quick", "--data-dir", str(w), "--out", str(w / "exp")],
     ),
     "demo": (
-        lambda w, out: ["demo", "--data-dir", str(w / "exp-data"), "--runs", str(out.parent)],
-        lambda w: ["demo", "--data-dir", str(w / "runs" / "demo"), "--runs", str(w / "runs")],
+        lambda w, out: ["demo", "--data-dir", str(w / "exp-data"), "--out", str(out)],
+        lambda w: ["demo", "--data-dir", str(w / "runs" / "demo"), "--out",
+                   str(w / "runs" / "demo")],
     ),
 }  # fmt: skip
 

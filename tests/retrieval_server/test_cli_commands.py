@@ -162,19 +162,105 @@ def test_serve_checks_its_port_before_loading_the_index(small_index: Path) -> No
     assert_one_line_user_error(result, f"cannot listen on 127.0.0.1:{port}")
 
 
+@pytest.mark.parametrize(
+    ("field", "change", "says"),
+    [
+        ("dimension", 1, "the index's dimension is 384, the manifest's dimension is 385"),
+        ("documents", -1, "it holds 310 passages, the manifest's documents is 309"),
+    ],
+)
 def test_serve_reports_an_index_inconsistent_with_its_manifest_in_one_line(
-    small_index: Path, tmp_path: Path
+    small_index: Path, tmp_path: Path, field: str, change: int, says: str
 ) -> None:
-    """Valid JSON, right file sizes, but not what the FAISS file holds: found while the
-    server starts (inside uvicorn's lifespan), still one line and exit 2."""
+    """Valid JSON, right file sizes, but not what the FAISS (or offsets) file holds: found
+    while the server starts (inside uvicorn's lifespan), still one line and exit 2, naming
+    the field and both values."""
     index = tmp_path / "index"
     shutil.copytree(small_index, index)
     manifest = json.loads((index / "manifest.json").read_text())
-    manifest["documents"] -= 1
+    manifest[field] += change
     (index / "manifest.json").write_text(json.dumps(manifest))
     corpus = (small_index / manifest["corpus_path"]).resolve()
     result = hdr("serve", "--index", str(index), "--corpus", str(corpus), "--port", "0")
-    assert_one_line_user_error(result, "does not match")
+    assert_one_line_user_error(result, f"does not match {index / 'manifest.json'}: {says}")
+
+
+def test_a_corpus_line_that_is_not_utf8_is_named_like_a_bad_json_line(tmp_path: Path) -> None:
+    corpus = tmp_path / "latin1.jsonl"
+    good = [json.dumps({"id": str(i), "contents": f'"T{i}"\ntext {i}'}) for i in range(20)]
+    latin1 = '{"id": "20", "contents": "\\"Caf\xe9\\"\\nau lait"}'.encode("latin-1")
+    corpus.write_bytes("\n".join(good).encode() + b"\n" + latin1 + b"\n")
+    out = tmp_path / "index"
+    result = hdr("index", "build", "--corpus", str(corpus), "--out", str(out), "--no-dense")
+    assert_one_line_user_error(result, f"{corpus}:21: not UTF-8 (byte 0xe9 at column 32)")
+    assert not out.exists() and not (tmp_path / "index.partial").exists()
+
+
+def test_a_corpus_with_an_id_used_twice_is_refused_naming_the_id_and_its_lines(
+    tmp_path: Path,
+) -> None:
+    """Otherwise `/retrieve` answers the same id twice in one top k."""
+    corpus = tmp_path / "twice.jsonl"
+    ids = [str(i) for i in range(50)] + ["7", "12", "12"]  # lines 51-53 repeat ids 7 and 12
+    corpus.write_text(
+        "".join(json.dumps({"id": i, "contents": f'"T{n}"\ntext {n}'}) + "\n"
+                for n, i in enumerate(ids))
+    )  # fmt: skip
+    out = tmp_path / "index"
+    result = hdr("index", "build", "--corpus", str(corpus), "--out", str(out), "--no-dense")
+    assert_one_line_user_error(
+        result, f"{corpus}: id '7' appears on lines 8, 51; 1 more ids repeat; every passage"
+    )
+    assert not out.exists()
+
+
+def test_subcommands_without_a_config_take_their_options_as_key_value(tmp_path: Path) -> None:
+    """`hdr --help` says every subcommand takes KEY=VALUE: where there is no config to
+    override, KEY=VALUE is the option (`limit=5` is `--limit 5`, `dense=false` `--no-dense`)."""
+    corpus = tmp_path / "wiki.jsonl"
+    prepared = hdr("index", "prepare-wiki", "--out", str(corpus), "limit=5")
+    assert prepared.returncode == 0, prepared.stderr
+    assert len(corpus.read_text().splitlines()) == 5
+    built = hdr("index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "index"),
+                "batch_size=8", "dense=false", "chunk_size=2")  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert "indexed 5 passages" in built.stdout and "no dense index" in built.stdout
+    assert_one_line_user_error(
+        hdr("index", "prepare-wiki", "--out", str(tmp_path / "w2.jsonl"), "limitt=5"),
+        "`hdr index prepare-wiki` has no setting limitt: it has no config, and its KEY=VALUE"
+        " arguments are its options (--force, --limit, --out). Did you mean --limit?",
+    )
+    assert_one_line_user_error(
+        hdr("index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "i2"), "dense=2"),
+        "dense=2: --dense is a flag; write dense=true or dense=false",
+    )
+    root_help = hdr("--help").stdout
+    assert "where it has no" in root_help and "config, its options written as settings" in (
+        " ".join(root_help.split())
+    )
+
+
+def test_serve_starts_quietly_and_exports_the_onnx_encoder_once(
+    small_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first start exports the query encoder to ONNX (torch's tracer warns about
+    constructs that are constant for BERT-style models); no start prints those warnings, and
+    the export is cached, so the second start does not make one."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HDR_CACHE_DIR", str(cache))
+    outputs = []
+    for _ in range(2):
+        process, _url, _health = start_serve("--index", str(small_index), "--no-access-log")
+        outputs.append(stop_serve(process))
+        exports = list(cache.glob("onnx/*/model.onnx"))
+        assert len(exports) == 1, exports
+        if len(outputs) == 1:
+            exported_at = exports[0].stat().st_mtime_ns
+    assert exports[0].stat().st_mtime_ns == exported_at  # the second start reused it
+    for output in outputs:
+        assert "Warning" not in output and "warn" not in output.lower(), output
+        lines = [line for line in output.splitlines() if line.strip()]
+        assert len(lines) <= 6, output  # ready, startup complete, the shutdown lines
 
 
 def test_build_checks_the_whole_corpus_before_encoding(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,7 +22,13 @@ from servers import running_server
 from core.errors import UserError
 from retrieval_server.config import EncoderConfig, ServerConfig
 from retrieval_server.encoder import Encoder, encoder_spec
-from retrieval_server.index import MANIFEST, load_index, read_manifest, validate_index
+from retrieval_server.index import (
+    MANIFEST,
+    corpus_fingerprint,
+    load_index,
+    read_manifest,
+    validate_index,
+)
 from retrieval_server.index_build import VECTORS_DIR, build_index, import_index, partial_dir
 from retrieval_server.retrievers import RETRIEVERS
 
@@ -61,23 +69,137 @@ def test_interrupted_build_resumes_after_its_finished_chunks(
     np.testing.assert_allclose(stored_vectors(out), stored_vectors(small_index), atol=1e-5)
 
 
-def test_a_changed_encoder_spec_does_not_reuse_chunks(tmp_path: Path) -> None:
+def test_a_changed_encoder_spec_refuses_to_discard_chunks_until_they_are_removed(
+    tmp_path: Path,
+) -> None:
     corpus = tmp_path / "sample.jsonl"
     shutil.copy(WIKI18_SAMPLE, corpus)
     out = tmp_path / "index"
     build_index(corpus, out, chunk_size=4, bm25=False, show_progress=False)
     plain = stored_vectors(out)
-    # leave a finished chunk behind as an interrupted build would, then change the spec
+    # leave a finished chunk behind as an interrupted build with the default spec would
     partial = partial_dir(out)
     (partial / VECTORS_DIR).mkdir(parents=True)
     np.save(partial / VECTORS_DIR / "000000.npy", plain[:4])
-    (partial / "build.json").write_text("{}")
+    state = {"corpus_fingerprint": corpus_fingerprint(corpus),
+             "corpus_bytes": corpus.stat().st_size,
+             "encoder": encoder_spec("all-MiniLM-L6-v2").model_dump(), "chunk_size": 4}  # fmt: skip
+    (partial / "build.json").write_text(json.dumps(state))
     spec = encoder_spec("all-MiniLM-L6-v2", query_prefix="query: ", passage_prefix="passage: ")
+    with pytest.raises(UserError) as refused:
+        build_index(corpus, out, spec=spec, chunk_size=4, bm25=False, show_progress=False,
+                    force=True)  # fmt: skip
+    assert str(refused.value) == (
+        f"{partial} holds 1 encoded chunks of an interrupted build with other settings"
+        " (--passage-prefix '' then, 'passage: ' now; --query-prefix '' then, 'query: ' now):"
+        f" rerun with the earlier settings to resume, or remove them with `rm -r {partial}` to"
+        " start over"
+    )
+    assert (partial / VECTORS_DIR / "000000.npy").is_file()  # nothing discarded
+    shutil.rmtree(partial)  # what the line says to do
     result = build_index(
         corpus, out, spec=spec, chunk_size=4, bm25=False, show_progress=False, force=True
     )
     assert (result.chunks_reused, result.chunks_encoded) == (0, 3)
     assert not np.allclose(stored_vectors(out)[:4], plain[:4], atol=1e-3)
+
+
+def test_ctrl_c_says_how_to_resume_and_another_chunk_size_refuses_to_discard_the_chunks(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C: one line with the command that resumes, exit 130. A rerun with another
+    --chunk-size would throw the encoded chunks away (hours at 21M passages): refused,
+    naming the setting; the same command then resumes after them."""
+    out = tmp_path / "index"
+    chunks = partial_dir(out) / VECTORS_DIR
+    command = [HDR, "index", "build", "--corpus", str(small_corpus), "--out", str(out),
+               "--chunk-size", "10", "--no-bm25"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(chunks.glob("0*.npy")):  # Ctrl-C as soon as one chunk is saved
+            assert process.poll() is None, "the build ended before it could be interrupted"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 130
+    lines = [line for line in stderr.splitlines() if not line.startswith("encode passages")]
+    assert lines == [f"hdr: stopped; to resume run: {shlex.join(['hdr', *command[1:]])}"]
+    finished = len(list(chunks.glob("0*.npy")))
+
+    other = hdr_run(*command[1:-3], "--chunk-size", "20", "--no-bm25")
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert (
+        f"hdr: error: {partial_dir(out)} holds {finished} encoded chunks of an interrupted build"
+        " with other settings (--chunk-size 10 then, 20 now): rerun with the earlier settings to"
+        " resume"
+    ) in other.stderr
+    assert len(list(chunks.glob("0*.npy"))) == finished
+    bm25_only = hdr_run(*command[1:-3], "--no-dense")
+    assert bm25_only.returncode == 2 and "which this command would discard" in bm25_only.stderr
+
+    resumed = hdr_run(*command[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed after {finished} chunks" in resumed.stdout
+
+
+def hdr_run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([HDR, *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def can_mount_a_small_disk() -> bool:
+    """Whether this machine lets a test mount a tmpfs in its own user and mount namespace."""
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k none $d && umount $d"
+    try:
+        done = subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True,
+                              timeout=30, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not can_mount_a_small_disk(), reason="needs unshare -rm and tmpfs mounts")
+def test_a_full_disk_is_one_line_that_keeps_the_resumable_work(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """On a 320 KiB disk (a tmpfs in a namespace of the test's own) the build fills it after a
+    few chunks: one line naming the .partial folder, its size, the space needed and free, and
+    the commands to resume or remove it; the chunks stay. With the disk grown, the same
+    command resumes after them."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = disk / "index"
+    build = shlex.join([HDR, "index", "build", "--corpus", str(small_corpus), "--out", str(out),
+                        "--chunk-size", "20", "--no-bm25"])  # fmt: skip
+    script = f"""
+        mount -t tmpfs -o size=320k none {disk}
+        {build} > {tmp_path}/out1 2> {tmp_path}/err1; echo $? > {tmp_path}/rc1
+        ls {out}.partial/vectors | grep -c '^0.*[0-9].npy$' > {tmp_path}/chunks
+        mount -o remount,size=8m {disk}
+        {build} > {tmp_path}/out2 2> {tmp_path}/err2; echo $? > {tmp_path}/rc2
+    """
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], timeout=600, check=True)
+    errors = [line for line in (tmp_path / "err1").read_text().splitlines()
+              if not line.startswith(("encode passages", "index Flat"))]  # fmt: skip
+    assert (tmp_path / "rc1").read_text().strip() == "2", errors
+    chunks = int((tmp_path / "chunks").read_text())
+    assert 1 <= chunks < 16
+    assert len(errors) == 1, errors
+    assert re.fullmatch(
+        rf"hdr: error: no space left on the device of {re.escape(str(out))}\.partial: it holds"
+        rf" [0-9.]+ KiB of resumable work \({chunks} encoded chunks\); the build needs about"
+        r" [0-9.]+ KiB in all there and [0-9.]+ (B|KiB) is free\. Free space and rerun"
+        rf" `hdr index build --corpus {re.escape(str(small_corpus))} --out {re.escape(str(out))}"
+        rf" --chunk-size 20` with the same options to resume, or remove the folder with"
+        rf" `rm -r {re.escape(str(out))}\.partial`",
+        errors[0],
+    ), errors[0]
+    assert (tmp_path / "rc2").read_text().strip() == "0", (tmp_path / "err2").read_text()
+    assert f"resumed after {chunks} chunks" in (tmp_path / "out2").read_text()
 
 
 def test_prefixes_and_pooling_are_recorded_and_used(tmp_path: Path) -> None:

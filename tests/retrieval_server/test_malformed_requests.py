@@ -147,3 +147,18 @@ def test_the_suite_sent_at_least_1000_requests(default_client: httpx.Client) -> 
     assert SENT["search-r1"] >= DEFAULT_PROFILE_EXAMPLES, SENT
     metrics = default_client.get("/metrics").text
     assert 'status="5' not in metrics  # not one 5xx on this server
+
+
+def test_strict_profile_refuses_a_value_of_another_type_that_search_r1_coerces(
+    strict_client: httpx.Client, default_client: httpx.Client
+) -> None:
+    """`"topk": true` is read as 1 by Search-R1's lax models (and the default profile, to
+    stay compatible); profile=strict refuses it, as it refuses every wrong type."""
+    for body in ({"queries": ["a"], "topk": True}, {"queries": ["a"], "return_scores": "yes"},
+                 {"queries": ["a"], "topk": "3"}):  # fmt: skip
+        refused = strict_client.post("/retrieve", json=body)
+        assert refused.status_code == 422, (body, refused.text)
+        assert "\n" not in refused.json()["detail"]
+        assert default_client.post("/retrieve", json=body).status_code == 200
+    served = strict_client.post("/retrieve", json={"queries": ["Great Wall"], "topk": 2})
+    assert served.status_code == 200 and len(served.json()["result"][0]) == 2

@@ -53,6 +53,41 @@ def test_unknown_arm_lists_valid_names():
         load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["arm=headroom-drift"])
 
 
+@pytest.mark.parametrize(
+    ("arm", "means"),
+    [
+        ("on_policy_larger", "arm=on_policy grpo.batch_prompts=12 (1.5 x b fresh prompts)"),
+        ("on_policy_lr0", "arm=on_policy grpo.lr=0 (the control: nothing is learned)"),
+        ("on_policy_filtered", "arm=on_policy grpo.dynamic_sampling=true (DAPO-style refill)"),
+    ],
+)
+def test_an_experiment_arm_name_is_answered_with_its_training_config(arm, means):
+    """The experiment's arms that are settings of on_policy, not selectors: the line says
+    what to write in a training config (with this config's b)."""
+    with pytest.raises(UserError) as refused:
+        load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", [f"arm={arm}", "grpo.batch_prompts=8"])
+    assert str(refused.value) == (
+        f"config: arm={arm} names an arm of `hdr experiment`, not a replay selector; in a"
+        f" training config it is {means} (this config's b is 8)"
+    )
+    written = means.split(" (")[0].split()  # what the line says, applied, is a valid config
+    config = load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["grpo.batch_prompts=8", *written])
+    assert config.arm == "on_policy"
+
+
+def test_an_empty_override_value_is_refused_not_read_as_none():
+    with pytest.raises(UserError) as refused:
+        load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["grpo.tis_cap="])
+    assert str(refused.value) == (
+        "grpo.tis_cap= has no value: give one, or write grpo.tis_cap=null for none (its default"
+        " where that is none)"
+    )
+    assert (
+        load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["grpo.tis_cap=null"]).grpo.tis_cap
+        is None
+    )
+
+
 def test_warmup_then_constant_or_cosine():
     cfg = load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["grpo.warmup_steps=3", "steps=10"])
     f = lr_lambda(cfg)

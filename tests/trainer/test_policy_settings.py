@@ -57,7 +57,16 @@ def test_rollout_uses_the_saved_settings_and_prints_progress_lines(
     sft_policy, small_qa, retrieval_url, tmp_path
 ):
     out = tmp_path / "traj.jsonl"
-    args = ["--model", str(sft_policy), "--task", str(small_qa), "--n", "4", "--batch", "2"]
+    args = [
+        "--model",
+        str(sft_policy),
+        "--data",
+        str(small_qa),
+        "--max-questions",
+        "4",
+        "--batch",
+        "2",
+    ]
     result = subprocess.run(
         [*HDR, "rollout", *args, "--server", retrieval_url, "--out", str(out)],
         env=env(HDR_PROGRESS_INTERVAL="0"),

@@ -58,12 +58,16 @@ class CostEmulator:
         if not self.config.enabled:
             return 0.0
         started = time.monotonic()
+        slot = started
         if self.config.rate_limit_rps > 0:
             # reserve a slot before sleeping, so concurrent requests queue in arrival order
             slot = max(started, self._next_slot)
             self._next_slot = slot + 1.0 / self.config.rate_limit_rps
-            await asyncio.sleep(slot - started)
-        await asyncio.sleep(self.config.delay_s(queries))
+        # uvloop rounds timers to whole milliseconds and may wake a little early: sleep again
+        # until the deadline, so a request never costs less than its setting says
+        deadline = slot + self.config.delay_s(queries)
+        while (remaining := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(remaining)
         waited = time.monotonic() - started
         self._requests += 1
         self._waited += waited

@@ -157,11 +157,14 @@ COUNT_KEYS = tuple(k for k in COST_KEYS if not k.endswith("_s"))
 
 
 def cost_totals(records: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """A run's ledger: every `cost_*` field summed over its steps' metrics records."""
+    """A run's ledger: every `cost_*` field summed over its steps' metrics records.
+
+    A field missing from a record counts 0: metrics written before that field existed (such
+    as `cost_gate_tf_tokens`, which only asynchronous rollout spends) did not spend it."""
     totals: dict[str, float] = dict.fromkeys(COST_KEYS, 0)
     for row in records:
         for key in COST_KEYS:
-            totals[key] += row[key]
+            totals[key] += row.get(key, 0)
     return totals
 
 

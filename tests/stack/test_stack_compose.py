@@ -277,6 +277,11 @@ def test_compose_up_serves_trains_survives_a_restart_and_tears_down(stack):
     label = f"retrieval stop (exit code {stopped}; 0 or 143: graceful)"
     stack.timings[label] = time.monotonic() - t2
     time.sleep(5)
+    # The trainer has met the outage for 5 s; it is frozen while the server loads its index
+    # again. A step that made no search call does not wait for the server, so without the
+    # pause a fast machine ran every remaining step during the restart and left nothing to
+    # stop and resume (seen on a fresh clone in CI).
+    docker("pause", trainer)
     stack.run("start", "retrieval", timeout=120)
     wait_for(
         "retrieval healthy again",
@@ -284,6 +289,7 @@ def test_compose_up_serves_trains_survives_a_restart_and_tears_down(stack):
         300,
         diagnose=lambda: stack.logs("retrieval")[-4000:],
     )
+    docker("unpause", trainer)
     stack.timings["retrieval stop + 5 s + start until healthy"] = time.monotonic() - t2
     assert stack.logs("retrieval").count("building it from") == 1, "the index was not rebuilt"
 

@@ -36,9 +36,17 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise UserError(
-                f"unknown {self.kind} {name!r}; valid: {', '.join(sorted(self._entries))}"
-            ) from None
+            raise UserError(self._miss(name)) from None
+
+    def check(self, name: str) -> str:
+        """`name` if registered; else ValueError with the valid names, for a pydantic
+        validator (which turns it into the config's own one-line error)."""
+        if name not in self._entries:
+            raise ValueError(self._miss(name))
+        return name
+
+    def _miss(self, name: str) -> str:
+        return f"unknown {self.kind} {name!r}; valid: {', '.join(sorted(self._entries))}"
 
     def names(self) -> list[str]:
         return sorted(self._entries)

@@ -259,11 +259,7 @@ class AsyncConfig(StrictModel):
     @field_validator("rule")
     @classmethod
     def _known_rule(cls, v: str) -> str:
-        if v not in STALENESS_RULES:
-            raise ValueError(
-                f"unknown staleness rule {v!r}; valid: {', '.join(STALENESS_RULES.names())}"
-            )
-        return v
+        return STALENESS_RULES.check(v)
 
     @model_validator(mode="after")
     def _target_in_range(self) -> AsyncConfig:
@@ -380,11 +376,7 @@ class TrainConfig(StrictModel):
     @field_validator("arm")
     @classmethod
     def _known_arm(cls, v: str) -> str:
-        if v not in SELECTORS:
-            raise ValueError(
-                f"unknown replay selector {v!r}; valid: {', '.join(SELECTORS.names())}"
-            )
-        return v
+        return SELECTORS.check(v)
 
     @model_validator(mode="after")
     def _steps_cover_warmup(self) -> TrainConfig:

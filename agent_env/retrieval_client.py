@@ -223,7 +223,14 @@ class RetrievalClient:
         )
 
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # Ctrl-C (or any exit) in the waiting thread: cancel the search in the loop's
+            # thread too, so no task is left pending when the interpreter destroys the loop
+            future.cancel()
+            raise
 
     def search(self, queries: list[str]) -> list[list[Document]]:
         """Documents for each query, in order; raises RetrievalFailed if any query failed."""

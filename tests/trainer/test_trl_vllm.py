@@ -51,6 +51,34 @@ def trained(policy, retrieval_url, small_qa, tmp_path_factory):
     trainer.train()
     yield trainer
     trainer.rollout_func.client.close()
+    let_the_engine_go(trainer)
+
+
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launch_environment():
+    """TRL's colocate mode writes torchrun's variables into this process's environment (its
+    engine's external launcher reads them); later tests' subprocesses must not inherit them."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def let_the_engine_go(trainer) -> None:
+    """Free the engine's KV cache and the world-of-one process group vLLM's launcher made."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    trainer.vllm_generation.llm = None
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 @real_engine

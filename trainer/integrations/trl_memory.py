@@ -211,7 +211,8 @@ class StepCompute:
     """One step's compute (FLOPs): per training process by kind of pass, and generation."""
 
     passes: dict[str, tuple[int, float]]  # name -> (rows, FLOPs), per training process
-    generation: float  # FLOPs on the generation GPU(s), for every process's trajectories
+    generation: float  # FLOPs on the generation GPU (server), or on each process (colocated)
+    colocated: bool = False
 
     @property
     def training(self) -> float:
@@ -237,9 +238,11 @@ def step_compute(sizes: TRLSizes, shape: ModelShape) -> StepCompute:
         passes["hdr: reference log-probs of its replayed share"] = (
             replayed, replayed * T * forward,
         )  # fmt: skip
-    trajectories = s.fresh_rows * s.processes
-    generation = trajectories * T * forward  # prefill + decode of every row, once
-    return StepCompute(passes, generation)
+    # prefill + decode of every row once: all processes' on the server's GPU, or each
+    # process's own on its colocated engine
+    colocated = s.colocate_share is not None
+    trajectories = s.fresh_rows * (1 if colocated else s.processes)
+    return StepCompute(passes, trajectories * T * forward, colocated)
 
 
 def step_table(compute: StepCompute, tflops: float, processes: int) -> str:
@@ -251,8 +254,10 @@ def step_table(compute: StepCompute, tflops: float, processes: int) -> str:
     rows.append(f"| **training, per process** | | **{train / 1e12:.0f}** | **{train / rate:.1f}**"
                 " |")  # fmt: skip
     gen = compute.generation
-    rows.append(f"| generation, all {processes} processes' rows, one GPU | | {gen / 1e12:.0f} |"
-                f" {gen / rate:.1f} |")  # fmt: skip
+    where = "this process's rows, colocated" if compute.colocated else (
+        f"all {processes} processes' rows, the server's GPU"
+    )  # fmt: skip
+    rows.append(f"| generation, {where} | | {gen / 1e12:.0f} | {gen / rate:.1f} |")
     trained = compute.passes["update (forward + backward)"]
     no_grad = train - trained[1]
     tail = (

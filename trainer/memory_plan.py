@@ -5,7 +5,8 @@ A step has three phases with different residents (`trainer/loop.py`): the rollou
 vLLM engine awake; gradients are freed after every optimizer step), behaviour scoring and
 replay selection (no-grad forwards), and the update (forward and backward of micro-batches,
 then the fused AdamW step). Under DDP every process holds all of it, so the plan is per GPU
-whatever the number of GPUs; `--gpus` adds NCCL's buffers and checks the shard count.
+whatever the number of GPUs; `--gpus` adds NCCL's buffers and checks the shard count. A TRL
+run config (`hdr trl-train`'s) is planned by trainer/integrations/trl_memory.py instead.
 
 Exact arithmetic on the parameter count P (bytes): fp32 master weights 4P, AdamW's two fp32
 moments 8P, fp32 gradients 4P (update only), a bf16 KL reference 2P when `grpo.beta > 0`,

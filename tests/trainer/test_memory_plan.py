@@ -129,3 +129,69 @@ def test_the_3b_config_fits_80_gb_and_is_refused_on_40_in_one_line():
     # the rollout: 11.50 + 22.99 + 1 GiB beside vLLM's 0.35 of the card: 35.49 / 0.60
     assert line.startswith("hdr: error: ") and "needs a GPU of at least 60 GiB" in line
     assert "| **total** |" in done.stdout  # the table is printed before the refusal
+
+
+TRL_8GPU = REPO / "configs/trl/qwen2.5-3b-8gpu.yaml"
+
+
+def trl_plan(*overrides: str, gpu_gib: float = 80):
+    pytest.importorskip("trl")
+    from trainer.integrations.trl_memory import plan_trl
+
+    plan, _ = plan_trl(TRL_8GPU, list(overrides), gpu_gib, 7, 400.0)
+    return plan, {line.component.split(":")[0].split(" (")[0]: line for line in plan.lines}
+
+
+def test_the_trl_8gpu_plan_by_hand_and_what_each_setting_moves():
+    """`hdr trl-train`'s 8-GPU config: ZeRO-3 shards over 7 processes, micro-batches of 16
+    fresh + 8 replayed rows (56 groups of 8 over 7 processes, in 8 micro-batches) of 1,024 +
+    4,096 tokens; each phase's total is its parts; a setting moves its own line only."""
+    plan, lines = trl_plan()
+    P = 3_085_938_688
+    assert lines["bf16 weights, ZeRO-3 shard"].gib == pytest.approx(2 * P / 7 / GIB)
+    master = lines["fp32 master weights + AdamW moments, shard"]
+    assert master.gib == pytest.approx(12 * P / 7 / GIB)
+    assert lines["bf16 reference model, shard"].gib == pytest.approx(2 * P / 7 / GIB)  # beta 0.001
+    update = lines["update activations"]
+    assert update.component.startswith("update activations: 16 fresh + 8 replayed rows x 5120")
+    # 24 rows x 5120 tokens x (36 layers x 2 x 2048 + 40*2048 + 14*11008 + 10*256 = 386,048 B)
+    assert update.gib == pytest.approx(24 * 5120 * 386_048 / GIB)
+    # TRL's fused head: a bf16 tile, the fp32 head gradient, 24 x 4096 positions' hidden copy
+    # (bf16) and fp32 gradient, 7 fp32 statistics each
+    K = 24 * 4096
+    head = 4096 * 32768 * 2 + 151_936 * 2048 * 4 + K * 2048 * 6 + K * 28
+    assert lines["TRL's fused output layer"].gib == pytest.approx(head / GIB)
+    for phase in ("rollout", "scoring", "update"):
+        parts = [x.gib for x in plan.lines if phase in x.phases]
+        assert plan.total(phase) == pytest.approx(sum(parts)) and len(parts) >= 6
+    assert plan.peak[0] == "update" and plan.refusal() is None
+    # half the fresh rows per micro-batch: the activations go to 16/24, the head's positions
+    # too; the shards stay
+    _, half = trl_plan("trl.per_device_train_batch_size=8")
+    assert half["update activations"].gib == pytest.approx(update.gib * 16 / 24)
+    assert half["bf16 weights, ZeRO-3 shard"].gib == lines["bf16 weights, ZeRO-3 shard"].gib
+    # a larger scoring chunk makes hdr's no-grad forward the largest; the update is unmoved
+    _, wide = trl_plan("replay.score_chunk=64")
+    (no_grad,) = [x for x in wide.values() if x.component.startswith("largest no-grad")]
+    assert "hdr's replay scoring, 64 rows" in no_grad.component and no_grad.knob == (
+        "replay.score_chunk=32"
+    )
+    assert wide["update activations"].gib == update.gib
+    # a shorter completion: the rows and the fused head's positions shrink
+    _, short = trl_plan("trl.max_completion_length=2048")
+    assert short["update activations"].component.endswith("x 3072 tokens, checkpointed")
+    assert short["TRL's fused output layer"].gib < lines["TRL's fused output layer"].gib
+
+
+def test_the_trl_8gpu_config_on_40_gb_is_refused_in_one_line_naming_the_micro_batch():
+    pytest.importorskip("trl")
+    done = subprocess.run(
+        [sys.executable, "-m", "hdr.cli", "plan-memory", "--config", str(TRL_8GPU),
+         "--gpu-gb", "40", "--gpus", "7"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("hdr: error: ") and "the update phase needs 57.1 GiB" in line
+    assert line.endswith("trl.per_device_train_batch_size=8")
+    assert "| **total** |" in done.stdout and "| update (forward + backward) | 192 |" in done.stdout

@@ -6,10 +6,11 @@ Three pieces, each usable alone:
 - `SearchR1Rollout`: TRL's `rollout_func` hook. It runs hdr's multi-turn Search-R1 loop
   (`agent_env.rollout.rollout_groups`) against `hdr serve` or any Search-R1 retrieval server,
   generating with TRL's own engine: the trainer's transformers model through hdr's `hf`
-  backend, or TRL's vLLM in colocate or server mode (trainer/integrations/trl_vllm.py, not run
-  here). It returns the token ids, the sampler's log-probs, and `env_mask` (1 on the policy's
-  tokens, 0 on `<information>` blocks and other environment text), which TRL multiplies into
-  its loss mask; and each completion's parsed `answer` and text for the reward.
+  backend, or TRL's vLLM in colocate or server mode (trainer/integrations/trl_vllm.py;
+  colocate run on vLLM's CPU build). It returns the token ids, the sampler's log-probs, and
+  `env_mask` (1 on the policy's tokens, 0 on `<information>` blocks and other environment
+  text), which TRL multiplies into its loss mask; and each completion's parsed `answer` and
+  text for the reward.
 - `exact_match_reward`: hdr's exact match as a TRL reward function (`answer` against the
   dataset's `golden_answers` column); `search_r1_reward(config)` the rollout config's reward
   (exact match or F1, with a format term), as hdr's loop computes it.
@@ -60,7 +61,11 @@ from agent_env.rollout import (
 from core.config import StrictModel
 from trainer.config import ReplayConfig, select_params
 from trainer.integrations.trl_layout import TRLRows, rows_from_trl, trl_inputs
-from trainer.integrations.trl_vllm import VLLMServerGenerator, colocate_generator
+from trainer.integrations.trl_vllm import (
+    VLLMServerGenerator,
+    colocate_generator,
+    route_colocate_sync,
+)
 from trainer.loop import assemble_batch
 from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
@@ -560,6 +565,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if kwargs.get("args") is not None:
             check_vllm_settings(kwargs["args"])
         super().__init__(*args, **kwargs)
+        route_colocate_sync(self)  # TRL's colocated sync cannot load weights on vLLM's CPU build
         check_schedule(self.args, self.num_generations)
         if self.beta != 0.0 and self.ref_model is None:
             raise ValueError("replay with beta > 0 needs a reference model (PEFT is not covered)")

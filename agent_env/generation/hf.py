@@ -184,8 +184,12 @@ class HFGenerator:
         max_batch: int | None = None,
         autocast_dtype=None,
         processor_factory: ProcessorFactory | None = None,
+        synced_gpus: bool | None = None,
     ) -> None:
         self.model = model
+        # transformers' own choice when None: lockstep across processes under ZeRO-3/FSDP,
+        # which a multi-turn rollout cannot keep (processes take different numbers of turns)
+        self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.autocast_dtype = autocast_dtype
@@ -276,6 +280,7 @@ class HFGenerator:
                 generation_config=config,
                 logits_processor=processors,
                 stopping_criteria=StoppingCriteriaList([tracker]),
+                synced_gpus=self.synced_gpus,
             )
         new = sequences[:, width:].cpu()  # (B, N)
         logprobs = recorder.finish(new)  # (B, N)

@@ -70,10 +70,11 @@ def test_two_processes_train_and_replay_the_same_groups(
         assert mine["drift_scanned"] == pytest.approx(theirs["drift_scanned"], abs=1e-6)
         assert mine["num_items"] == theirs["num_items"]  # one global token-mean denominator
     assert sum(len(r["replayed"]) for r in logs[0]) >= 1
-    # each process trains on its round-robin share of the replayed groups
+    # each process trains on its share of the replayed groups (as many rows on each)
     for step in logs[0]:
         rows = [log[step["step"] - 1]["trained_rows"] for log in logs]
         assert sum(rows) == 2 * 8 + 4 * len(step["replayed"])
+        assert rows[0] == rows[1]
     assert (out / "model.safetensors").exists()
 
 

@@ -8,6 +8,14 @@ but ZeRO-3 partitions across all). `allow_deepspeed_on_cpu_processes` makes acce
 gloo there, the backend DeepSpeed's CPU accelerator talks over; everything else (the
 DeepSpeed plugin, ZeRO-3's partitioning and gathers, TRL's code) is unchanged. It does
 nothing where a GPU is present or only one process runs.
+
+It also keeps DeepSpeed from compiling its CPU shared-memory all-reduce (`deepspeed_shm_comm`)
+when its communication layer starts: that op serves only DeepSpeed's tensor-parallel inference
+(`inference_all_reduce`), never ZeRO's training collectives (gloo here), and building it is a
+C++ JIT compile on the first run of every fresh machine (46 s on this 2-core machine when
+idle, 3 min when busy) that every process of a run waits on behind one file lock; the build
+folder in ~/.cache/torch_extensions is also shared by every environment of one Python
+version, so two environments with different torch builds rebuild it in turn.
 """
 
 from __future__ import annotations
@@ -38,4 +46,14 @@ def allow_deepspeed_on_cpu_processes() -> bool:
 
     prepare_backend.hdr_cpu = True
     PartialState._prepare_backend = prepare_backend
+    skip_shared_memory_op()
     return True
+
+
+def skip_shared_memory_op() -> None:
+    """Mark DeepSpeed's CPU shared-memory op unusable, so its communication layer starts
+    without compiling it (DeepSpeed's own compatibility table, which it reads right there)."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

@@ -31,7 +31,10 @@ over the whole update); a replayed group's advantages are those stored when it w
 Across processes every process keeps the same buffer (the fresh groups are gathered), scores
 a round-robin share of the candidates (gathered, so every process sees every score; each runs as
 many forwards and output-layer calls as the busiest, which ZeRO-3 needs), takes the main
-process's selection (broadcast) and trains on a round-robin share of the admitted groups.
+process's selection (broadcast) and trains on a share of the admitted groups that gives every
+process as many groups (`balanced_shares`; TRL's per-row metric all-gathers need it). When TRL
+has already run a no-grad pass over the fresh rows (its vLLM importance-sampling correction),
+those log-probs are stored as the behaviour log-probs instead of scoring the rows again.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from agent_env.rollout import (
     rollout_groups,
 )
 from core.config import StrictModel
+from core.errors import UserError
 from trainer.config import ReplayConfig, select_params
 from trainer.integrations.trl_layout import TRLRows, rows_from_trl, trl_inputs
 from trainer.integrations.trl_vllm import (
@@ -69,7 +73,7 @@ from trainer.integrations.trl_vllm import (
 from trainer.loop import assemble_batch
 from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
-from trainer.scoring import concat_left_padded, score_groups, stored_groups
+from trainer.scoring import concat_left_padded, groups_of_rows, score_groups, stored_groups
 from trainer.selectors import SELECTORS
 
 # --- the rollout -----------------------------------------------------------------------------
@@ -131,6 +135,22 @@ def check_vllm_settings(args) -> None:
             "hdr's rollout in TRL's colocate mode supports vllm_tensor_parallel_size=1 without"
             " vllm_enable_sleep_mode; for tensor parallelism or freeing the engine's memory use"
             " vllm_mode=server (trl vllm-serve --tensor_parallel_size N)"
+        )
+
+
+def check_generation_settings(args) -> None:
+    """Refuse, in one line, ZeRO-3 generation from sharded weights: transformers then keeps
+    every process in lockstep per generated token, and a multi-turn rollout calls `generate`
+    as many times as its own trajectories take turns, which differs between processes (the
+    processes would wait on each other forever)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if getattr(args, "use_vllm", False) or args.ds3_gather_for_generation:
+        return
+    if is_deepspeed_zero3_enabled():
+        raise ValueError(
+            "hdr's multi-turn rollout under ZeRO-3 needs ds3_gather_for_generation=True (each"
+            " process generates whole weights for as many turns as it needs) or use_vllm=True"
         )
 
 
@@ -219,7 +239,11 @@ class SearchR1Rollout:
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
         ) as model:
             autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-            yield HFGenerator(model, tokenizer, self.max_batch, autocast_dtype=autocast)
+            # the weights are whole on every process here (check_generation_settings), so no
+            # per-token lockstep: each process runs as many turns (generate calls) as it needs
+            yield HFGenerator(
+                model, tokenizer, self.max_batch, autocast_dtype=autocast, synced_gpus=False
+            )
 
     def on_main_process(self, prompts: list[str], trainer: GRPOTrainer) -> dict[str, list]:
         """vLLM server mode: the server's client lives on the main process only, so every
@@ -278,6 +302,10 @@ class StepReplay:
     selection: Selection
     trained_rows: int  # rows this process trained on (fresh kept + its replayed share)
     num_items: int  # policy tokens of the whole update (TRL's token-mean denominator)
+    buffer: list[str] = field(default_factory=list)  # the buffer's groups the selector saw
+    policy_tokens: list[int] = field(default_factory=list)  # per fresh row on this process
+    response_tokens: list[int] = field(default_factory=list)  # the same rows' whole responses
+    scored_rows: int = 0  # rows this process ran no-grad forwards over (fresh, scan, reference)
 
     def record(self) -> dict:
         """What the step did, JSON-ready and without tensors (`ReplayStep.history`)."""
@@ -290,6 +318,10 @@ class StepReplay:
             "headroom_refreshed": self.selection.headroom_refreshed,
             "trained_rows": self.trained_rows,
             "num_items": self.num_items,
+            "buffer": self.buffer,
+            "policy_tokens": self.policy_tokens,
+            "response_tokens": self.response_tokens,
+            "scored_rows": self.scored_rows,
         }
 
 
@@ -303,6 +335,7 @@ class ReplayStep:
     pending: StepReplay | None = None
     last: StepReplay | None = None
     history: list[dict] = field(default_factory=list)
+    scored_rows: int = 0  # this step's no-grad scoring rows on this process, so far
 
     @classmethod
     def build(cls, config: TRLReplayConfig, seed: int, total_steps: int) -> ReplayStep:
@@ -328,14 +361,25 @@ class ReplayStep:
         G = trainer.num_generations
         b = len(rows.input_ids) // G
         names = [f"s{step}/{rank}/{k}" for k in range(b)]
-        with self.scoring(trainer):
-            fresh, _, _ = stored_groups(
-                trainer.accelerator.unwrap_model(trainer.model), rows.input_ids,
-                rows.attention_mask, rows.loss_mask, rewards.cpu().view(b, G),
-                batch["advantages"].cpu().float().view(b, G), step, names,
-                self.config.score_chunk, trainer.temperature, accelerator.autocast,
-                agree=zero3_call_agreement(accelerator),  # ZeRO-3 gathers per module call
+        group_rewards = rewards.cpu().view(b, G)
+        advantages = batch["advantages"].cpu().float().view(b, G)
+        old = rows.per_token.get("old_per_token_logps")
+        if old is not None:  # TRL's no-grad pass under the same weights (its vLLM IS
+            # correction): the behaviour log-probs hdr would score, so not scored again
+            fresh = groups_of_rows(
+                rows.input_ids, rows.attention_mask, rows.loss_mask, old * rows.loss_mask,
+                group_rewards, advantages, step, names,
             )  # fmt: skip
+            self.scored_rows = 0
+        else:
+            self.scored_rows = len(rows.input_ids)
+            with self.scoring(trainer):
+                fresh, _, _ = stored_groups(
+                    trainer.accelerator.unwrap_model(trainer.model), rows.input_ids,
+                    rows.attention_mask, rows.loss_mask, group_rewards, advantages, step,
+                    names, self.config.score_chunk, trainer.temperature, accelerator.autocast,
+                    agree=zero3_call_agreement(accelerator),  # ZeRO-3 gathers per module call
+                )  # fmt: skip
         ratio = fresh_values(rows, fresh, range(b), "importance_sampling_ratio")
         for group, weights in zip(fresh, ratio or [None] * b, strict=True):
             group.token_weights = weights  # TRL's fresh-step weights travel with the group
@@ -344,20 +388,25 @@ class ReplayStep:
             self.config.arm, self.config.replay, self.config.replay.budget, trainer.args.seed,
             trainer.state.max_steps,
         )  # fmt: skip
+        buffered = [g.group_id for g in self.buffer]
         with self.scoring(trainer):
             selection = self.lifecycle.select(
                 step, self.scorer(trainer), everyone, agree=self.decided_on_main(trainer)
             )
         swapped = set(selection.swap_out)
-        kept = [k for k in range(b) if rank * b + k not in swapped]  # global index of group k
+        kept_by = [[k for k in range(b) if p * b + k not in swapped] for p in range(world)]
+        kept = kept_by[rank]  # global index of group k: rank * b + k
+        shares = balanced_shares([len(k) for k in kept_by], len(selection.groups))
+        keep_only(selection, sum(shares))  # what cannot be shared evenly waits in the buffer
+        start = sum(shares[:rank])
+        mine = slice(start, start + shares[rank])
         weights = selection.weights or [1.0] * len(selection.groups)
-        replayed, replay_weights = selection.groups[rank::world], weights[rank::world]
+        replayed, replay_weights = selection.groups[mine], weights[mine]
         idle = [  # decided from the shared selection, so every process raises together
-            p for p in range(world)
-            if all(p * b + k in swapped for k in range(b)) and not selection.groups[p::world]
+            p for p in range(world) if not kept_by[p] and not shares[p]
         ]  # fmt: skip
         if idle:
-            raise ValueError(f"step {step}: process(es) {idle} have no group to train on")
+            raise ReplayStepError(f"step {step}: process(es) {idle} have no group to train on")
         update = assemble_batch(
             [fresh[k] for k in kept], replayed, replay_weights,
             fresh_values(rows, fresh, kept, "importance_sampling_ratio"),
@@ -366,13 +415,17 @@ class ReplayStep:
         per_token = {}
         for key in ("sampling_per_token_logps", "ref_per_token_logps"):
             values = fresh_values(rows, fresh, kept, key)
-            if values is not None:  # every admitted group's, then this process's share
-                stored = self.replayed_values(trainer, key, selection.groups)[rank::world]
+            if values is not None:  # this process's share of the admitted groups
+                stored = self.replayed_values(trainer, key, replayed)
                 per_token[key] = concat_left_padded(values + stored)
         if r.token_weights is not None:
             per_token["importance_sampling_ratio"] = r.token_weights
         num_items = accelerator.gather(r.loss_mask.sum().to(accelerator.device)).sum()
-        self.pending = StepReplay(step, everyone, selection, len(r.input_ids), int(num_items))
+        self.pending = StepReplay(
+            step, everyone, selection, len(r.input_ids), int(num_items), buffered,
+            [int(n) for n in rows.loss_mask.sum(dim=1)],
+            [int(n) for n in batch["completion_mask"].sum(dim=1)], self.scored_rows,
+        )  # fmt: skip
         self.history.append(self.pending.record())
         log_selection(trainer, self, selection)
         return trl_inputs(
@@ -398,6 +451,7 @@ class ReplayStep:
         def score(groups: Sequence[StoredGroup]) -> list[Tensor]:
             # each process scores a round-robin share (the same forward counts everywhere,
             # `agree`) and every process gets every group's log-probs
+            self.scored_rows += sum(len(g.input_ids) for g in groups[rank::world])
             with accelerator.autocast():
                 mine = score_groups(model, groups[rank::world], chunk, trainer.temperature,
                                     agree=agree)  # fmt: skip
@@ -439,19 +493,16 @@ class ReplayStep:
         return agree
 
     def replayed_values(self, trainer, key: str, groups: list[StoredGroup]) -> list[Tensor]:
-        """A replayed group's value of a per-token TRL tensor: its stored behaviour log-probs
-        for the sampler's, its reference log-probs computed now for the KL's."""
+        """The per-token TRL tensor of the replayed groups this process trains on: their
+        stored behaviour log-probs for the sampler's, their reference log-probs computed now
+        for the KL's (each process its own share; as many forwards on all, for ZeRO-3)."""
         if key == "sampling_per_token_logps":
             return [g.gen_logprobs for g in groups]
         chunk, temperature = self.config.score_chunk, trainer.temperature
-        rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
-        share = list(groups[rank::world])  # only the groups this process trains on
+        self.scored_rows += sum(len(g.input_ids) for g in groups)
         with self.scoring(trainer), trainer.accelerator.autocast():
-            mine = score_groups(trainer.ref_model, share, chunk, temperature,
+            return score_groups(trainer.ref_model, list(groups), chunk, temperature,
                                 agree=zero3_call_agreement(trainer.accelerator))  # fmt: skip
-        out = [None] * len(groups)
-        out[rank::world] = mine
-        return out
 
     @staticmethod
     @contextlib.contextmanager
@@ -466,6 +517,41 @@ class ReplayStep:
             ),
         ):
             yield
+
+
+def balanced_shares(kept: list[int], selected: int) -> list[int]:
+    """How many of the `selected` replayed groups each process trains beside its `kept` fresh
+    groups, so that every process trains as many groups (rows) as every other: TRL's loss
+    all-gathers per-row metrics (`clip_ratio/low_min`), which needs equal row counts (gloo
+    fails with a size mismatch, NCCL may hang), and ZeRO-3's processes then also finish
+    together. The emptiest processes are filled first; groups that would leave the counts
+    uneven are not replayed this step (at most `len(kept) - 1`; they stay in the buffer)."""
+    level, need = max(kept), sum(max(kept) - k for k in kept)
+    if need > selected:  # not reachable by hdr's rules (swaps equal the groups swapped in)
+        counts = [0] * len(kept)
+        for _ in range(selected):
+            p = min(range(len(kept)), key=lambda q: kept[q] + counts[q])
+            counts[p] += 1
+        return counts
+    level += (selected - need) // len(kept)
+    return [level - k for k in kept]
+
+
+def keep_only(selection: Selection, n: int) -> None:
+    """Cut `selection` (the lifecycle's pending one, whose groups ingress counts as replayed)
+    to its first `n` admitted groups, in place."""
+    for name in ("groups", "weights", "drift_admitted", "headroom_stored", "headroom_refreshed",
+                 "scored"):  # fmt: skip
+        values = getattr(selection, name)
+        if len(values) > n:
+            setattr(selection, name, values[:n])
+
+
+class ReplayStepError(UserError):
+    """A replay step that cannot train, decided from what every process shares, so that every
+    process raises it alike (one line from `hdr trl-train`, none left waiting)."""
+
+    exit_code = 1
 
 
 def zero3_call_agreement(accelerator):
@@ -567,6 +653,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         route_colocate_sync(self)  # TRL's colocated sync cannot load weights on vLLM's CPU build
         check_schedule(self.args, self.num_generations)
+        check_generation_settings(self.args)
         if self.beta != 0.0 and self.ref_model is None:
             raise ValueError("replay with beta > 0 needs a reference model (PEFT is not covered)")
         config = replay or TRLReplayConfig()
@@ -578,10 +665,15 @@ class ReplayGRPOTrainer(GRPOTrainer):
         """TRL's checkpoint, then the replay state beside it (every process holds the same
         buffer; the main one writes it). Ingress ran at `on_step_end`, before TRL saves."""
         super()._save_checkpoint(model, trial)
-        if not self.args.should_save:
-            return
         import json
         import os
+
+        from accelerate.utils import gather_object
+
+        # each process's own step records (rows, tokens), so each resumes with its own
+        histories = gather_object([self.replay.history])
+        if not self.args.should_save:
+            return
 
         from safetensors.torch import save_file
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -593,7 +685,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         tensors_name, meta_name = self.REPLAY_STATE
         save_file(tensors, os.path.join(folder, tensors_name + ".tmp"))
         with open(os.path.join(folder, meta_name + ".tmp"), "w") as f:
-            json.dump({**meta, "history": self.replay.history}, f)
+            json.dump({**meta, "history": self.replay.history, "histories": histories}, f)
         for name in self.REPLAY_STATE:  # whole files only: a kill mid-write leaves .tmp
             os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
 
@@ -613,7 +705,10 @@ class ReplayGRPOTrainer(GRPOTrainer):
             raise ValueError(f"{checkpoint} holds no replay state ({meta_name}): not hdr's")
         with open(os.path.join(checkpoint, meta_name)) as f:
             meta = json.load(f)
-        self.replay.history = meta.pop("history", [])
+        history = meta.pop("history", [])
+        histories = meta.pop("histories", None)  # absent from checkpoints before it was kept
+        rank = self.accelerator.process_index
+        self.replay.history = histories[rank] if histories else history
         self.replay.lifecycle.load_state(load_file(os.path.join(checkpoint, tensors_name)), meta)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

@@ -30,7 +30,10 @@ from torch import Tensor
 
 # TRL's per-completion-token tensors that hdr carries through replay (a replayed row gets its
 # own values, see trainer/integrations/trl.py)
-PER_TOKEN_KEYS = ("sampling_per_token_logps", "importance_sampling_ratio", "ref_per_token_logps")
+PER_TOKEN_KEYS = (
+    "sampling_per_token_logps", "importance_sampling_ratio", "ref_per_token_logps",
+    "old_per_token_logps",
+)  # fmt: skip
 
 
 @dataclass

@@ -226,13 +226,16 @@ def step_compute(sizes: TRLSizes, shape: ModelShape) -> StepCompute:
     update = (3 + (1 if s.checkpointing else 0)) * forward
     fresh, replayed = s.fresh_rows, s.replayed_rows
     scan_rows = math.ceil(s.budget / s.processes) * s.group_size
-    passes = {
-        "update (forward + backward)": (fresh + replayed, (fresh + replayed) * T * update),
-        "hdr: behaviour scoring of the fresh rows": (fresh, fresh * T * forward),
-        "hdr: candidate scan (its share, budget groups)": (scan_rows, scan_rows * T * forward),
-    }
+    passes = {"update (forward + backward)": (fresh + replayed, (fresh + replayed) * T * update)}
+    # the fresh rows' behaviour log-probs: TRL's old log-probs where its vLLM importance-
+    # sampling correction computes them (hdr stores those), else hdr's own pass
     if s.old_logprobs:
-        passes["TRL: old log-probs (vLLM IS correction)"] = (fresh, fresh * T * forward)
+        passes["TRL: old log-probs (vLLM IS correction), hdr's behaviour too"] = (
+            fresh, fresh * T * forward,
+        )  # fmt: skip
+    else:
+        passes["hdr: behaviour scoring of the fresh rows"] = (fresh, fresh * T * forward)
+    passes["hdr: candidate scan (its share, budget groups)"] = (scan_rows, scan_rows * T * forward)
     if s.beta > 0:
         passes["TRL: reference log-probs of the fresh rows"] = (fresh, fresh * T * forward)
         passes["hdr: reference log-probs of its replayed share"] = (

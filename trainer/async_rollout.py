@@ -145,6 +145,22 @@ class WorkerSpec:
 
 
 @dataclass
+class WorkerTiming:
+    """Where a worker's time for one rollout went: waiting for the version the queue bound
+    allows, copying the published weights in, the rollout itself (generation and search),
+    and its process CPU seconds over all three (`cpu_s / wall` is its CPU utilisation)."""
+
+    wait_version_s: float
+    load_weights_s: float
+    rollout_s: float
+    cpu_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return self.wait_version_s + self.load_weights_s + self.rollout_s
+
+
+@dataclass
 class RolloutSide:
     """The attributes `trainer.distributed._rollout_one_by_one` reads from a run."""
 
@@ -204,18 +220,27 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
         for step in range(spec.start, cfg.steps + 1):
             if spec.index not in responsible(a.split, a.workers, spec.start, step):
                 continue
+            began, cpu_began = time.perf_counter(), time.process_time()
             while board.version < step - 1 - a.max_lag:
                 if stop.is_set() or os.getppid() != parent:
                     return
                 time.sleep(POLL_S)
+            waited = time.perf_counter()
             have = board.load_into(model, have)
+            loaded = time.perf_counter()
             examples = sample_prompts(train_examples, cfg.seed, step, cfg.grpo.batch_prompts)
             bounds = shard_bounds(len(examples), cfg.distributed.rollout_shards)
             mine = [(s, [examples[i] for i in bounds[s]]) for s in shards if bounds[s]]
             before = replace(client.stats, request_latencies=list(client.stats.request_latencies))
             pieces, spent = _rollout_one_by_one(side, mine, step, 0)
+            timing = WorkerTiming(
+                wait_version_s=waited - began,
+                load_weights_s=loaded - waited,
+                rollout_s=time.perf_counter() - loaded,
+                cpu_s=time.process_time() - cpu_began,
+            )
             conn.send(("rollout", spec.index, step, have, pieces, spent,
-                       stats_delta(before, client.stats)))  # fmt: skip
+                       stats_delta(before, client.stats), timing))  # fmt: skip
             if stop.is_set():
                 return
     except BaseException as err:
@@ -242,6 +267,7 @@ class Delivered:
     pieces: list  # [(shard, kept groups, dropped groups)]
     spent: Any  # trainer.distributed.RolloutSpend
     stats: dict[str, Any]
+    timing: WorkerTiming
 
 
 @dataclass
@@ -309,8 +335,8 @@ class RolloutWorkers:
         if kind == "ready":
             self.pids[w] = message[2]
         elif kind == "rollout":
-            _, _, step, version, pieces, spent, stats = message
-            self.arrived.setdefault(step, {})[w] = Delivered(version, pieces, spent, stats)
+            _, _, step, version, pieces, spent, stats, timing = message
+            self.arrived.setdefault(step, {})[w] = Delivered(version, pieces, spent, stats, timing)
         elif kind == "error":
             self.failed[w] = (message[2], message[3], message[4])
         elif kind == "eof":
@@ -370,6 +396,7 @@ class RolloutWorkers:
             x for d in parts.values() for x in d.stats["request_latencies"]
         ]
         stats["max_in_flight"] = max(d.stats["max_in_flight"] for d in parts.values())
+        stats["timing"] = [parts[w].timing for w in sorted(parts)]
         return result, lags, stats
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

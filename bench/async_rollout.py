@@ -346,7 +346,8 @@ def main() -> None:
         "max_lag": args.max_lag, "trainer_threads": args.trainer_threads,
         "batch": "b=8, G=4, 1 search turn",
         "target": f"speedup_vs_sync >= {TARGET} at 500 ms a call",
-        "quality": "untestable on this bed (tiny policy, a few steps, 16 held-out questions)",
+        "quality": "untestable on this bed (tiny policy, a few steps,"
+        f" {args.eval_questions} held-out questions)",
         "rows": results, "staleness_hurts": hurt, "each_run": each,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

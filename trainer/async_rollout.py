@@ -38,9 +38,20 @@ discards the rollouts in flight; a resumed run rolls those steps out again from 
 checkpoint's weights (so a resumed asynchronous run's lags differ from an uninterrupted
 one's, and no group is ever trained twice).
 
-Departures: hf generation only (the vLLM engine in a worker is not built: it needs the
-engine's own weight loading across processes); one process group only (no torchrun); no
-dynamic sampling (a refill would be a rollout the queue did not plan).
+Engines. With `generation.backend: hf` a worker samples from its module, into which each
+version is copied. With `vllm` each worker builds its own engine (in the worker's process, as
+the backend requires) and keeps the module beside it as the copy the board writes into: each
+new version goes from the module into the engine through the backend's checked sync
+(`collective_rpc("reload_weights", ...)`, then the engine's log-probs of fixed tokens against
+the module's teacher forcing, one line if they differ), and the worker rolls all its shards
+out together, each trajectory under its own seed, as the synchronous loop does with vllm.
+The trainer's own engine (held-out evaluation) is then built only when first used
+(`LazyGenerator`), so a run holds `workers` engines while it trains.
+
+Departures: one process group only (no torchrun); no dynamic sampling (a refill would be a
+rollout the queue did not plan); a vllm worker's module sits on `model.device` beside its
+engine (the board's copy and the weight check; on a GPU that is one more copy of the
+weights).
 """
 
 from __future__ import annotations
@@ -151,9 +162,10 @@ class WorkerTiming:
     and its process CPU seconds over all three (`cpu_s / wall` is its CPU utilisation)."""
 
     wait_version_s: float
-    load_weights_s: float
+    load_weights_s: float  # board -> the worker's module, and into its engine (vllm)
     rollout_s: float
     cpu_s: float
+    engine_sync_gap: float | None = None  # vllm: the weight check's mean log-prob gap
 
     @property
     def wall_s(self) -> float:
@@ -198,17 +210,21 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
     try:
         from agent_env.generation import build_generator
         from agent_env.retrieval_client import connect
-        from trainer.distributed import _rollout_one_by_one, shard_bounds
+        from trainer.distributed import _rollout_one_by_one, _rollout_together, shard_bounds
         from trainer.loop import sample_prompts
         from trainer.run import load_examples, load_policy
 
         cfg, a = spec.config, spec.config.async_rollout
         model, tokenizer = load_policy(cfg.model.path, cfg)
         model.requires_grad_(False)
+        # hf samples from this module; a vLLM engine holds its own weights, which every new
+        # version reaches through the backend's checked sync from this module
+        engine = cfg.generation.backend != "hf"
         generator = build_generator(
             cfg.generation, model_dir=cfg.model.path, tokenizer=tokenizer,
-            prompt=cfg.rollout.prompt, model=model,
+            prompt=cfg.rollout.prompt, model=None if engine else model,
         )  # fmt: skip
+        roll = _rollout_together if generator.per_request_seeds else _rollout_one_by_one
         client = connect(cfg.retrieval, seed=cfg.seed + 1 + spec.index)
         train_examples, _ = load_examples(cfg)
         side = RolloutSide(cfg, generator, client, tokenizer)
@@ -226,18 +242,21 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
                     return
                 time.sleep(POLL_S)
             waited = time.perf_counter()
-            have = board.load_into(model, have)
+            had, have = have, board.load_into(model, have)
+            if engine and have != had:
+                generator.sync_weights(model)  # checked: one line if the engine lags behind
             loaded = time.perf_counter()
             examples = sample_prompts(train_examples, cfg.seed, step, cfg.grpo.batch_prompts)
             bounds = shard_bounds(len(examples), cfg.distributed.rollout_shards)
             mine = [(s, [examples[i] for i in bounds[s]]) for s in shards if bounds[s]]
             before = replace(client.stats, request_latencies=list(client.stats.request_latencies))
-            pieces, spent = _rollout_one_by_one(side, mine, step, 0)
+            pieces, spent = roll(side, mine, step, 0)
             timing = WorkerTiming(
                 wait_version_s=waited - began,
                 load_weights_s=loaded - waited,
                 rollout_s=time.perf_counter() - loaded,
                 cpu_s=time.process_time() - cpu_began,
+                engine_sync_gap=getattr(generator, "last_sync_gap", None),
             )
             conn.send(("rollout", spec.index, step, have, pieces, spent,
                        stats_delta(before, client.stats), timing))  # fmt: skip
@@ -441,6 +460,33 @@ def add_stats(client_stats, delta: dict[str, Any]) -> None:
 
 
 # --- admission of late groups -------------------------------------------------------------
+
+
+class LazyGenerator:
+    """The trainer's generator when rollout workers hold the engines (`vllm` with
+    `async_rollout.workers`): built at its first `generate` (the held-out evaluation), with
+    the trainer's weights at that moment; until then `sleep` and `sync_weights` have nothing
+    to do. `build()` returns the real generator."""
+
+    def __init__(self, build, model: torch.nn.Module, per_request_seeds: bool) -> None:
+        self.build = build
+        self.model = model
+        self.per_request_seeds = per_request_seeds
+        self.inner = None
+
+    def generate(self, contexts, params, seeds=None):
+        if self.inner is None:
+            self.inner = self.build()
+            self.inner.sync_weights(self.model)
+        return self.inner.generate(contexts, params, seeds=seeds)
+
+    def sleep(self) -> None:
+        if self.inner is not None:
+            self.inner.sleep()
+
+    def sync_weights(self, model) -> None:
+        if self.inner is not None:
+            self.inner.sync_weights(model)
 
 
 def make_gate(config: TrainConfig):

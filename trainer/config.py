@@ -477,7 +477,10 @@ class TrainConfig(StrictModel):
         if not a.enabled:
             return self
         refuse = [
-            (self.generation.backend != "hf", "generation.backend=hf (the workers' generator)"),
+            (
+                self.generation.backend not in ("hf", "vllm"),
+                "generation.backend=hf or vllm (the workers' generators)",
+            ),
             (self.grpo.dynamic_sampling, "grpo.dynamic_sampling=false (no refills)"),
             (
                 self.grpo.tis_cap is not None,

@@ -249,6 +249,7 @@ def worker_times(timing: list, seconds: dict[str, float]) -> dict[str, float]:
     """Where the step's rollout time went (asynchronous rollout): the trainer's wait for it
     and its weight publication, and the delivering workers' waits for a version, weight
     loads, rollouts and CPU seconds (summed over workers)."""
+    gaps = [t.engine_sync_gap for t in timing if t.engine_sync_gap is not None]
     return {
         "time_wait_rollout": seconds["rollout"],
         "time_publish": seconds["publish"],
@@ -256,6 +257,7 @@ def worker_times(timing: list, seconds: dict[str, float]) -> dict[str, float]:
         "worker_load_weights_s": sum(t.load_weights_s for t in timing),
         "worker_rollout_s": sum(t.rollout_s for t in timing),
         "worker_cpu_s": sum(t.cpu_s for t in timing),
+        "worker_engine_sync_gap": max(gaps) if gaps else None,  # vllm workers' weight check
     }
 
 

@@ -27,7 +27,7 @@ from core.errors import RunInterrupted, UserError
 from core.paths import RUN, check_output, local_model
 from core.progress import say
 from trainer import distributed
-from trainer.async_rollout import make_gate
+from trainer.async_rollout import LazyGenerator, make_gate
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
@@ -322,13 +322,21 @@ def setup_run(
     if config.grpo.beta > 0:
         ref_model, _ = load_policy(config.model.path, config, frozen=True)
         ref_model.requires_grad_(False)
-    generator = build_generator(
-        config.generation,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        prompt=config.rollout.prompt,
-        model=model if config.generation.backend == "hf" else None,
-    )
+
+    def make_generator():
+        return build_generator(
+            config.generation,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            prompt=config.rollout.prompt,
+            model=model if config.generation.backend == "hf" else None,
+        )
+
+    if config.async_rollout.enabled and config.generation.backend != "hf":
+        # the rollout workers hold the engines; this one only for a held-out evaluation
+        generator = LazyGenerator(make_generator, model, per_request_seeds=True)
+    else:
+        generator = make_generator()
     # the weights it already has, through the sync every update uses: a name mismatch (an
     # engine parameter the state dict does not reach) fails here, not after a step's work
     generator.sync_weights(model)

@@ -21,12 +21,16 @@ The machine is shared, so the arms are interleaved: each repeat runs every arm o
 order rotated from one repeat to the next) and the table gives each arm's median over the
 repeats, with the machine's load beside it. `speedup_vs_sync` is the median groups/s over
 the better of the two synchronous loops' medians (so overlap, not extra parallelism, is what
-it measures). groups/s are fresh groups over the steps' wall time from step 2 on (step 1
-includes the workers' first rollout; the workers' start-up, seconds of imports, is left out
-of every run). `cpu_cores` is the trainer's and its workers' process CPU seconds over those
-steps per wall second (the server not counted); `machine_busy_cores` is the whole machine's
-(every process, ours included) over the same run, from /proc/stat: the difference is the
-other work on the machine.
+it measures). groups/s are fresh groups over the wall time of all the steps, the first
+included: the workers' first rollouts start when the trainer's clock does (each reports ready
+before its first rollout), so the rollouts an asynchronous run makes ahead during step 1 are
+paid for inside the window; the workers' start-up, seconds of imports, is left out of every
+run. `groups_per_s_from_step_2` (the previous rounds' figure) leaves step 1 out and so
+credits an asynchronous run with the rollouts it made during step 1. `cpu_cores` is the
+trainer's and its workers' process CPU seconds over the steps from step 2 on per wall second
+(the server not counted); `machine_busy_cores` is the whole machine's busy CPU (every
+process, ours included) over the whole run, start-up included, from /proc/stat: with ours
+near 0.3 cores, the rest of it is the other work on the machine.
 
 Where the time goes (medians of per-step seconds, from step 2 on): `t_wait_rollout` (the
 trainer waiting for the step's rollout: all of the rollout in the synchronous loop),
@@ -195,6 +199,8 @@ def summarise(name: str, latency: float, rows: list[dict], heldout, machine: dic
     steady = rows[1:] or rows
     wall = sum(r["time_step"] for r in steady)
     groups = sum(r["cost_fresh_groups"] for r in steady)
+    wall_all = sum(r["time_step"] for r in rows)
+    groups_all = sum(r["cost_fresh_groups"] for r in rows)
     lags = [lag for r in rows for lag in r.get("rollout_lags", [])]
     late = sum(r.get("late_groups", 0) for r in rows)
     admitted = sum(r.get("late_admitted", 0) for r in rows)
@@ -217,8 +223,9 @@ def summarise(name: str, latency: float, rows: list[dict], heldout, machine: dic
         "rule": name,
         "search_latency_ms": latency,
         "steps": len(rows),
-        "groups_per_s": groups / wall if wall else 0.0,
-        "steps_per_s": len(steady) / wall if wall else 0.0,
+        "groups_per_s": groups_all / wall_all if wall_all else 0.0,
+        "steps_per_s": len(rows) / wall_all if wall_all else 0.0,
+        "groups_per_s_from_step_2": groups / wall if wall else 0.0,
         "cpu_cores": (trainer_cpu + worker_cpu) / wall if wall else 0.0,
         "trainer_cpu_cores": trainer_cpu / wall if wall else 0.0,
         **machine,

@@ -2,11 +2,12 @@
 decides which late groups enter the update (docs/trainer.md, "Asynchronous rollout").
 
 Processes. `async_rollout.workers` = n rollout workers, each a `torch.multiprocessing` spawn
-child with its own copy of the policy (the hf generator), its own tokenizer and its own
-retrieval client. Worker w rolls out shards w, w+n, ... of every step's
-`distributed.rollout_shards` contiguous shards, each under torch's RNG seeded by
-`trainer.distributed.shard_seed(seed, step, 0, shard)`: a shard's tokens depend on the
-weights it was sampled with, never on which process sampled it.
+child with its own copy of the policy, its own generator (hf, or a vLLM engine: "Engines"
+below), its own tokenizer and its own retrieval client. Worker w rolls out shards w, w+n,
+... of every step's `distributed.rollout_shards` contiguous shards (`split: shards`; whole
+steps in turn with `split: steps`), each seeded from `trainer.distributed.shard_seed(seed,
+step, 0, shard)` (hf: torch's RNG; vllm: each trajectory's own seed): a shard's tokens depend
+on the weights it was sampled with, never on which process sampled it.
 
 Versions and weight publication. The weights after update u are version u (a run starts at
 version `start - 1`: 0, or the resumed checkpoint's step). The trainer publishes each version

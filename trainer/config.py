@@ -233,8 +233,9 @@ class AsyncConfig(StrictModel):
     workers: int = Field(
         0,
         ge=0,
-        description="Rollout worker processes (hf generator, each with its own copy of the"
-        " weights and its own retrieval client), sharing the rollouts as `split` says."
+        description="Rollout worker processes (each with its own copy of the weights, its own"
+        " generator: hf, or a vLLM engine with generation.backend=vllm, and its own retrieval"
+        " client), sharing the rollouts as `split` says."
         " 0: rollouts run in the trainer's process.",
     )
     split: Literal["steps", "shards"] = Field(

@@ -2,11 +2,12 @@
 decides which late groups enter the update (docs/trainer.md, "Asynchronous rollout").
 
 Processes. `async_rollout.workers` = n rollout workers, each a `torch.multiprocessing` spawn
-child with its own copy of the policy (the hf generator), its own tokenizer and its own
-retrieval client. Worker w rolls out shards w, w+n, ... of every step's
-`distributed.rollout_shards` contiguous shards, each under torch's RNG seeded by
-`trainer.distributed.shard_seed(seed, step, 0, shard)`: a shard's tokens depend on the
-weights it was sampled with, never on which process sampled it.
+child with its own copy of the policy, its own generator (hf, or a vLLM engine: "Engines"
+below), its own tokenizer and its own retrieval client. Worker w rolls out shards w, w+n,
+... of every step's `distributed.rollout_shards` contiguous shards (`split: shards`; whole
+steps in turn with `split: steps`), each seeded from `trainer.distributed.shard_seed(seed,
+step, 0, shard)` (hf: torch's RNG; vllm: each trajectory's own seed): a shard's tokens depend
+on the weights it was sampled with, never on which process sampled it.
 
 Versions and weight publication. The weights after update u are version u (a run starts at
 version `start - 1`: 0, or the resumed checkpoint's step). The trainer publishes each version
@@ -38,9 +39,20 @@ discards the rollouts in flight; a resumed run rolls those steps out again from 
 checkpoint's weights (so a resumed asynchronous run's lags differ from an uninterrupted
 one's, and no group is ever trained twice).
 
-Departures: hf generation only (the vLLM engine in a worker is not built: it needs the
-engine's own weight loading across processes); one process group only (no torchrun); no
-dynamic sampling (a refill would be a rollout the queue did not plan).
+Engines. With `generation.backend: hf` a worker samples from its module, into which each
+version is copied. With `vllm` each worker builds its own engine (in the worker's process, as
+the backend requires) and keeps the module beside it as the copy the board writes into: each
+new version goes from the module into the engine through the backend's checked sync
+(`collective_rpc("reload_weights", ...)`, then the engine's log-probs of fixed tokens against
+the module's teacher forcing, one line if they differ), and the worker rolls all its shards
+out together, each trajectory under its own seed, as the synchronous loop does with vllm.
+The trainer's own engine (held-out evaluation) is then built only when first used
+(`LazyGenerator`), so a run holds `workers` engines while it trains.
+
+Departures: one process group only (no torchrun); no dynamic sampling (a refill would be a
+rollout the queue did not plan); a vllm worker's module sits on `model.device` beside its
+engine (the board's copy and the weight check; on a GPU that is one more copy of the
+weights).
 """
 
 from __future__ import annotations
@@ -145,6 +157,23 @@ class WorkerSpec:
 
 
 @dataclass
+class WorkerTiming:
+    """Where a worker's time for one rollout went: waiting for the version the queue bound
+    allows, copying the published weights in, the rollout itself (generation and search),
+    and its process CPU seconds over all three (`cpu_s / wall` is its CPU utilisation)."""
+
+    wait_version_s: float
+    load_weights_s: float  # board -> the worker's module, and into its engine (vllm)
+    rollout_s: float
+    cpu_s: float
+    engine_sync_gap: float | None = None  # vllm: the weight check's mean log-prob gap
+
+    @property
+    def wall_s(self) -> float:
+        return self.wait_version_s + self.load_weights_s + self.rollout_s
+
+
+@dataclass
 class RolloutSide:
     """The attributes `trainer.distributed._rollout_one_by_one` reads from a run."""
 
@@ -182,17 +211,21 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
     try:
         from agent_env.generation import build_generator
         from agent_env.retrieval_client import connect
-        from trainer.distributed import _rollout_one_by_one, shard_bounds
+        from trainer.distributed import _rollout_one_by_one, _rollout_together, shard_bounds
         from trainer.loop import sample_prompts
         from trainer.run import load_examples, load_policy
 
         cfg, a = spec.config, spec.config.async_rollout
         model, tokenizer = load_policy(cfg.model.path, cfg)
         model.requires_grad_(False)
+        # hf samples from this module; a vLLM engine holds its own weights, which every new
+        # version reaches through the backend's checked sync from this module
+        engine = cfg.generation.backend != "hf"
         generator = build_generator(
             cfg.generation, model_dir=cfg.model.path, tokenizer=tokenizer,
-            prompt=cfg.rollout.prompt, model=model,
+            prompt=cfg.rollout.prompt, model=None if engine else model,
         )  # fmt: skip
+        roll = _rollout_together if generator.per_request_seeds else _rollout_one_by_one
         client = connect(cfg.retrieval, seed=cfg.seed + 1 + spec.index)
         train_examples, _ = load_examples(cfg)
         side = RolloutSide(cfg, generator, client, tokenizer)
@@ -204,18 +237,30 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
         for step in range(spec.start, cfg.steps + 1):
             if spec.index not in responsible(a.split, a.workers, spec.start, step):
                 continue
+            began, cpu_began = time.perf_counter(), time.process_time()
             while board.version < step - 1 - a.max_lag:
                 if stop.is_set() or os.getppid() != parent:
                     return
                 time.sleep(POLL_S)
-            have = board.load_into(model, have)
+            waited = time.perf_counter()
+            had, have = have, board.load_into(model, have)
+            if engine and have != had:
+                generator.sync_weights(model)  # checked: one line if the engine lags behind
+            loaded = time.perf_counter()
             examples = sample_prompts(train_examples, cfg.seed, step, cfg.grpo.batch_prompts)
             bounds = shard_bounds(len(examples), cfg.distributed.rollout_shards)
             mine = [(s, [examples[i] for i in bounds[s]]) for s in shards if bounds[s]]
             before = replace(client.stats, request_latencies=list(client.stats.request_latencies))
-            pieces, spent = _rollout_one_by_one(side, mine, step, 0)
+            pieces, spent = roll(side, mine, step, 0)
+            timing = WorkerTiming(
+                wait_version_s=waited - began,
+                load_weights_s=loaded - waited,
+                rollout_s=time.perf_counter() - loaded,
+                cpu_s=time.process_time() - cpu_began,
+                engine_sync_gap=getattr(generator, "last_sync_gap", None),
+            )
             conn.send(("rollout", spec.index, step, have, pieces, spent,
-                       stats_delta(before, client.stats)))  # fmt: skip
+                       stats_delta(before, client.stats), timing))  # fmt: skip
             if stop.is_set():
                 return
     except BaseException as err:
@@ -242,6 +287,7 @@ class Delivered:
     pieces: list  # [(shard, kept groups, dropped groups)]
     spent: Any  # trainer.distributed.RolloutSpend
     stats: dict[str, Any]
+    timing: WorkerTiming
 
 
 @dataclass
@@ -309,8 +355,8 @@ class RolloutWorkers:
         if kind == "ready":
             self.pids[w] = message[2]
         elif kind == "rollout":
-            _, _, step, version, pieces, spent, stats = message
-            self.arrived.setdefault(step, {})[w] = Delivered(version, pieces, spent, stats)
+            _, _, step, version, pieces, spent, stats, timing = message
+            self.arrived.setdefault(step, {})[w] = Delivered(version, pieces, spent, stats, timing)
         elif kind == "error":
             self.failed[w] = (message[2], message[3], message[4])
         elif kind == "eof":
@@ -370,6 +416,7 @@ class RolloutWorkers:
             x for d in parts.values() for x in d.stats["request_latencies"]
         ]
         stats["max_in_flight"] = max(d.stats["max_in_flight"] for d in parts.values())
+        stats["timing"] = [parts[w].timing for w in sorted(parts)]
         return result, lags, stats
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
@@ -414,6 +461,33 @@ def add_stats(client_stats, delta: dict[str, Any]) -> None:
 
 
 # --- admission of late groups -------------------------------------------------------------
+
+
+class LazyGenerator:
+    """The trainer's generator when rollout workers hold the engines (`vllm` with
+    `async_rollout.workers`): built at its first `generate` (the held-out evaluation), with
+    the trainer's weights at that moment; until then `sleep` and `sync_weights` have nothing
+    to do. `build()` returns the real generator."""
+
+    def __init__(self, build, model: torch.nn.Module, per_request_seeds: bool) -> None:
+        self.build = build
+        self.model = model
+        self.per_request_seeds = per_request_seeds
+        self.inner = None
+
+    def generate(self, contexts, params, seeds=None):
+        if self.inner is None:
+            self.inner = self.build()
+            self.inner.sync_weights(self.model)
+        return self.inner.generate(contexts, params, seeds=seeds)
+
+    def sleep(self) -> None:
+        if self.inner is not None:
+            self.inner.sleep()
+
+    def sync_weights(self, model) -> None:
+        if self.inner is not None:
+            self.inner.sync_weights(model)
 
 
 def make_gate(config: TrainConfig):

@@ -16,6 +16,7 @@ from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
 from core.config import StrictModel
+from trainer.replay import ORDERED_ARMS
 from trainer.selectors import SELECTORS
 from trainer.staleness import STALENESS_RULES
 
@@ -106,7 +107,26 @@ class ReplayConfig(StrictModel):
 
     budget: int = Field(8, ge=0, description="R: most stored groups replayed per step.")
     capacity: int = Field(64, ge=0, description="C: FIFO buffer capacity in groups.")
-    tau: float = Field(0.05, ge=0, description="Drift gate: admit when D(g) <= tau.")
+    tau: float = Field(
+        0.05, ge=0, description="Drift gate: admit when D(g) <= tau (gate adaptive: the start)."
+    )
+    gate: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="The replay scan's drift gate: fixed (the paper's constant tau) or"
+        " adaptive (trainer.gate.AdaptiveGate: tau moves each step to hold gate_target;"
+        " logged per step as replay_tau).",
+    )
+    gate_target_kind: Literal["acceptance", "drift_budget"] = Field(
+        "acceptance",
+        description="gate adaptive: hold the share of scanned groups admitted (acceptance),"
+        " or the mean drift of the admitted groups (drift_budget).",
+    )
+    gate_target: float = Field(
+        0.5, gt=0, description="gate adaptive: the acceptance rate (<= 1) or the drift budget."
+    )
+    gate_rate: float = Field(
+        0.1, gt=0, description="gate adaptive: log-space step of tau per selection."
+    )
     drift_norm: Literal["l2", "l1"] = Field(
         "l2", description="Drift of the gate for headroom_drift and drift_only (l2: mean sq.)."
     )
@@ -129,6 +149,20 @@ class ReplayConfig(StrictModel):
         " so the update's first pass backpropagates through the scan's forward instead of"
         " repeating it (one process only; memory: the graphs of up to R groups at once).",
     )
+
+    @model_validator(mode="after")
+    def _gate_target_in_range(self) -> ReplayConfig:
+        acceptance = self.gate == "adaptive" and self.gate_target_kind == "acceptance"
+        if acceptance and self.gate_target > 1:
+            raise ValueError(
+                f"replay.gate_target={self.gate_target} is an acceptance rate: add one <= 1"
+            )
+        if self.gate == "adaptive" and not 1e-8 <= self.tau <= 1e4:
+            raise ValueError(
+                f"replay.gate=adaptive starts from replay.tau={self.tau}, outside the gate's"
+                " range [1e-8, 1e4]: add a replay.tau inside it"
+            )
+        return self
 
 
 class EvalConfig(StrictModel):
@@ -199,8 +233,9 @@ class AsyncConfig(StrictModel):
     workers: int = Field(
         0,
         ge=0,
-        description="Rollout worker processes (hf generator, each with its own copy of the"
-        " weights and its own retrieval client), sharing the rollouts as `split` says."
+        description="Rollout worker processes (each with its own copy of the weights, its own"
+        " generator: hf, or a vLLM engine with generation.backend=vllm, and its own retrieval"
+        " client), sharing the rollouts as `split` says."
         " 0: rollouts run in the trainer's process.",
     )
     split: Literal["steps", "shards"] = Field(
@@ -443,7 +478,10 @@ class TrainConfig(StrictModel):
         if not a.enabled:
             return self
         refuse = [
-            (self.generation.backend != "hf", "generation.backend=hf (the workers' generator)"),
+            (
+                self.generation.backend not in ("hf", "vllm"),
+                "generation.backend=hf or vllm (the workers' generators)",
+            ),
             (self.grpo.dynamic_sampling, "grpo.dynamic_sampling=false (no refills)"),
             (
                 self.grpo.tis_cap is not None,
@@ -457,6 +495,17 @@ class TrainConfig(StrictModel):
         for broken, fix in refuse:
             if broken:
                 raise ValueError(f"asynchronous rollout (async_rollout.workers > 0) needs {fix}")
+        return self
+
+    @model_validator(mode="after")
+    def _adaptive_gate_has_a_tau(self) -> TrainConfig:
+        if self.replay.gate == "adaptive":
+            arm = ORDERED_ARMS.get(self.arm)
+            if arm is None or not arm.gated:
+                raise ValueError(
+                    f"replay.gate=adaptive adapts a drift gate, and arm {self.arm!r} has none:"
+                    " add replay.gate=fixed, or an arm that gates by drift (headroom_drift)"
+                )
         return self
 
     @property

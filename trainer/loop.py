@@ -200,6 +200,7 @@ def train_step(run: Run, step: int) -> StepRecord:
         fresh = late.trained
     # 4. replay selection: one decision, the same on every process
     with run.phase("selection"):
+        replay_tau = float(run.replay.gate.tau)  # the tau this step's scan admits by
         selection = run.replay.select(step, run.score, fresh)
         run.dist.agree(
             ([g.group_id for g in selection.groups], selection.swap_out),
@@ -216,7 +217,9 @@ def train_step(run: Run, step: int) -> StepRecord:
         update = update_policy(run, update_batch, run.scan_graphs(selection))
         run.generator.sync_weights(run.model)  # wakes a sleeping engine
         if run.workers is not None:
+            published = time.perf_counter()
             run.workers.publish(run.model, step)  # version `step`, for the rollout workers
+            run.phase_seconds["publish"] = time.perf_counter() - published
     # 6. ingress after the update
     # (late groups over the staleness rule, if any, are stored beside the fresh ones)
     evicted = run.replay.ingest([*fresh, *late.to_buffer])  # counts the replays, then stores
@@ -226,7 +229,36 @@ def train_step(run: Run, step: int) -> StepRecord:
     record = step_record(run, step, started, batch, fresh, entropy, gap, selection, update,
                          client_before)  # fmt: skip
     record.async_rollout = late.record()
+    if run.config.replay.gate == "adaptive":
+        record.replay_gate = {
+            "replay_tau": replay_tau,
+            "replay_tau_next": float(run.replay.gate.tau),
+            "replay_gate_measured": nan_to_none(run.replay.gate.last_measured),
+        }
+    if batch.timing is not None:
+        record.async_rollout.update(worker_times(batch.timing, run.phase_seconds))
     return record
+
+
+def nan_to_none(x: float) -> float | None:
+    """JSON has no NaN: a gate that has measured nothing yet logs null."""
+    return None if x != x else x
+
+
+def worker_times(timing: list, seconds: dict[str, float]) -> dict[str, float]:
+    """Where the step's rollout time went (asynchronous rollout): the trainer's wait for it
+    and its weight publication, and the delivering workers' waits for a version, weight
+    loads, rollouts and CPU seconds (summed over workers)."""
+    gaps = [t.engine_sync_gap for t in timing if t.engine_sync_gap is not None]
+    return {
+        "time_wait_rollout": seconds["rollout"],
+        "time_publish": seconds["publish"],
+        "worker_wait_version_s": sum(t.wait_version_s for t in timing),
+        "worker_load_weights_s": sum(t.load_weights_s for t in timing),
+        "worker_rollout_s": sum(t.rollout_s for t in timing),
+        "worker_cpu_s": sum(t.cpu_s for t in timing),
+        "worker_engine_sync_gap": max(gaps) if gaps else None,  # vllm workers' weight check
+    }
 
 
 # --- 1-2. rollout --------------------------------------------------------------------------
@@ -240,6 +272,7 @@ class FreshBatch:
     rollouts: list[RolloutResult]  # the step's batch and each refill
     passages: int  # documents the environment returned over all of them
     lags: list[int] | None = None  # per group, updates late (rollout workers); None: on time
+    timing: list | None = None  # each delivering worker's WorkerTiming (rollout workers)
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -324,7 +357,7 @@ def collect_fresh(run: Run, step: int) -> FreshBatch:
             f"step {step}: every rollout failed to reach the retrieval server"
             f" ({', '.join(run.config.retrieval.urls)}); is it running? (hdr serve --index DIR)"
         )
-    return FreshBatch(result.groups, [result], int(stats["passages"]), lags)
+    return FreshBatch(result.groups, [result], int(stats["passages"]), lags, stats["timing"])
 
 
 # --- 3. behaviour log-probs, and the sampler's beside them --------------------------------

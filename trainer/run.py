@@ -27,7 +27,7 @@ from core.errors import RunInterrupted, UserError
 from core.paths import RUN, check_output, local_model
 from core.progress import say
 from trainer import distributed
-from trainer.async_rollout import make_gate
+from trainer.async_rollout import LazyGenerator, make_gate
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
@@ -37,6 +37,7 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import TrainConfig
+from trainer.gate import AdaptiveGate
 from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import distinct_tokens, score_groups
@@ -51,6 +52,18 @@ if TYPE_CHECKING:
     from trainer.async_rollout import RolloutWorkers
 
 
+def make_replay_gate(replay) -> AdaptiveGate | None:
+    """The replay scan's drift gate the config names (`replay.gate`): an AdaptiveGate that
+    starts at `replay.tau`, or None for the fixed gate (GroupReplay then builds the paper's
+    `FixedGate(replay.tau)` itself, as it always has)."""
+    if replay.gate != "adaptive":
+        return None
+    return AdaptiveGate(
+        tau=replay.tau, target=replay.gate_target, kind=replay.gate_target_kind,
+        rate=replay.gate_rate,
+    )  # fmt: skip
+
+
 @dataclass
 class RunCounters:
     """Totals over the run so far (saved in every checkpoint)."""
@@ -59,6 +72,7 @@ class RunCounters:
     search_calls_total: int = 0
     wall_time_total: float = 0.0
     staleness_gate: dict | None = None  # an adaptive staleness gate's state (its tau)
+    replay_gate: dict | None = None  # an adaptive replay gate's state (its tau)
 
 
 @dataclass
@@ -91,6 +105,7 @@ class Run:
         if self.replay is None:
             self.replay = GroupReplay.from_params(
                 self.buffer.capacity, self.config.arm, self.config.select_params,
+                gate=make_replay_gate(self.config.replay),
                 store_zero_advantage=self.config.replay.store_zero_advantage,
             )  # fmt: skip
         self.replay.buffer = self.buffer
@@ -307,13 +322,21 @@ def setup_run(
     if config.grpo.beta > 0:
         ref_model, _ = load_policy(config.model.path, config, frozen=True)
         ref_model.requires_grad_(False)
-    generator = build_generator(
-        config.generation,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        prompt=config.rollout.prompt,
-        model=model if config.generation.backend == "hf" else None,
-    )
+
+    def make_generator():
+        return build_generator(
+            config.generation,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            prompt=config.rollout.prompt,
+            model=model if config.generation.backend == "hf" else None,
+        )
+
+    if config.async_rollout.enabled and config.generation.backend != "hf":
+        # the rollout workers hold the engines; this one only for a held-out evaluation
+        generator = LazyGenerator(make_generator, model, per_request_seeds=True)
+    else:
+        generator = make_generator()
     # the weights it already has, through the sync every update uses: a name mismatch (an
     # engine parameter the state dict does not reach) fails here, not after a step's work
     generator.sync_weights(model)
@@ -345,6 +368,8 @@ def setup_run(
         run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
         if run.counters.staleness_gate and hasattr(run.staleness_gate, "load_state_dict"):
             run.staleness_gate.load_state_dict(run.counters.staleness_gate)
+        if run.counters.replay_gate and hasattr(run.replay.gate, "load_state_dict"):
+            run.replay.gate.load_state_dict(run.counters.replay_gate)
         ckpt.restore_rng(dist.rank, dist.world)
         start = ckpt.step + 1
     return run, start
@@ -372,6 +397,8 @@ def save(run: Run, step: int) -> Path | None:
         return None
     if hasattr(run.staleness_gate, "state_dict"):
         run.counters.staleness_gate = run.staleness_gate.state_dict()
+    if hasattr(run.replay.gate, "state_dict"):
+        run.counters.replay_gate = run.replay.gate.state_dict()
     state = TrainState(
         model=run.model,
         tokenizer=run.tokenizer,

@@ -141,16 +141,20 @@ class StepRecord:
     # asynchronous rollout (`trainer.async_rollout.LateDecision.record`): each fresh group's
     # lag, the late groups' drift and admission, the staleness tau; None in the sync loop
     async_rollout: dict[str, Any] | None = None
+    # an adaptive replay gate (`replay.gate: adaptive`): the tau the step's scan admitted by,
+    # the tau after it, and what the gate measured; None with the fixed gate
+    replay_gate: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The metrics.jsonl line: every field, the ledger as `cost_*` keys, and the TIS
         fields only when TIS is on."""
-        skip = ("cost", "async_rollout")
+        skip = ("cost", "async_rollout", "replay_gate")
         record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         for name in ("is_weight_mean", "is_capped_frac"):
             if record[name] is None:
                 del record[name]
-        return {**record, **(self.async_rollout or {}), **self.cost.record()}
+        extra = {**(self.async_rollout or {}), **(self.replay_gate or {})}
+        return {**record, **extra, **self.cost.record()}
 
 
 COUNT_KEYS = tuple(k for k in COST_KEYS if not k.endswith("_s"))

@@ -80,6 +80,7 @@ def test_metrics_have_every_contract_key(short_run):
         assert row["search_calls"] >= row["env_calls"]  # one request carries many queries
         assert row["buffer_size"] <= 6
         assert row["logprob_gap_max"] < 1e-4  # hf sampling in fp32 == teacher forcing
+        assert "replay_tau" not in row  # the fixed gate: nothing of the adaptive one's
     totals = [r["env_calls_total"] for r in rows]
     assert totals == sorted(totals) and totals[-1] == sum(r["env_calls"] for r in rows)
     evals = read_jsonl(short_run / "eval.jsonl")

@@ -100,6 +100,42 @@ def test_training_on_the_engine_runs_with_replay_and_a_small_gap(one):
 
 
 @real_engine
+def test_a_rollout_worker_with_its_own_engine_samples_from_each_published_version(
+    one, policy, small_qa, retrieval_url, tmp_path
+):
+    """Asynchronous rollout with one worker holding its own engine, queue bound 0: the run
+    `one` made with the engine in the trainer's process, token for token (the worker rolls its
+    shards out together, each trajectory under its own seed, as the trainer does). Each step's
+    rollout comes from the weights the trainer published after the step before: the engine's
+    log-probs of the tokens it sampled match the trainer's teacher forcing of them at that
+    version (the step's sampler/trainer gap), and the weights moved far more than that between
+    versions, so an engine left on old weights would show."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_env.generation.vllm import SYNC_PROBE_TEXT, teacher_forced_logprobs
+
+    out = tmp_path / "worker"
+    args = train_args(retrieval_url, policy, small_qa, out, "distributed.rollout_shards=2",
+                      "async_rollout.workers=1", "async_rollout.max_lag=0")  # fmt: skip
+    subprocess.run(hdr(*args), env=env(), check=True, timeout=JOB_TIMEOUT_S)
+    single, worker = rows(one), rows(out)
+    assert [r["step"] for r in worker] == list(range(1, STEPS + 1))
+    for a, b in zip(single, worker, strict=True):
+        assert b["rollout_lags"] == [0, 0, 0, 0]  # every group from the newest version
+        assert a["fresh_tokens"] == b["fresh_tokens"]  # the same sampled trajectories
+        assert a["cost_generated_tokens"] == b["cost_generated_tokens"]
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-9)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert b["logprob_gap_mean"] <= 1e-4, b  # sampled by the published weights
+        assert b["worker_engine_sync_gap"] <= 1e-3  # the backend's own check, in the worker
+    tokenizer = AutoTokenizer.from_pretrained(str(policy))
+    probe = tokenizer.encode(SYNC_PROBE_TEXT, add_special_tokens=False)
+    start = teacher_forced_logprobs(AutoModelForCausalLM.from_pretrained(str(policy)), probe)
+    final = teacher_forced_logprobs(AutoModelForCausalLM.from_pretrained(str(out / "final")), probe)
+    assert float((final - start).abs().mean()) > 1e-2  # the versions differ, visibly
+
+
+@real_engine
 @pytest.mark.slow
 def test_two_processes_one_engine_each_replay_as_one(
     one, policy, small_qa, retrieval_url, tmp_path

@@ -484,7 +484,7 @@ def limit_table(
     search_r1: Path | None,
     search_r1_model: Path | None,
     console: Console,
-    cells: list[tuple[int, ...]] = list(LIMIT_CELLS),
+    cells: tuple[tuple[int, ...], ...] = LIMIT_CELLS,
 ) -> None:
     """Each cell in turn: the encoder alone, the bare endpoint, hdr serve (and Search-R1's
     server), `rounds` times; hdr's q/s and p99 as ratios to the limit the first two imply."""
@@ -524,9 +524,7 @@ def limit_table(
                 for name, port in servers.items():
                     url = f"http://127.0.0.1:{port}"
                     pid = processes[name].pid
-                    result = asyncio.run(
-                        load_cell(url, bodies, per_request, clients, seconds, pid)
-                    )
+                    result = asyncio.run(load_cell(url, bodies, per_request, clients, seconds, pid))
                     cell.setdefault(name, []).append(result)
                 console.print(clients, per_request, {k: v[-1] for k, v in cell.items()})
     finally:
@@ -674,7 +672,7 @@ def main(
         except ValueError:
             raise typer.BadParameter("--limit-cells: CLIENTSxQUERIES, e.g. 1x1,32x1") from None
         limit_table(index, seconds, rounds, limit_out, settings, search_r1, search_r1_model,
-                    console, shapes)  # fmt: skip
+                    console, tuple(shapes))  # fmt: skip
         return
     if cells not in ("normal", "overload", "all"):
         raise typer.BadParameter("--cells must be normal, overload, all or limit")

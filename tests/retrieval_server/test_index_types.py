@@ -188,7 +188,9 @@ def test_refine_reranks_a_lossy_index_exactly_from_the_mapped_flat_vectors(
     <= 5 x 62) the served top 5 are exactly the Flat index's, ids and scores; without
     refinement an 8-byte PQ code is not."""
     out = tmp_path / "pq-refined"
-    manifest = convert_index(small_index, out, factory, show_progress=False, refine=True)
+    manifest = convert_index(
+        small_index, out, factory, show_progress=False, refine=True, chunk_size=50
+    )  # 7 resumable steps, merged
     assert manifest.refine and "refine.faiss" in manifest.files
     assert (out / "refine.faiss").stat().st_ino == (small_index / "dense.faiss").stat().st_ino
     queries = [q for q, _ in fixture_queries()]

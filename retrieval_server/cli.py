@@ -102,7 +102,8 @@ def spec_options(
 ENCODER_HELP = "Packaged name (all-MiniLM-L6-v2) or local model directory."
 INDEX_TYPE_HELP = (
     "FAISS factory string (Flat, HNSW32,Flat, IVF1024,SQ8, IVF4096,PQ96, OPQ96,IVF4096,PQ96, "
-    "...) or the aliases flat and hnsw."
+    "...) or the aliases flat, hnsw and fast-scan (IVF lists near 4 x sqrt(passages), 4-bit "
+    "fast-scan PQ: the measured choice for large corpora; convert it with --refine)."
 )
 BM25_HELP = (
     f"Also build BM25 (default: only for corpora of at most {BM25_AUTO_MAX_DOCUMENTS:,} passages)."

@@ -312,11 +312,24 @@ class RawClient:
             self.writer = None
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def load_cell(
-    url: str, bodies: list[bytes], per_request: int, clients: int, seconds: float
+    url: str,
+    bodies: list[bytes],
+    per_request: int,
+    clients: int,
+    seconds: float,
+    server_pid: int | None = None,
 ) -> dict:
     """`clients` closed-loop RawClients for `seconds` (after a short warm-up); every answer is
-    checked to be a 200 whose `result` has one list per query."""
+    checked to be a 200 whose `result` has one list per query. With `server_pid`, also the
+    server's CPU milliseconds per request: on a shared machine wall time per request moves
+    with the neighbours' load, CPU time per request much less."""
     host, port = url.removeprefix("http://").split(":")
     latencies: list[float] = []
     errors = 0
@@ -341,9 +354,11 @@ async def load_cell(
     pool = [RawClient(host, int(port)) for _ in range(clients)]
     warmup = time.perf_counter() + min(1.0, seconds / 4)
     await asyncio.gather(*(one_client(c, warmup, False) for c in pool))
+    cpu_before = cpu_seconds(server_pid) if server_pid else 0.0
     started = time.perf_counter()
     await asyncio.gather(*(one_client(c, started + seconds, True) for c in pool))
     elapsed = time.perf_counter() - started
+    cpu_used = cpu_seconds(server_pid) - cpu_before if server_pid else float("nan")
     for client in pool:
         client.close()
     ordered = sorted(latencies) or [float("nan")]
@@ -354,20 +369,25 @@ async def load_cell(
         "requests_per_s": round(len(latencies) / elapsed, 1),
         "p50_ms": round(1000 * statistics.median(ordered), 2),
         "p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2),
+        "server_cpu_ms_per_request": round(1000 * cpu_used / max(1, len(latencies)), 3),
     }
 
 
-def encoder_seconds_per_query(encoder, queries: list[str], batch: int, seconds: float) -> float:
-    """Seconds per query of the encoder alone, encoding `batch` queries at a time."""
+def encoder_seconds_per_query(
+    encoder, queries: list[str], batch: int, seconds: float
+) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, all threads) per query of the encoder alone,
+    encoding `batch` queries at a time."""
     encoder.encode_queries(queries[:batch])  # warm
     done, turn = 0, 0
+    cpu_started = time.process_time()
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
         lo = (turn * batch) % max(1, len(queries) - batch)
         encoder.encode_queries(queries[lo : lo + batch])
         done += batch
         turn += 1
-    return (time.perf_counter() - started) / done
+    return (time.perf_counter() - started) / done, (time.process_time() - cpu_started) / done
 
 
 def bare_app(documents: list[dict]):
@@ -464,6 +484,7 @@ def limit_table(
     search_r1: Path | None,
     search_r1_model: Path | None,
     console: Console,
+    cells: tuple[tuple[int, ...], ...] = LIMIT_CELLS,
 ) -> None:
     """Each cell in turn: the encoder alone, the bare endpoint, hdr serve (and Search-R1's
     server), `rounds` times; hdr's q/s and p99 as ratios to the limit the first two imply."""
@@ -491,15 +512,19 @@ def limit_table(
     samples: dict[tuple[int, int], dict[str, list]] = {}
     try:
         for _ in range(rounds):
-            for clients, per_request in LIMIT_CELLS:
+            for clients, per_request in cells:
                 cell = samples.setdefault((clients, per_request), {})
                 batch = min(clients * per_request, 256)
-                encode_s = encoder_seconds_per_query(encoder, queries, batch, seconds / 2)
+                encode_s, encode_cpu_s = encoder_seconds_per_query(
+                    encoder, queries, batch, seconds / 2
+                )
                 cell.setdefault("encode_s", []).append(encode_s)
+                cell.setdefault("encode_cpu_s", []).append(encode_cpu_s)
                 bodies = request_bodies(queries, per_request)
                 for name, port in servers.items():
                     url = f"http://127.0.0.1:{port}"
-                    result = asyncio.run(load_cell(url, bodies, per_request, clients, seconds))
+                    pid = processes[name].pid
+                    result = asyncio.run(load_cell(url, bodies, per_request, clients, seconds, pid))
                     cell.setdefault(name, []).append(result)
                 console.print(clients, per_request, {k: v[-1] for k, v in cell.items()})
     finally:
@@ -556,6 +581,15 @@ def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
         "hdr_p99_ms": median("hdr", "p99_ms"),
         "hdr_errors": sum(result["errors"] for result in cell["hdr"]),
     }
+    # the same in CPU time, which the neighbours' load moves far less than wall time: what
+    # one request costs the limit (bare endpoint + encoding) over what it costs hdr serve
+    limit_cpu_ms = median("bare", "server_cpu_ms_per_request") + 1000 * per_request * (
+        statistics.median(cell["encode_cpu_s"])
+    )
+    row["bare_cpu_ms_per_request"] = median("bare", "server_cpu_ms_per_request")
+    row["limit_cpu_ms_per_request"] = round(limit_cpu_ms, 3)
+    row["hdr_cpu_ms_per_request"] = median("hdr", "server_cpu_ms_per_request")
+    row["hdr_cpu_ratio"] = round(limit_cpu_ms / row["hdr_cpu_ms_per_request"], 3)
     row["hdr_qps_ratio"] = round(row["hdr_queries_per_s"] / limit_qps, 3)
     row["hdr_p99_ratio"] = round(row["hdr_p99_ms"] / limit_p99, 3)
     if "search_r1" in cell:
@@ -571,7 +605,8 @@ def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
 def print_limit(rows: list[dict], console: Console) -> None:
     table = Table(title="hdr serve against the limit (topk 3, return_scores, dense)")
     columns = ["clients x q/req", "encoder q/s", "bare req/s", "limit q/s", "hdr q/s", "ratio",
-               "hdr p99 ms", "limit p99 ms", "p99 ratio"]  # fmt: skip
+               "hdr p99 ms", "limit p99 ms", "p99 ratio", "CPU ms/req limit", "hdr",
+               "CPU ratio"]  # fmt: skip
     with_r1 = any("search_r1_queries_per_s" in row for row in rows)
     if with_r1:
         columns += ["Search-R1 q/s", "hdr/SR1", "p99 hdr/SR1"]
@@ -588,6 +623,9 @@ def print_limit(rows: list[dict], console: Console) -> None:
             f"{row['hdr_p99_ms']:.1f}",
             f"{row['limit_p99_ms']:.1f}",
             f"{row['hdr_p99_ratio']:.2f}",
+            f"{row['limit_cpu_ms_per_request']:.2f}",
+            f"{row['hdr_cpu_ms_per_request']:.2f}",
+            f"{row['hdr_cpu_ratio']:.2f}",
         ]
         if with_r1:
             values += [
@@ -611,6 +649,10 @@ def main(
     ),
     queue_bound: int = typer.Option(64, help="Overload cell: the server's max_queued_queries."),
     rounds: int = typer.Option(1, help="Limit cells: interleaved rounds (medians reported)."),
+    limit_cells: str = typer.Option(
+        ",".join(f"{c}x{n}" for c, n in LIMIT_CELLS),
+        help="Limit cells to run, as CLIENTSxQUERIES, comma-separated (e.g. 1x1,32x1,1x32).",
+    ),
     search_r1: Path | None = typer.Option(
         None, help="Limit cells: Search-R1's retrieval_server.py, to compare (not shipped)."
     ),
@@ -625,8 +667,12 @@ def main(
     console = Console(width=max(Console().width, 150))  # the limit table has 9-12 columns
     if cells == "limit":
         limit_out = out.with_name("retrieval_limit.json") if out.name == "retrieval.json" else out
+        try:
+            shapes = [tuple(int(n) for n in cell.split("x")) for cell in limit_cells.split(",")]
+        except ValueError:
+            raise typer.BadParameter("--limit-cells: CLIENTSxQUERIES, e.g. 1x1,32x1") from None
         limit_table(index, seconds, rounds, limit_out, settings, search_r1, search_r1_model,
-                    console)  # fmt: skip
+                    console, tuple(shapes))  # fmt: skip
         return
     if cells not in ("normal", "overload", "all"):
         raise typer.BadParameter("--cells must be normal, overload, all or limit")

@@ -23,6 +23,7 @@ from core.options import (
 from retrieval_server.build_defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_CONVERT_CHUNK,
     DEFAULT_TRAIN_SAMPLE,
 )
 
@@ -101,7 +102,8 @@ def spec_options(
 ENCODER_HELP = "Packaged name (all-MiniLM-L6-v2) or local model directory."
 INDEX_TYPE_HELP = (
     "FAISS factory string (Flat, HNSW32,Flat, IVF1024,SQ8, IVF4096,PQ96, OPQ96,IVF4096,PQ96, "
-    "...) or the aliases flat and hnsw."
+    "...) or the aliases flat, hnsw and fast-scan (IVF lists near 4 x sqrt(passages), 4-bit "
+    "fast-scan PQ: the measured choice for large corpora; convert it with --refine)."
 )
 BM25_HELP = (
     f"Also build BM25 (default: only for corpora of at most {BM25_AUTO_MAX_DOCUMENTS:,} passages)."
@@ -211,13 +213,22 @@ def convert_command(
         help="Keep the Flat vectors (hard-linked) to re-rank the compressed index's candidates"
         " exactly at serve time (memory-mapped; dense.refine_k_factor).",
     ),
+    chunk_size: int = typer.Option(
+        DEFAULT_CONVERT_CHUNK,
+        "--chunk-size",
+        min=1,
+        help="Rows added per resumable step (rerun the same command to resume).",
+    ),
     force: bool = force_option(),
 ) -> None:
     """Remake an index's FAISS part as another index type from its stored vectors (no
-    re-encoding): e.g. an imported wiki-18 Flat index into IVF-PQ."""
+    re-encoding): e.g. an imported wiki-18 Flat index into IVF-PQ. Resumable: an interrupted
+    convert, rerun with the same options, continues after its last saved step."""
     from retrieval_server.index_build import convert_index
 
-    manifest = convert_index(source, out, index_type, train_sample, refine=refine, force=force)
+    manifest = convert_index(
+        source, out, index_type, train_sample, refine=refine, force=force, chunk_size=chunk_size
+    )
     size = manifest.files["dense.faiss"] / 2**30
     typer.echo(
         f"wrote {out}: {manifest.index_factory} over {manifest.documents} vectors, "

@@ -14,7 +14,10 @@ hdr's) is only ever read by the next build of the same `DIR`.
   matrix is never in memory); other factory strings are trained on a sample of
   `train_sample` vectors and filled chunk by chunk.
 - `convert_index`: the same FAISS step from an existing index's stored vectors (Flat or
-  HNSW..Flat), e.g. an imported wiki-18 Flat index into IVF-PQ, without re-encoding.
+  HNSW..Flat), e.g. an imported wiki-18 Flat index into IVF-PQ, without re-encoding, in
+  resumable steps: the trained empty index is saved (`trained.faiss`), then each
+  `chunk_size` rows are added to a copy of it saved as `added/NNNNNN.faiss`, then the copies
+  are merged in row order; a rerun with the same settings resumes after the last saved step.
 - `import_index`: adopts an existing FAISS file (Search-R1's or FlashRAG's `e5_Flat.index`) and
   its corpus: links it (or copies it), writes offsets and the manifest, after re-encoding a
   sample of passages and comparing with the stored vectors.
@@ -42,6 +45,7 @@ from core.paths import INDEX, check_output, swap_in
 from retrieval_server.build_defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_CONVERT_CHUNK,
     DEFAULT_TRAIN_SAMPLE,
 )
 from retrieval_server.corpus import read_contents, scan_corpus
@@ -79,6 +83,9 @@ if TYPE_CHECKING:
 VECTORS_DIR = "vectors"
 BUILD_STATE = "build.json"
 STAGING_MARK = ".hdr-partial"  # marks DIR.partial as hdr's own unfinished build
+CONVERT_STATE = "convert.json"  # an unfinished convert's settings, compared on resume
+TRAINED_FILE = "trained.faiss"  # the trained, empty index of an unfinished convert
+ADDED_DIR = "added"  # an unfinished convert's steps: the trained index + one chunk's rows
 INDEX_ALIASES = {"flat": FLAT_FACTORY, "hnsw": "HNSW32,Flat"}
 IMPORT_MIN_COSINE = 0.98  # re-encoded vs stored; fp16 GPU builds agree to ~0.999
 IMPORT_MIN_SELF_RECALL = 0.9  # lossy indexes: share of sampled passages found in their top 10
@@ -88,8 +95,34 @@ IMPORT_MIN_SELF_RECALL = 0.9  # lossy indexes: share of sampled passages found i
 OPQ_MIN_TRAIN = 39 * 256
 
 
-def factory_string(index_type: str) -> str:
-    """A FAISS factory string from `--index-type` (the aliases flat and hnsw, or a factory)."""
+FAST_SCAN_ALIAS = "fast-scan"
+
+
+def fast_scan_factory(vectors: int, dimension: int) -> str:
+    """The compressed layout chosen by measurement (docs/retrieval.md, "Operating points"):
+    IVF lists near 4 x sqrt(vectors) (a power of two, 16..65,536, at least 39 vectors a list
+    to train), 4-bit fast-scan PQ with one sub-quantizer per 8 dimensions (768-d: PQ96x4fs,
+    half the bytes of PQ96 and 3-4x faster to scan). Served with `--refine`: on real MiniLM
+    vectors and on the synthetic ones, re-ranking 32 x k candidates exactly gives the recall
+    of 8-bit PQ + refine at a fraction of the scan."""
+    import math
+
+    lists = 2 ** round(math.log2(max(1.0, 4 * math.sqrt(vectors))))
+    lists = max(16, min(65_536, lists, 2 ** int(math.log2(max(16, vectors // 39)))))
+    # sub-quantizers: the largest even divisor of the dimension up to dimension / 8
+    sub = next((m for m in range(dimension // 8, 1, -1) if m % 2 == 0 and dimension % m == 0), 2)
+    return f"IVF{lists},PQ{sub}x4fs"
+
+
+def factory_string(
+    index_type: str, vectors: int | None = None, dimension: int | None = None
+) -> str:
+    """A FAISS factory string from `--index-type`: the aliases flat, hnsw and fast-scan (sized
+    for `vectors` of `dimension`: `fast_scan_factory`), or a factory string."""
+    if index_type == FAST_SCAN_ALIAS:
+        if vectors is None or dimension is None:
+            raise UserError(f"--index-type {FAST_SCAN_ALIAS} needs the vector count and size")
+        return fast_scan_factory(vectors, dimension)
     return INDEX_ALIASES.get(index_type, index_type)
 
 
@@ -207,7 +240,11 @@ class StoredVectors:
 
     def chunks(self) -> Iterator[np.ndarray]:
         for start in range(0, self.count, self.chunk_size):
-            yield self.index.reconstruct_n(start, min(self.chunk_size, self.count - start))
+            yield self.block(start, min(self.chunk_size, self.count - start))
+
+    def block(self, start: int, count: int) -> np.ndarray:
+        """(count, dimension) float32 vectors of rows [start, start + count)."""
+        return self.index.reconstruct_n(start, count)
 
     def rows(self, rows: np.ndarray) -> np.ndarray:
         return self.index.reconstruct_batch(rows)
@@ -514,7 +551,7 @@ def build_index(
         raise UserError(f"corpus file not found: {corpus}")
     check_index_output(out_dir, force, [corpus])
     started = time.perf_counter()
-    factory = factory_string(index_type)
+    factory = index_type if index_type == FAST_SCAN_ALIAS else factory_string(index_type)
     offsets = scan_corpus(corpus)  # the whole corpus is checked before anything is encoded
     documents = len(offsets) - 1
     spec = spec or encoder_spec(DEFAULT_ENCODER)
@@ -523,8 +560,10 @@ def build_index(
         if not with_bm25:
             raise UserError("--no-dense with --no-bm25 leaves nothing to build")
         return build_bm25_only(corpus, out_dir, spec, offsets, chunk_size, show_progress, started)
-    check_trainable(factory, documents, train_sample)
     encoder = Encoder(spec, encoder_config)
+    if index_type == FAST_SCAN_ALIAS:
+        factory = factory_string(index_type, documents, encoder.dimension)
+    check_trainable(factory, documents, train_sample)
     new_faiss_index(factory, encoder.dimension)  # a bad factory string fails before encoding
 
     state = {
@@ -614,11 +653,17 @@ def convert_index(
     show_progress: bool = True,
     refine: bool = False,
     force: bool = False,
+    chunk_size: int = DEFAULT_CONVERT_CHUNK,
+    after_step: Callable[[int], None] = lambda steps: None,
 ) -> IndexManifest:
     """A copy of the index at `source_dir` with its dense index remade as `index_type`, from the
     stored vectors (no re-encoding); BM25 and offsets are carried over (hard-linked if possible).
     `refine` also links the source's Flat vectors as REFINE_FILE, which the server memory-maps
-    to re-rank the compressed index's candidates exactly."""
+    to re-rank the compressed index's candidates exactly.
+
+    Resumable (`add_in_steps`): rerunning the same command after an interruption reuses the
+    trained index and every chunk of `chunk_size` rows already added. `after_step` is called
+    with the number of chunks saved so far, after each one this run adds."""
     from core.progress import progress as progress_bar
 
     started = time.perf_counter()
@@ -632,7 +677,9 @@ def convert_index(
             f"--refine needs a Flat source index (the exact vectors); {source_dir} holds "
             f"{files.manifest.index_factory}"
         )
-    factory = factory_string(index_type)
+    if chunk_size < 1:
+        raise UserError(f"--chunk-size must be at least 1 (got {chunk_size})")
+    factory = factory_string(index_type, files.manifest.documents, files.manifest.dimension)
     new_faiss_index(factory, files.manifest.dimension)
     check_trainable(factory, files.manifest.documents, train_sample)
     vectors = StoredVectors(read_dense(source_dir / DENSE_FILE, mmap=True))
@@ -643,23 +690,177 @@ def convert_index(
             f"{source_dir} has a {files.manifest.index_factory} index, whose vectors cannot be "
             "read back; convert from a Flat (or HNSW..Flat) index"
         ) from None
-    partial = fresh_partial(out_dir)
+    source_stat = (source_dir / DENSE_FILE).stat()
+    state = {
+        "source": str(source_dir.resolve()),
+        "source_dense": [source_stat.st_size, source_stat.st_mtime_ns],
+        "corpus_fingerprint": files.manifest.corpus_fingerprint,
+        "index_type": factory,
+        "train_sample": train_sample,
+        "refine": refine,
+        "chunk_size": chunk_size,
+    }
+    partial = start_convert(out_dir, state)
+    for name in (OFFSETS_FILE, REFINE_FILE, BM25_DIR):  # links this run makes again
+        target = partial / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        target.unlink(missing_ok=True)
     link_or_copy(source_dir / OFFSETS_FILE, partial / OFFSETS_FILE)
     if files.manifest.bm25:
         shutil.copytree(source_dir / BM25_DIR, partial / BM25_DIR, copy_function=link_or_copy)
     if refine:
         link_or_copy(source_dir / DENSE_FILE, partial / REFINE_FILE)
-    total = vectors.count
-    with progress_bar(
-        total=total, desc=f"index {factory}", unit="doc", enabled=show_progress
-    ) as bar:
-        write_dense(vectors, factory, partial / DENSE_FILE, train_sample, bar.update)
+    if factory == FLAT_FACTORY:  # a plain copy of the vectors, streamed (nothing to resume)
+        with progress_bar(
+            total=vectors.count, desc=f"index {factory}", unit="doc", enabled=show_progress
+        ) as bar:
+            write_dense(vectors, factory, partial / DENSE_FILE, train_sample, bar.update)
+    elif not (partial / DENSE_FILE).is_file():  # else the last run stopped after writing it
+        add_in_steps(vectors, factory, partial, train_sample, chunk_size, show_progress, after_step)
+    for name in (CONVERT_STATE, TRAINED_FILE):
+        (partial / name).unlink(missing_ok=True)
+    shutil.rmtree(partial / ADDED_DIR, ignore_errors=True)
     manifest = new_manifest(
         files.manifest.encoder, files.manifest.dimension, factory, files.corpus, out_dir,
         build_seconds=round(time.perf_counter() - started, 1),
         imported_from=files.manifest.imported_from, refine=refine,
     )  # fmt: skip
     return commit(partial, out_dir, manifest)
+
+
+def start_convert(out_dir: Path, state: dict[str, object]) -> Path:
+    """`DIR.partial` for a convert with `state`: an unfinished convert's with the same state is
+    kept (resumed); one with other settings that holds work (a trained index, added chunks) is
+    never discarded silently: the convert refuses, naming the settings that differ."""
+    partial = partial_dir(out_dir)
+    state_file = partial / CONVERT_STATE
+    if is_unfinished_build(partial) and state_file.is_file():
+        try:
+            earlier = json.loads(state_file.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if earlier == state:
+            return partial
+        steps = len(added_steps(partial))
+        if isinstance(earlier, dict) and (steps or (partial / TRAINED_FILE).is_file()):
+            differences = [
+                f"{key} {earlier.get(key)!r} then, {value!r} now"
+                for key, value in state.items()
+                if earlier.get(key) != value
+            ]
+            raise UserError(
+                f"{partial} holds an interrupted `hdr index convert` ({steps} chunks added) with"
+                f" other settings ({'; '.join(differences)}): rerun it with the earlier settings"
+                f" to resume, or remove it with `rm -r {partial}` to start over"
+            )
+    partial = fresh_partial(out_dir)
+    write_atomically(state_file, (json.dumps(state, indent=2) + "\n").encode())
+    return partial
+
+
+def added_steps(partial: Path) -> list[Path]:
+    """The chunk files an unfinished convert in `partial` has saved."""
+    folder = partial / ADDED_DIR
+    return sorted(folder.glob("[0-9]*.faiss")) if folder.is_dir() else []
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_index_atomically(index: faiss.Index, path: Path) -> None:
+    """`faiss.write_index` to `path` through a temporary name beside it: a killed write
+    leaves the temporary file (overwritten next time), never a torn `path`."""
+    import faiss
+
+    tmp = path.with_name(path.name + ".tmp")
+    faiss.write_index(index, str(tmp))
+    os.replace(tmp, path)
+
+
+def add_in_steps(
+    source: StoredVectors,
+    factory: str,
+    partial: Path,
+    train_sample: int,
+    chunk_size: int,
+    show_progress: bool,
+    after_step: Callable[[int], None],
+) -> None:
+    """Train `factory` (or reuse `partial`'s trained index), add the rows chunk by chunk, each
+    into its own copy of the trained index saved under `added/` (skipping chunks already
+    there), then merge the copies in row order into DENSE_FILE. Every file is written under a
+    temporary name and renamed, so a kill at any point leaves only whole steps behind.
+
+    Merging in row order gives the index an uninterrupted `add` of all rows would: the same
+    ids (IVF chunks are added with their global row numbers) and the same list order. An
+    index FAISS cannot merge (HNSW) is filled in one step, not resumable."""
+    import faiss
+    import numpy as np
+
+    from core.progress import progress as progress_bar
+
+    def say(line: str) -> None:
+        if show_progress:
+            print(line, file=sys.stderr, flush=True)
+
+    trained_path = partial / TRAINED_FILE
+    if trained_path.is_file():
+        trained = faiss.read_index(str(trained_path))
+        say(f"convert: resuming in {partial} (trained {factory} found)")
+    else:
+        trained = new_faiss_index(factory, source.dimension)
+        if not trained.is_trained:
+            rows = training_rows(source.count, train_sample)
+            say(f"convert: training {factory} on {len(rows):,} vectors")
+            try:
+                trained.train(source.rows(rows))
+            except RuntimeError as err:
+                raise UserError(f"cannot train {factory!r}: {first_line(err)}") from None
+        write_index_atomically(trained, trained_path)
+    try:
+        ivf = faiss.extract_index_ivf(trained)
+    except RuntimeError:
+        ivf = None
+    mergeable = ivf is not None or isinstance(faiss.downcast_index(trained), faiss.IndexFlatCodes)
+    total = source.count
+    bar_settings = {"total": total, "desc": f"add {factory}", "unit": "doc"}
+    if not mergeable:
+        say(f"convert: {factory} cannot be merged from parts; adding all rows in one step")
+        with progress_bar(**bar_settings, enabled=show_progress) as bar:
+            for vectors in source.chunks():
+                trained.add(vectors)
+                bar.update(len(vectors))
+        write_index_atomically(trained, partial / DENSE_FILE)
+        return
+    folder = partial / ADDED_DIR
+    folder.mkdir(exist_ok=True)
+    steps = -(-total // chunk_size)
+    done = {path.name for path in added_steps(partial)}
+    if done:
+        say(f"convert: {len(done)} of {steps} chunks already added")
+    with progress_bar(**bar_settings, enabled=show_progress) as bar:
+        for step in range(steps):
+            start = step * chunk_size
+            count = min(chunk_size, total - start)
+            path = folder / f"{step:06d}.faiss"
+            if path.name not in done:
+                part = faiss.clone_index(trained)
+                vectors = source.block(start, count)
+                if ivf is not None:
+                    part.add_with_ids(vectors, np.arange(start, start + count, dtype=np.int64))
+                else:
+                    part.add(vectors)
+                write_index_atomically(part, path)
+                after_step(step + 1)
+            bar.update(count)
+    say(f"convert: merging {steps} chunks into {DENSE_FILE}")
+    for step in range(steps):
+        trained.merge_from(faiss.read_index(str(folder / f"{step:06d}.faiss")), 0)
+    write_index_atomically(trained, partial / DENSE_FILE)
 
 
 def link_or_copy(source: Path | str, target: Path | str) -> None:

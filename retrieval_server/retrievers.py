@@ -46,7 +46,11 @@ class DenseRetriever:
 
         if index.dense is None:
             raise UserError(f"index {index.files.index_dir} was loaded without its dense index")
+        import faiss
+
         self.dense = index.dense
+        self.threads = config.dense.threads or faiss.omp_get_max_threads()
+        self._set_threads = faiss.omp_set_num_threads
         spec = index.manifest.encoder
         if config.query_prefix is not None:
             spec = spec.model_copy(update={"query_prefix": config.query_prefix})
@@ -60,6 +64,8 @@ class DenseRetriever:
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         vectors = self.encoder.encode_queries(queries)  # (Q, dimension)
         k = min(topk, self.dense.ntotal)
+        # per calling thread (OpenMP's setting is the thread's own): a lone query on one
+        self._set_threads(max(1, min(self.threads, len(queries))))
         scores, rows = self.dense.search(vectors, k)  # (Q, k) each; row -1 = no hit
         return [
             [(int(r), float(s)) for r, s in zip(query_rows, query_scores, strict=True) if r >= 0]

@@ -23,6 +23,7 @@ pytest.importorskip("trl")
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the default run has the same claim under ZeRO-3 (test_trl_zero3.py's whole run)
 def test_two_processes_train_and_replay_the_same_groups(
     sft_policy, small_qa, retrieval_url, tmp_path
 ):

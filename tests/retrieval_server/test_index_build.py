@@ -104,6 +104,7 @@ def test_a_changed_encoder_spec_refuses_to_discard_chunks_until_they_are_removed
     assert not np.allclose(stored_vectors(out)[:4], plain[:4], atol=1e-3)
 
 
+@pytest.mark.slow  # the default run resumes a build too (test_interrupted_build_resumes_...)
 def test_ctrl_c_says_how_to_resume_and_another_chunk_size_refuses_to_discard_the_chunks(
     small_corpus: Path, tmp_path: Path
 ) -> None:
@@ -162,6 +163,7 @@ def can_mount_a_small_disk() -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.slow  # mounts a small disk and fills it: about 17 s
 @pytest.mark.skipif(not can_mount_a_small_disk(), reason="needs unshare -rm and tmpfs mounts")
 def test_a_full_disk_is_one_line_that_keeps_the_resumable_work(
     small_corpus: Path, tmp_path: Path

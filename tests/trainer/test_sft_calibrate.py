@@ -95,6 +95,7 @@ def test_sft_batches_cover_every_row_once_with_little_padding():
     assert padded < 1.05 * sum(lengths)  # random batches of 32 pad to ~1.3x here
 
 
+@pytest.mark.slow  # about 20 s: two SFT runs and a kill; the CI budget keeps it to make test-slow
 def test_a_killed_sft_resumes_after_its_last_epoch_and_ends_where_an_unbroken_one_does(
     tiny_policy, small_qa, retrieval_url, tmp_path
 ):

@@ -534,22 +534,33 @@ def limit_table(
     rows = [limit_row(key, cell) for key, cell in samples.items()]
     report = {
         "command": "bench/retrieval.py --cells limit " + " ".join(sys.argv[1:]),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": list(os.getloadavg()),
-            "note": "client, servers and encoder share the machine's cores",
-        },
+        "machine": machine_facts(
+            load_before, note="client, servers and encoder share the machine's cores"
+        ),
         "seconds_per_cell": seconds,
         "rounds": rounds,
         "server_settings": settings,
         "rows": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out, report)
     print_limit(rows, console)
     console.print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after; "
                   f"written to {out}")  # fmt: skip
+
+
+def machine_facts(load_before: list[float], **facts) -> dict:
+    """The machine a report was measured on: cores and load average around the run."""
+    return {
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": list(os.getloadavg()),
+        **facts,
+    }
+
+
+def write_report(out: Path, report: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
@@ -723,12 +734,7 @@ def concurrency_table(
     passed = all(qps[clients] >= target for clients, target in TARGET_QPS.items()) and not errors
     report = {
         "index": {key: health[key] for key in ("documents", "encoder", "index_type")},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": list(os.getloadavg()),
-            "python": platform.python_version(),
-        },
+        "machine": machine_facts(load_before, python=platform.python_version()),
         "seconds_per_cell": seconds,
         "server_settings": settings,
         "results": results,
@@ -739,8 +745,7 @@ def concurrency_table(
             "passed": passed,
         },
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out, report)
     print_table(results, console)
     verdict = "PASS" if passed else "FAIL"
     console.print(

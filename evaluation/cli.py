@@ -241,14 +241,23 @@ def report_command(
         ..., "--from", help="An experiment's files: experiment_config.json and runs/."
     ),
     out: Path = typer.Option(None, "--out", help="Also write results.md and results.json here."),
+    export: Path = typer.Option(
+        None,
+        "--export",
+        help="Also copy the files this recompute reads (per-question evaluations gzipped, run"
+        " metrics, configs: a few MB) into this new folder, to commit beside the results.",
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier --export folder."),
 ) -> None:
     """Recompute every table (contrasts, precondition, quality at matched and modelled cost,
     the ledger) from an experiment's per-question, per-seed evaluation files and run metrics."""
     from core.paths import EXPERIMENT, check_output, write_json_atomic, write_text_atomic
-    from evaluation.experiment.recompute import recompute
+    from evaluation.experiment.recompute import export_evidence, recompute
 
     if out is not None:  # refused before any work, never over a file it did not write
         out = check_output(out, EXPERIMENT, inputs=[source])
+    if export is not None:
+        export = check_output(export, EXPERIMENT, inputs=[source], option="--export", force=force)
     summary, cfg, markdown = recompute(source)
     typer.echo(markdown)
     if out is not None:
@@ -256,6 +265,10 @@ def report_command(
         write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})
         write_text_atomic(out / "results.md", markdown)
         typer.echo(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    if export is not None:
+        written = export_evidence(source, export)
+        size = sum((export / name).stat().st_size for name in written)
+        typer.echo(f"exported {len(written)} files ({size / 2**20:.1f} MiB) to {export}")
 
 
 def demo_command(

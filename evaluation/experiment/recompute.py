@@ -4,17 +4,22 @@ DIR holds what `hdr experiment` wrote and a reader needs: `experiment_config.jso
 run `runs/<arm>/seed-<n>/` with `config.yaml` (the run's resolved TrainConfig), `metrics.jsonl`
 (the cost ledger), `eval.jsonl` (the in-training curve) and `heldout/eval.json` (per
 question and sample, which answers were correct); optionally `sft_start/eval.json`. Models,
-checkpoints and TensorBoard files are not needed. The summary is recomputed with the same
-code as the experiment's (`summarize`, `results_markdown`), so the tables, contrasts,
-precondition and matched-cost rows come out as the experiment's own results.md and
-results.json do, less the machine and server records and the charts.
+checkpoints and TensorBoard files are not needed. `hdr report --from RUN --export DIR` copies
+exactly those files of every finished run (the evaluation files gzipped, `eval.json.gz`, which
+the recompute reads alike), a few MB for a whole experiment, to commit beside its results.
+The summary is recomputed with the same code as the experiment's (`summarize`,
+`results_markdown`), so the tables, contrasts, precondition and matched-cost rows come out as
+the experiment's own results.md and results.json do, less the machine and server records and
+the charts.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.errors import UserError
 from evaluation.experiment.config import ExperimentConfig
@@ -22,8 +27,31 @@ from evaluation.experiment.report import results_markdown
 from evaluation.experiment.runs import RunResult
 from evaluation.experiment.summary import ExperimentSummary, summarize
 
+if TYPE_CHECKING:
+    from evaluation.evaluate import EvalReport
+
 # keys an older experiment_config.json may hold that no longer exist (dropped, not errors)
 RETIRED_KEYS = ("bootstrap_resamples",)
+# what a finished run keeps for the recompute (beside the top-level config and SFT evaluation)
+RUN_EVIDENCE = ("config.yaml", "metrics.jsonl", "eval.jsonl", "heldout/eval.json")
+GZIPPED = ".gz"  # per-question evaluation files are exported compressed
+
+
+def evaluation_file(path: Path) -> Path | None:
+    """`path` (an eval.json) or its gzipped export beside it, whichever exists."""
+    for candidate in (path, path.with_name(path.name + GZIPPED)):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_evaluation(path: Path) -> EvalReport:
+    from evaluation.evaluate import EvalReport
+
+    data = path.read_bytes()
+    if path.name.endswith(GZIPPED):
+        data = gzip.decompress(data)
+    return EvalReport.model_validate_json(data)
 
 
 def read_config(root: Path) -> ExperimentConfig:
@@ -41,12 +69,11 @@ def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:
     the config's arm order (the tables' order), then by seed."""
     import yaml
 
-    from evaluation.evaluate import load_report
     from evaluation.plots import read_jsonl
 
     results = []
-    for path in sorted(root.glob("runs/*/seed-*/heldout/eval.json")):
-        run_dir = path.parents[1]
+    for run_dir in finished_runs(root):
+        path = evaluation_file(run_dir / "heldout" / "eval.json")
         for needed in ("config.yaml", "metrics.jsonl"):
             if not (run_dir / needed).is_file():
                 raise UserError(f"{run_dir}: no {needed}; the recompute needs it")
@@ -56,7 +83,7 @@ def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:
                 arm=run_dir.parent.name,
                 seed=int(run_dir.name.removeprefix("seed-")),
                 run_dir=run_dir,
-                report=load_report(path),
+                report=load_evaluation(path),
                 metrics=read_jsonl(run_dir / "metrics.jsonl"),
                 rollouts_per_step=int(grpo["batch_prompts"]) * int(grpo["group_size"]),
             )
@@ -67,15 +94,67 @@ def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:
     return sorted(results, key=lambda r: (order.get(r.arm, len(order)), r.arm, r.seed))
 
 
+def finished_runs(root: Path) -> list[Path]:
+    """`runs/<arm>/seed-<n>` folders holding a held-out evaluation (plain or gzipped)."""
+    return sorted(
+        {path.parents[1] for path in root.glob("runs/*/seed-*/heldout/eval.json*")
+         if evaluation_file(path.parents[1] / "heldout" / "eval.json") == path}
+    )  # fmt: skip
+
+
 def recompute(root: str | Path) -> tuple[ExperimentSummary, ExperimentConfig, str]:
     """The summary, the config and results.md of the experiment files under `root`."""
-    from evaluation.evaluate import load_report
-
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"--from {root}: not a folder")
     cfg = read_config(root)
-    start = root / "sft_start" / "eval.json"
-    sft_report = load_report(start) if start.is_file() else None
+    start = evaluation_file(root / "sft_start" / "eval.json")
+    sft_report = load_evaluation(start) if start is not None else None
     summary = summarize(read_runs(root, cfg), cfg.references, sft_report, cfg)
     return summary, cfg, results_markdown(summary, cfg)
+
+
+def export_evidence(root: str | Path, dest: Path) -> list[Path]:
+    """Copy into `dest` (staged, then swapped in whole) what the recompute reads of the
+    experiment at `root`: its config, its SFT start's evaluation and `RUN_EVIDENCE` of each
+    finished run, the evaluation files gzipped (deterministically: no timestamp inside).
+    Returns the files written, relative to `dest`."""
+    from core.paths import staging_dir, swap_in
+
+    root = Path(root)
+    read_config(root)  # an experiment, or one line saying it is not
+    runs = finished_runs(root)
+    if not runs:
+        raise UserError(f"{root}: no finished run (runs/*/seed-*/heldout/eval.json) to export")
+    sources = [root / "experiment_config.json"]
+    sources += [path for path in [evaluation_file(root / "sft_start" / "eval.json")] if path]
+    for run_dir in runs:
+        for name in RUN_EVIDENCE:
+            found = evaluation_file(run_dir / name) if name.endswith("eval.json") else None
+            found = found or run_dir / name
+            if not found.is_file():
+                raise UserError(f"{run_dir}: no {name}; the recompute needs it")
+            sources.append(found)
+    staged = staging_dir(dest)
+    written = []
+    for source in sources:
+        relative = source.relative_to(root)
+        if source.name == "eval.json":
+            relative = relative.with_name(source.name + GZIPPED)
+        target = staged / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.name == "eval.json":
+            target.write_bytes(gzip.compress(source.read_bytes(), mtime=0))
+        else:
+            shutil.copyfile(source, target)
+        written.append(relative)
+    # an earlier export's files that this one lacks go; nothing else in `dest` is touched
+    patterns = ["experiment_config.json", f"sft_start/eval.json{GZIPPED}"] + [
+        f"runs/*/seed-*/{name}{GZIPPED if name.endswith('eval.json') else ''}"
+        for name in RUN_EVIDENCE
+    ]
+    previous = sorted(
+        {p.relative_to(dest).as_posix() for pattern in patterns for p in dest.glob(pattern)}
+    )
+    swap_in(staged, dest, previous)
+    return written

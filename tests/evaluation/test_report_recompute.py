@@ -52,3 +52,29 @@ def test_a_folder_that_is_no_experiment_is_one_line_and_exit_2(tmp_path):
     done = hdr("report", "--from", str(tmp_path))
     assert done.returncode == 2 and "no experiment_config.json" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_an_export_holds_what_the_recompute_reads_and_recomputes_the_same(tmp_path):
+    """`--export`: the evidence of every finished run (evaluations gzipped) in a new folder,
+    from which `hdr report` makes the same numbers; a second export needs --force, and only
+    replaces the export's own files."""
+    export = tmp_path / "evidence"
+    done = hdr("report", "--from", str(SAMPLE), "--export", str(export))
+    assert done.returncode == 0, done.stderr[-2000:]
+    gzipped = sorted(p.relative_to(export).as_posix() for p in export.rglob("*.json.gz"))
+    assert "sft_start/eval.json.gz" in gzipped and len(gzipped) == 1 + len(
+        list(SAMPLE.glob("runs/*/seed-*/heldout/eval.json"))
+    )
+    assert not list(export.rglob("eval.json"))
+    again = hdr("report", "--from", str(export), "--out", str(tmp_path / "out"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    got = json.loads((tmp_path / "out" / "results.json").read_text())
+    made = json.loads((SAMPLE / "pipeline-results.json").read_text())
+    for arm, numbers in made["arms"].items():
+        assert got["arms"][arm]["per_seed"] == numbers["per_seed"]
+    refused = hdr("report", "--from", str(SAMPLE), "--export", str(export))
+    assert refused.returncode == 2 and "already holds an experiment" in refused.stderr
+    (export / "notes.txt").write_text("mine")
+    forced = hdr("report", "--from", str(SAMPLE), "--export", str(export), "--force")
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert (export / "notes.txt").read_text() == "mine"

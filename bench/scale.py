@@ -12,6 +12,9 @@ and in one pass over the chunks:
 A third point serves the IVF-PQ index re-ranked from the memory-mapped flat file
 (`--refine` k_factor, what `hdr index convert --refine` + `hdr serve` do): PQ codes propose
 k x k_factor candidates, their exact vectors (3 KiB each, read from the file) rank them.
+With `--compact FACTORY` (e.g. PQ192, what `hdr index convert --refine --compact` adds), a
+fourth point re-ranks those candidates first by finer codes held in RAM and reads only the
+best k x `--exact-k-factor` from the flat file for their exact scores.
 
 Then, for each index, a fresh process opens it exactly as `hdr serve` does
 (`retrieval_server.index.read_dense` + `set_search_parameters`: mmap for flat) and reports its
@@ -121,8 +124,10 @@ def build(
     train: int,
     queries: int,
     clusters: int = CLUSTERS,
+    compact: str = "",
 ) -> dict:
-    """One pass over the chunks: flat file, IVF-PQ index, exact top 10 of the queries."""
+    """One pass over the chunks: flat file, IVF-PQ index (and the `compact` re-rank codes),
+    exact top 10 of the queries."""
     import faiss
 
     from retrieval_server.index_build import FlatFileWriter, new_faiss_index
@@ -133,8 +138,16 @@ def build(
 
     started = time.perf_counter()
     ivf_index = new_faiss_index(ivf, DIMENSION)
-    ivf_index.train(synthetic_vectors(10**9 + 1, train, basis, centres))
+    training = synthetic_vectors(10**9 + 1, train, basis, centres)
+    ivf_index.train(training)
     timings["ivf_train_s"] = time.perf_counter() - started
+    compact_index, compact_s = None, 0.0
+    if compact:
+        started = time.perf_counter()
+        compact_index = new_faiss_index(compact, DIMENSION)
+        compact_index.train(training)
+        timings["compact_train_s"] = time.perf_counter() - started
+    del training
 
     flat = FlatFileWriter(workdir / "flat.faiss", DIMENSION, flat_vectors)
     best_scores = np.full((queries, TOPK), -np.inf, dtype=np.float32)
@@ -151,6 +164,10 @@ def build(
         t2 = time.perf_counter()
         ivf_index.add(block)
         t3 = time.perf_counter()
+        if compact_index is not None:
+            compact_index.add(block)
+            compact_s += time.perf_counter() - t3
+            t3 = time.perf_counter()
         scores, rows = faiss.knn(query_vectors, block, TOPK, faiss.METRIC_INNER_PRODUCT)
         best_scores, best_rows = merge_topk(best_scores, best_rows, scores, rows + start_row)
         if start_row < flat_vectors:  # exact top 10 within the (smaller) flat point
@@ -168,6 +185,9 @@ def build(
     t0 = time.perf_counter()
     faiss.write_index(ivf_index, str(workdir / "ivf.faiss"))
     timings["ivf_write_s"] = time.perf_counter() - t0
+    if compact_index is not None:
+        faiss.write_index(compact_index, str(workdir / "compact.faiss"))
+        timings["compact_add_s"] = compact_s
     np.save(workdir / "queries.npy", query_vectors)
     np.save(workdir / "truth_ivf.npy", best_rows)
     np.save(workdir / "truth_flat.npy", flat_best[1])
@@ -182,13 +202,19 @@ import json, sys, time
 started = float(sys.argv[1])
 sys.path.insert(0, sys.argv[6])
 import numpy as np
-from retrieval_server.index import read_dense, set_search_parameters, with_refine
+from retrieval_server.index import (
+    read_dense, set_search_parameters, with_compact_refine, with_refine
+)
 from pathlib import Path
 index = read_dense(Path(sys.argv[2]), mmap=sys.argv[3] == "1")
 set_search_parameters(index, int(sys.argv[4]), 128)
 if sys.argv[8]:  # re-rank from the memory-mapped flat file, as `hdr serve` does
     flat = read_dense(Path(sys.argv[8]), mmap=sys.argv[10] != "ram")
-    index = with_refine(index, flat, int(sys.argv[9]))
+    if sys.argv[11]:  # first by the compact codes, read into RAM
+        compact = read_dense(Path(sys.argv[11]), mmap=False)
+        index = with_compact_refine(index, compact, flat, int(sys.argv[9]), int(sys.argv[12]))
+    else:
+        index = with_refine(index, flat, int(sys.argv[9]))
 ready = time.time() - started
 queries = np.load(sys.argv[5])
 budget = float(sys.argv[7])
@@ -217,13 +243,14 @@ print(json.dumps({
 def serve_probe(
     path: Path, mmap: bool, nprobe: int, queries: Path, budget_s: float,
     refine: Path | None = None, k_factor: int = 0, refine_in_ram: bool = False,
-    cgroup: Path | None = None,
+    cgroup: Path | None = None, compact: Path | None = None, exact_k_factor: int = 0,
 ) -> dict:  # fmt: skip
     """Open the index in a fresh process as the server does; time it, search, measure RSS.
     With `cgroup`, the process runs inside that memory cgroup (and its peak is reported)."""
     command = [sys.executable, "-c", SERVE_PROBE, str(time.time()), str(path), "1" if mmap else "0",
                str(nprobe), str(queries), str(ROOT), str(budget_s), str(refine or ""),
-               str(k_factor), "ram" if refine_in_ram else "mmap"]  # fmt: skip
+               str(k_factor), "ram" if refine_in_ram else "mmap", str(compact or ""),
+               str(exact_k_factor)]  # fmt: skip
     if cgroup is not None:  # join the cgroup, then become the probe
         command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "probe", *command]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -288,6 +315,12 @@ def main(
         " file (`hdr index convert --refine`); 0 leaves it out (so does a reduced flat point).",
     ),
     clusters: int = typer.Option(CLUSTERS, help="Cluster centres the generator draws from."),
+    compact: str = typer.Option(
+        "",
+        help="Factory string of compact re-rank codes held in RAM (e.g. PQ192): a fourth"
+        " point re-ranks the candidates by them, then k x --exact-k-factor exactly.",
+    ),
+    exact_k_factor: int = typer.Option(2, help="With --compact: exact re-ranks per result."),
     memory_limit_gib: float = typer.Option(
         0.0, help="Run each serving probe in a memory cgroup of this size (0: none)."
     ),
@@ -314,25 +347,32 @@ def main(
         console.print(f"memory limit {memory_limit_gib:g} GiB: {limit_how}")
     try:
         started = time.perf_counter()
-        timings = build(workdir, vectors, flat_vectors, chunk, ivf, train, queries, clusters)
+        timings = build(
+            workdir, vectors, flat_vectors, chunk, ivf, train, queries, clusters, compact
+        )
         build_s = time.perf_counter() - started
         query_file = workdir / "queries.npy"
         points = []
         flat, compressed = workdir / "flat.faiss", workdir / "ivf.faiss"
         cases = [
-            ("flat-mmap", flat, True, flat_vectors, "truth_flat.npy", None),
-            (ivf, compressed, False, vectors, "truth_ivf.npy", None),
+            ("flat-mmap", flat, True, flat_vectors, "truth_flat.npy", None, None),
+            (ivf, compressed, False, vectors, "truth_ivf.npy", None, None),
         ]
         if refine and flat_vectors == vectors:
             source = "flat in RAM" if refine_in_ram else "flat mmap"
             cases.append((f"{ivf} + refine x{refine} ({source})", compressed, False, vectors,
-                          "truth_ivf.npy", flat))  # fmt: skip
-        for name, path, mmap, count, truth, refine_file in cases:
+                          "truth_ivf.npy", flat, None))  # fmt: skip
+            if compact:
+                cases.append((
+                    f"{ivf} + {compact} x{refine} (RAM) + exact x{exact_k_factor} ({source})",
+                    compressed, False, vectors, "truth_ivf.npy", flat, workdir / "compact.faiss",
+                ))  # fmt: skip
+        for name, path, mmap, count, truth, refine_file, compact_file in cases:
             drop_page_cache_hint(path)
             if refine_file is not None:
                 drop_page_cache_hint(refine_file)
             probe = serve_probe(path, mmap, nprobe, query_file, seconds, refine_file, refine,
-                                refine_in_ram, cgroup)  # fmt: skip
+                                refine_in_ram, cgroup, compact_file, exact_k_factor)  # fmt: skip
             if "failed" in probe:
                 points.append({"index": name, "vectors": count, **probe})
                 console.print(points[-1])
@@ -340,6 +380,7 @@ def main(
             recall = recall_at_10(probe.pop("rows"), np.load(workdir / truth))
             points.append(
                 {"index": name, "vectors": count, "size_bytes": path.stat().st_size,
+                 **({"compact_bytes": compact_file.stat().st_size} if compact_file else {}),
                  "recall_at_10": recall, **probe}
             )  # fmt: skip
             console.print(points[-1])
@@ -380,6 +421,8 @@ def main(
             "ivf": ivf,
             "refine": refine,
             "refine_in_ram": refine_in_ram,
+            "compact": compact,
+            "exact_k_factor": exact_k_factor,
         },
         "memory_limit": {"gib": memory_limit_gib, "how": limit_how},
         "command": " ".join(["bench/scale.py", *sys.argv[1:]]),

@@ -213,6 +213,14 @@ def convert_command(
         help="Keep the Flat vectors (hard-linked) to re-rank the compressed index's candidates"
         " exactly at serve time (memory-mapped; dense.refine_k_factor).",
     ),
+    compact: str | None = typer.Option(
+        None,
+        "--compact",
+        help="With --refine: also write finer codes (a factory string without lists, e.g."
+        " PQ192 for 768-d) that the server holds in RAM to rank the candidates, reading only"
+        " k x dense.exact_k_factor of them from the flat vectors (where those do not fit in"
+        " memory).",
+    ),
     chunk_size: int = typer.Option(
         DEFAULT_CONVERT_CHUNK,
         "--chunk-size",
@@ -227,8 +235,9 @@ def convert_command(
     from retrieval_server.index_build import convert_index
 
     manifest = convert_index(
-        source, out, index_type, train_sample, refine=refine, force=force, chunk_size=chunk_size
-    )
+        source, out, index_type, train_sample, refine=refine, force=force,
+        chunk_size=chunk_size, compact=compact,
+    )  # fmt: skip
     size = manifest.files["dense.faiss"] / 2**30
     typer.echo(
         f"wrote {out}: {manifest.index_factory} over {manifest.documents} vectors, "

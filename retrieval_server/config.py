@@ -58,6 +58,15 @@ class DenseSearchConfig(StrictModel):
         "candidates from the compressed index and rank them by exact inner product on the "
         "memory-mapped flat vectors; 0 serves the compressed scores alone.",
     )
+    exact_k_factor: int = Field(
+        default=2,
+        ge=0,
+        description="For an index converted with --refine --compact: the compact codes (held "
+        "in RAM) rank the k x refine_k_factor candidates and only the best k x this many are "
+        "read from the flat vectors for their exact scores (2 random reads a result instead "
+        "of refine_k_factor, where the flat file does not fit the page cache); 0 skips the "
+        "compact codes and re-ranks every candidate exactly.",
+    )
     threads: int | None = Field(
         default=None,
         ge=1,

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.faiss"
 REFINE_FILE = "refine.faiss"  # the exact (Flat) vectors a compressed index re-ranks with
+COMPACT_FILE = "compact.faiss"  # finer codes (e.g. PQ192) that rank candidates before REFINE_FILE
 OFFSETS_FILE = "offsets.npy"
 BM25_DIR = "bm25"
 BM25_STOPWORDS = "en"
@@ -82,6 +83,8 @@ class IndexManifest(BaseModel):
     build_seconds: float
     imported_from: str | None = None  # the FAISS file adopted by `hdr index import`, if any
     refine: bool = False  # REFINE_FILE holds the flat vectors (`hdr index convert --refine`)
+    # COMPACT_FILE's factory string (`hdr index convert --refine --compact PQ192`); None: none
+    compact_factory: str | None = None
 
 
 def corpus_fingerprint(path: Path) -> str:
@@ -322,7 +325,14 @@ def open_dense(files: IndexFiles, config: DenseSearchConfig, max_topk: int | Non
     if k_factor > 0:
         flat = read_dense(index_dir / REFINE_FILE, mmap=True)
         check_matches_manifest(index_dir / REFINE_FILE, flat, index_dir / MANIFEST, manifest)
-        dense = with_refine(dense, flat, k_factor)
+        if manifest.compact_factory is not None and config.exact_k_factor > 0:
+            compact = read_dense(index_dir / COMPACT_FILE, mmap=False)  # in RAM: the point
+            check_matches_manifest(
+                index_dir / COMPACT_FILE, compact, index_dir / MANIFEST, manifest
+            )
+            dense = with_compact_refine(dense, compact, flat, k_factor, config.exact_k_factor)
+        else:
+            dense = with_refine(dense, flat, k_factor)
     return dense
 
 
@@ -349,7 +359,7 @@ def to_gpus(
     return gpu_faiss.clone_to_gpus(dense, gpus), k_factor
 
 
-def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: int) -> faiss.Index:
+def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: float) -> faiss.Index:
     """`approximate` (e.g. IVF-PQ) proposes k x `k_factor` candidates per query; `exact` (flat,
     usually memory-mapped: only the candidates' rows are read) re-scores and re-ranks them.
     PQ codes alone miss true neighbours (recall@10 0.36 on 10M wiki-18-shaped vectors);
@@ -359,6 +369,22 @@ def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: int) -> 
     refined = faiss.IndexRefine(approximate, exact)  # keeps Python references to both
     refined.k_factor = k_factor
     return refined
+
+
+def with_compact_refine(
+    approximate: faiss.Index,
+    compact: faiss.Index,
+    exact: faiss.Index,
+    k_factor: int,
+    exact_k_factor: int,
+) -> faiss.Index:
+    """Two re-ranking stages: `approximate` proposes k x `k_factor` candidates, `compact` (finer
+    codes held in RAM, e.g. PQ192: a quarter of the flat bytes) re-scores them and keeps the
+    best k x `exact_k_factor`, and only those are read from `exact` (the memory-mapped flat
+    file) for their exact scores. Where the flat file does not fit the page cache, every
+    candidate read is a disk read: this cuts them from 32 to 2 a result."""
+    keep = min(exact_k_factor, k_factor)
+    return with_refine(with_refine(approximate, compact, k_factor / keep), exact, keep)
 
 
 @dataclass

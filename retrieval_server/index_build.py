@@ -59,6 +59,7 @@ from retrieval_server.encoder import (
 from retrieval_server.index import (
     BM25_DIR,
     BM25_STOPWORDS,
+    COMPACT_FILE,
     DENSE_FILE,
     FLAT_FACTORY,
     FORMAT_VERSION,
@@ -391,6 +392,8 @@ def commit(partial: Path, out_dir: Path, manifest: IndexManifest) -> IndexManife
         files.append(partial / DENSE_FILE)
     if manifest.refine:
         files.append(partial / REFINE_FILE)
+    if manifest.compact_factory is not None:
+        files.append(partial / COMPACT_FILE)
     if manifest.bm25:
         files += sorted(p for p in (partial / BM25_DIR).iterdir() if p.is_file())
     manifest.files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in files}
@@ -655,11 +658,14 @@ def convert_index(
     force: bool = False,
     chunk_size: int = DEFAULT_CONVERT_CHUNK,
     after_step: Callable[[int], None] = lambda steps: None,
+    compact: str | None = None,
 ) -> IndexManifest:
     """A copy of the index at `source_dir` with its dense index remade as `index_type`, from the
     stored vectors (no re-encoding); BM25 and offsets are carried over (hard-linked if possible).
     `refine` also links the source's Flat vectors as REFINE_FILE, which the server memory-maps
-    to re-rank the compressed index's candidates exactly.
+    to re-rank the compressed index's candidates exactly. `compact` (a factory string of codes
+    without lists, e.g. PQ192) adds COMPACT_FILE: finer codes the server holds in RAM to rank
+    those candidates before only the best few are read from REFINE_FILE.
 
     Resumable (`add_in_steps`): rerunning the same command after an interruption reuses the
     trained index and every chunk of `chunk_size` rows already added. `after_step` is called
@@ -682,6 +688,8 @@ def convert_index(
     factory = factory_string(index_type, files.manifest.documents, files.manifest.dimension)
     new_faiss_index(factory, files.manifest.dimension)
     check_trainable(factory, files.manifest.documents, train_sample)
+    if compact is not None:
+        check_compact(compact, files.manifest.dimension, refine)
     vectors = StoredVectors(read_dense(source_dir / DENSE_FILE, mmap=True))
     try:
         vectors.rows(training_rows(vectors.count, 1))
@@ -699,6 +707,7 @@ def convert_index(
         "train_sample": train_sample,
         "refine": refine,
         "chunk_size": chunk_size,
+        **({"compact": compact} if compact is not None else {}),
     }
     partial = start_convert(out_dir, state)
     for name in (OFFSETS_FILE, REFINE_FILE, BM25_DIR):  # links this run makes again
@@ -718,13 +727,20 @@ def convert_index(
             write_dense(vectors, factory, partial / DENSE_FILE, train_sample, bar.update)
     elif not (partial / DENSE_FILE).is_file():  # else the last run stopped after writing it
         add_in_steps(vectors, factory, partial, train_sample, chunk_size, show_progress, after_step)
-    for name in (CONVERT_STATE, TRAINED_FILE):
-        (partial / name).unlink(missing_ok=True)
-    shutil.rmtree(partial / ADDED_DIR, ignore_errors=True)
+    if compact is not None and not (partial / COMPACT_FILE).is_file():
+        add_in_steps(
+            vectors, compact, partial, train_sample, chunk_size, show_progress, after_step,
+            target=COMPACT_FILE,
+        )  # fmt: skip
+    for target in (DENSE_FILE, COMPACT_FILE):
+        trained, added = step_files(partial, target)
+        trained.unlink(missing_ok=True)
+        shutil.rmtree(added, ignore_errors=True)
+    (partial / CONVERT_STATE).unlink(missing_ok=True)
     manifest = new_manifest(
         files.manifest.encoder, files.manifest.dimension, factory, files.corpus, out_dir,
         build_seconds=round(time.perf_counter() - started, 1),
-        imported_from=files.manifest.imported_from, refine=refine,
+        imported_from=files.manifest.imported_from, refine=refine, compact_factory=compact,
     )  # fmt: skip
     return commit(partial, out_dir, manifest)
 
@@ -759,9 +775,34 @@ def start_convert(out_dir: Path, state: dict[str, object]) -> Path:
     return partial
 
 
-def added_steps(partial: Path) -> list[Path]:
-    """The chunk files an unfinished convert in `partial` has saved."""
-    folder = partial / ADDED_DIR
+def check_compact(compact: str, dimension: int, refine: bool) -> None:
+    """`--compact` names codes without lists (PQ.., SQ..) and comes with `--refine`."""
+    import faiss
+
+    if not refine:
+        raise UserError(
+            "--compact ranks the candidates before their exact vectors are read: it needs --refine"
+        )
+    codes = faiss.downcast_index(new_faiss_index(compact, dimension))
+    if not isinstance(codes, faiss.IndexFlatCodes) or isinstance(codes, faiss.IndexFlat):
+        raise UserError(
+            f"--compact {compact!r} must be codes without lists or graphs, smaller than the flat"
+            f" vectors (e.g. PQ{dimension // 4}, SQ8, SQ4)"
+        )
+
+
+def step_files(partial: Path, target: str) -> tuple[Path, Path]:
+    """The trained index and the folder of added chunks an unfinished convert keeps while it
+    makes `target` (DENSE_FILE or COMPACT_FILE)."""
+    if target == DENSE_FILE:
+        return partial / TRAINED_FILE, partial / ADDED_DIR
+    stem = target.removesuffix(".faiss")
+    return partial / f"{stem}.{TRAINED_FILE}", partial / f"{ADDED_DIR}-{stem}"
+
+
+def added_steps(partial: Path, target: str = DENSE_FILE) -> list[Path]:
+    """The chunk files an unfinished convert in `partial` has saved for `target`."""
+    folder = step_files(partial, target)[1]
     return sorted(folder.glob("[0-9]*.faiss")) if folder.is_dir() else []
 
 
@@ -789,11 +830,13 @@ def add_in_steps(
     chunk_size: int,
     show_progress: bool,
     after_step: Callable[[int], None],
+    target: str = DENSE_FILE,
 ) -> None:
     """Train `factory` (or reuse `partial`'s trained index), add the rows chunk by chunk, each
     into its own copy of the trained index saved under `added/` (skipping chunks already
-    there), then merge the copies in row order into DENSE_FILE. Every file is written under a
-    temporary name and renamed, so a kill at any point leaves only whole steps behind.
+    there), then merge the copies in row order into `target` (DENSE_FILE or COMPACT_FILE).
+    Every file is written under a temporary name and renamed, so a kill at any point leaves
+    only whole steps behind.
 
     Merging in row order gives the index an uninterrupted `add` of all rows would: the same
     ids (IVF chunks are added with their global row numbers) and the same list order. An
@@ -807,7 +850,7 @@ def add_in_steps(
         if show_progress:
             print(line, file=sys.stderr, flush=True)
 
-    trained_path = partial / TRAINED_FILE
+    trained_path, folder = step_files(partial, target)
     if trained_path.is_file():
         trained = faiss.read_index(str(trained_path))
         say(f"convert: resuming in {partial} (trained {factory} found)")
@@ -834,12 +877,11 @@ def add_in_steps(
             for vectors in source.chunks():
                 trained.add(vectors)
                 bar.update(len(vectors))
-        write_index_atomically(trained, partial / DENSE_FILE)
+        write_index_atomically(trained, partial / target)
         return
-    folder = partial / ADDED_DIR
     folder.mkdir(exist_ok=True)
     steps = -(-total // chunk_size)
-    done = {path.name for path in added_steps(partial)}
+    done = {path.name for path in added_steps(partial, target)}
     if done:
         say(f"convert: {len(done)} of {steps} chunks already added")
     with progress_bar(**bar_settings, enabled=show_progress) as bar:
@@ -857,10 +899,10 @@ def add_in_steps(
                 write_index_atomically(part, path)
                 after_step(step + 1)
             bar.update(count)
-    say(f"convert: merging {steps} chunks into {DENSE_FILE}")
+    say(f"convert: merging {steps} chunks into {target}")
     for step in range(steps):
         trained.merge_from(faiss.read_index(str(folder / f"{step:06d}.faiss")), 0)
-    write_index_atomically(trained, partial / DENSE_FILE)
+    write_index_atomically(trained, partial / target)
 
 
 def link_or_copy(source: Path | str, target: Path | str) -> None:

@@ -211,3 +211,63 @@ def test_refine_reranks_a_lossy_index_exactly_from_the_mapped_flat_vectors(
     with pytest.raises(UserError, match="--refine needs a Flat source index"):
         convert_index(out, tmp_path / "again", "IVF4,PQ8", show_progress=False, refine=True)
     assert not partial_dir(tmp_path / "again").exists()
+
+
+def test_compact_codes_rank_the_candidates_and_only_the_best_are_read_exactly(
+    small_index: Path, retrieval_url: str, tmp_path: Path
+) -> None:
+    """`convert --refine --compact`: the 4-bit codes propose every passage (5 x 62 = 310 rows),
+    the compact codes (held in RAM) rank them, and only the best 5 x `exact_k_factor` get their
+    exact scores from the flat vectors. With SQ8 codes (near exact) and 2 exact reads a result
+    the served top 5 are the Flat index's, ids and scores; with codes too coarse to rank (PQ8x4)
+    and 1 read a result they are not, so the compact stage is what ranks; with the stage
+    switched off (`exact_k_factor` 0) every candidate is re-ranked exactly again."""
+    queries = [q for q, _ in fixture_queries()]
+    exact_scored = top_scored(retrieval_url, queries, topk=5)
+    served: dict[str, list[list[tuple[int, float]]]] = {}
+    for compact, exact_k_factor in (("SQ8", 2), ("PQ8x4", 1), ("PQ8x4", 0)):
+        out = tmp_path / f"compact-{compact}"
+        if not out.exists():
+            manifest = convert_index(
+                small_index, out, "IVF4,PQ8x4fs", show_progress=False, refine=True,
+                chunk_size=100, compact=compact,
+            )  # fmt: skip
+            assert manifest.compact_factory == compact and "compact.faiss" in manifest.files
+            leftovers = [p.name for p in out.iterdir() if p.name.startswith(("added", "compact."))]
+            assert leftovers == ["compact.faiss"]  # no trained index or steps left behind
+        dense = {"nprobe": 4, "refine_k_factor": 62, "exact_k_factor": exact_k_factor}
+        with running_server(out, dense=dense) as server:
+            served[f"{compact} x{exact_k_factor}"] = top_scored(server.url, queries, topk=5)
+
+    def same(scored: list[list[tuple[int, float]]]) -> bool:
+        return all(
+            [row for row, _ in got] == [row for row, _ in truth]
+            and [score for _, score in got] == pytest.approx([s for _, s in truth], abs=1e-5)
+            for got, truth in zip(scored, exact_scored, strict=True)
+        )
+
+    assert same(served["SQ8 x2"])
+    assert not same(served["PQ8x4 x1"])
+    assert same(served["PQ8x4 x0"])
+    # what the compact stage returns still carries exact scores: each served (row, score) of
+    # the coarse ranking that the exact top 5 also holds has the exact score
+    for got, truth in zip(served["PQ8x4 x1"], exact_scored, strict=True):
+        exact_of = dict(truth)
+        for row, score in got:
+            if row in exact_of:
+                assert score == pytest.approx(exact_of[row], abs=1e-5)
+
+
+def test_compact_codes_are_refused_without_refine_or_with_lists(
+    small_index: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(UserError, match=r"--compact ranks the candidates .* it needs --refine"):
+        convert_index(small_index, tmp_path / "a", "IVF4,PQ8x4fs", show_progress=False,
+                      compact="SQ8")  # fmt: skip
+    with pytest.raises(UserError, match="must be codes without lists or graphs"):
+        convert_index(small_index, tmp_path / "b", "IVF4,PQ8x4fs", show_progress=False,
+                      refine=True, compact="IVF4,PQ8")  # fmt: skip
+    with pytest.raises(UserError, match="must be codes without lists or graphs"):
+        convert_index(small_index, tmp_path / "c", "IVF4,PQ8x4fs", show_progress=False,
+                      refine=True, compact="Flat")  # fmt: skip
+    assert not any((tmp_path / name).exists() for name in ("a", "b", "c"))

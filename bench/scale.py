@@ -202,19 +202,19 @@ import json, sys, time
 started = float(sys.argv[1])
 sys.path.insert(0, sys.argv[6])
 import numpy as np
-from retrieval_server.index import (
-    read_dense, set_search_parameters, with_compact_refine, with_refine
-)
+from retrieval_server.index import read_dense, set_search_parameters, with_refine
+from retrieval_server.rerank import with_compact_refine, with_exact_rerank
 from pathlib import Path
 index = read_dense(Path(sys.argv[2]), mmap=sys.argv[3] == "1")
 set_search_parameters(index, int(sys.argv[4]), 128)
-if sys.argv[8]:  # re-rank from the memory-mapped flat file, as `hdr serve` does
-    flat = read_dense(Path(sys.argv[8]), mmap=sys.argv[10] != "ram")
-    if sys.argv[11]:  # first by the compact codes, read into RAM
-        compact = read_dense(Path(sys.argv[11]), mmap=False)
-        index = with_compact_refine(index, compact, flat, int(sys.argv[9]), int(sys.argv[12]))
-    else:
-        index = with_refine(index, flat, int(sys.argv[9]))
+flat = Path(sys.argv[8])
+if sys.argv[8] and sys.argv[11]:  # first by the compact codes (in RAM), then read ahead
+    compact = read_dense(Path(sys.argv[11]), mmap=False)
+    index = with_compact_refine(index, compact, flat, int(sys.argv[9]), int(sys.argv[12]))
+elif sys.argv[8] and sys.argv[10] == "ram":  # the flat vectors read into memory
+    index = with_refine(index, read_dense(flat, mmap=False), int(sys.argv[9]))
+elif sys.argv[8]:  # as `hdr serve` does: the candidates' rows read ahead, then scored
+    index = with_exact_rerank(index, flat, int(sys.argv[9]))
 ready = time.time() - started
 queries = np.load(sys.argv[5])
 budget = float(sys.argv[7])
@@ -320,7 +320,22 @@ def main(
         help="Factory string of compact re-rank codes held in RAM (e.g. PQ192): a fourth"
         " point re-ranks the candidates by them, then k x --exact-k-factor exactly.",
     ),
-    exact_k_factor: int = typer.Option(2, help="With --compact: exact re-ranks per result."),
+    exact_k_factors: str = typer.Option(
+        "2",
+        "--exact-k-factor",
+        help="With --compact: exact re-ranks per result; a comma list"
+        " (e.g. 2,4,8) measures one point each.",
+    ),
+    probe_kept: bool = typer.Option(
+        False,
+        help="Skip the build: probe the files an earlier run kept in --workdir (--keep)"
+        " with this run's serving settings (nprobe, refine, exact k factors).",
+    ),
+    flat_probe: bool = typer.Option(
+        True,
+        help="Probe exact search on the memory-mapped flat file (at 10M under a memory"
+        " limit: one cold 30 GB scan a query, about an hour on this machine's disk).",
+    ),
     memory_limit_gib: float = typer.Option(
         0.0, help="Run each serving probe in a memory cgroup of this size (0: none)."
     ),
@@ -345,29 +360,37 @@ def main(
     if memory_limit_gib > 0:
         cgroup, limit_how = memory_cgroup(int(memory_limit_gib * 2**30))
         console.print(f"memory limit {memory_limit_gib:g} GiB: {limit_how}")
+    exact_factors = [int(factor) for factor in exact_k_factors.split(",")]
+    points: list[dict] = []
+    timings: dict[str, float] = {}
+    build_s = 0.0
     try:
         started = time.perf_counter()
-        timings = build(
-            workdir, vectors, flat_vectors, chunk, ivf, train, queries, clusters, compact
-        )
+        if probe_kept:
+            flat_vectors = vectors
+            if not (workdir / "ivf.faiss").is_file():
+                raise SystemExit(f"--probe-kept: no kept files in {workdir} (run with --keep)")
+        else:
+            timings = build(
+                workdir, vectors, flat_vectors, chunk, ivf, train, queries, clusters, compact
+            )
         build_s = time.perf_counter() - started
         query_file = workdir / "queries.npy"
-        points = []
         flat, compressed = workdir / "flat.faiss", workdir / "ivf.faiss"
-        cases = [
-            ("flat-mmap", flat, True, flat_vectors, "truth_flat.npy", None, None),
-            (ivf, compressed, False, vectors, "truth_ivf.npy", None, None),
-        ]
+        cases = [("flat-mmap", flat, True, flat_vectors, "truth_flat.npy", None, None, 0)]
+        cases = cases if flat_probe else []
+        cases.append((ivf, compressed, False, vectors, "truth_ivf.npy", None, None, 0))
         if refine and flat_vectors == vectors:
             source = "flat in RAM" if refine_in_ram else "flat mmap"
             cases.append((f"{ivf} + refine x{refine} ({source})", compressed, False, vectors,
-                          "truth_ivf.npy", flat, None))  # fmt: skip
-            if compact:
+                          "truth_ivf.npy", flat, None, 0))  # fmt: skip
+            for factor in exact_factors if compact else []:
                 cases.append((
-                    f"{ivf} + {compact} x{refine} (RAM) + exact x{exact_k_factor} ({source})",
+                    f"{ivf} + {compact} x{refine} (RAM) + exact x{factor} ({source})",
                     compressed, False, vectors, "truth_ivf.npy", flat, workdir / "compact.faiss",
+                    factor,
                 ))  # fmt: skip
-        for name, path, mmap, count, truth, refine_file, compact_file in cases:
+        for name, path, mmap, count, truth, refine_file, compact_file, exact_k_factor in cases:
             drop_page_cache_hint(path)
             if refine_file is not None:
                 drop_page_cache_hint(refine_file)
@@ -390,21 +413,18 @@ def main(
         if cgroup is not None:
             cgroup.rmdir()
 
-    if any("failed" in point for point in points):
-        report = {"points": points, "memory_limit": limit_how, "clusters": clusters}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        raise SystemExit(f"a probe failed: {points}; written to {out}")
-    ivf_point = points[1]
-    served = points[-1]  # the refined point when there is one
+    measured = [point for point in points if "failed" not in point]
+    ivf_point = next(point for point in measured if point["index"] == ivf)
+    served = measured[-1]  # the last refined point when there is one
     per_vector_rss = ivf_point["rss_anon_bytes"] / vectors
     extrapolated = {
         "passages": WIKI18_PASSAGES,
         "flat_size_bytes": WIKI18_PASSAGES * DIMENSION * 4,
         "ivf_size_bytes": round(ivf_point["size_bytes"] / vectors * WIKI18_PASSAGES),
         "ivf_rss_anon_bytes": round(per_vector_rss * WIKI18_PASSAGES),
-        "ivf_add_s": round(timings["ivf_add_s"] / vectors * WIKI18_PASSAGES),
     }
+    if "ivf_add_s" in timings:
+        extrapolated["ivf_add_s"] = round(timings["ivf_add_s"] / vectors * WIKI18_PASSAGES)
     passed = served["rss_bytes"] < RSS_TARGET_BYTES and served["recall_at_10"] >= RECALL_TARGET
     report = {
         "build_seconds_total": round(build_s, 1),
@@ -422,7 +442,8 @@ def main(
             "refine": refine,
             "refine_in_ram": refine_in_ram,
             "compact": compact,
-            "exact_k_factor": exact_k_factor,
+            "exact_k_factors": exact_factors,
+            "probe_kept": probe_kept,
         },
         "memory_limit": {"gib": memory_limit_gib, "how": limit_how},
         "command": " ".join(["bench/scale.py", *sys.argv[1:]]),
@@ -439,7 +460,7 @@ def main(
     for column in ("index", "vectors", "size GiB", "start s", "RSS GiB (anon+file)", "q/s x1",
                    "q/s x32", "recall@10"):  # fmt: skip
         table.add_column(column, justify="right")
-    for p in points:
+    for p in measured:
         table.add_row(
             p["index"], f"{p['vectors']:,}", f"{p['size_bytes'] / 2**30:.2f}", f"{p['start_s']}",
             f"{p['rss_bytes'] / 2**30:.2f} ({p['rss_anon_bytes'] / 2**30:.2f}+"
@@ -449,6 +470,9 @@ def main(
     console.print(table)
     console.print(f"build: {timings}; {note}")
     console.print(f"extrapolated to wiki-18: {extrapolated}; written to {out}")
+    failed = [point for point in points if "failed" in point]
+    if failed:
+        raise SystemExit(f"a probe failed: {failed}; the rest is written to {out}")
 
 
 if __name__ == "__main__":

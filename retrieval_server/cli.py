@@ -37,7 +37,9 @@ BUILD_EXAMPLE = """Example:
 """
 CONVERT_EXAMPLE = """Example:
 
-  hdr index convert --from data/wiki18-flat --index-type IVF4096,PQ96 --out data/wiki18-ivfpq
+  hdr index convert --from data/wiki18-flat --index-type fast-scan --refine --out data/wiki18-fs
+  hdr index convert --from data/wiki18-flat --index-type fast-scan --refine --compact PQ192 \
+      --out data/wiki18-fs-compact
 """
 IMPORT_EXAMPLE = """Example:
 
@@ -102,7 +104,7 @@ def spec_options(
 ENCODER_HELP = "Packaged name (all-MiniLM-L6-v2) or local model directory."
 INDEX_TYPE_HELP = (
     "FAISS factory string (Flat, HNSW32,Flat, IVF1024,SQ8, IVF4096,PQ96, OPQ96,IVF4096,PQ96, "
-    "...) or the aliases flat, hnsw and fast-scan (IVF lists near 4 x sqrt(passages), 4-bit "
+    "...) or the aliases flat, hnsw and fast-scan (IVF lists near sqrt(passages), 4-bit "
     "fast-scan PQ: the measured choice for large corpora; convert it with --refine)."
 )
 BM25_HELP = (

@@ -59,12 +59,13 @@ class DenseSearchConfig(StrictModel):
         "memory-mapped flat vectors; 0 serves the compressed scores alone.",
     )
     exact_k_factor: int = Field(
-        default=2,
+        default=8,
         ge=0,
         description="For an index converted with --refine --compact: the compact codes (held "
         "in RAM) rank the k x refine_k_factor candidates and only the best k x this many are "
-        "read from the flat vectors for their exact scores (2 random reads a result instead "
-        "of refine_k_factor, where the flat file does not fit the page cache); 0 skips the "
+        "read from the flat vectors for their exact scores (8 random reads a result instead "
+        "of refine_k_factor, where the flat file does not fit the page cache: recall@10 0.96 "
+        "at 10M, 2 reads 0.74); 0 skips the "
         "compact codes and re-ranks every candidate exactly.",
     )
     threads: int | None = Field(

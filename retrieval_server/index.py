@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from bm25s.tokenization import Tokenizer
 
     from retrieval_server.config import DenseSearchConfig
+    from retrieval_server.rerank import ExactRerank
 
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.faiss"
@@ -312,7 +313,9 @@ def check_matches_manifest(
             )
 
 
-def open_dense(files: IndexFiles, config: DenseSearchConfig, max_topk: int | None) -> faiss.Index:
+def open_dense(
+    files: IndexFiles, config: DenseSearchConfig, max_topk: int | None
+) -> faiss.Index | ExactRerank:
     """The served FAISS index: read (or mapped), checked against the manifest, parameters set,
     on the GPUs `config.gpus` names (if any); `max_topk` is the most results a search asks."""
     manifest, index_dir = files.manifest, files.index_dir
@@ -323,16 +326,18 @@ def open_dense(files: IndexFiles, config: DenseSearchConfig, max_topk: int | Non
     if config.gpus is not None:
         dense, k_factor = to_gpus(dense, manifest.index_factory or "", config, max_topk, k_factor)
     if k_factor > 0:
-        flat = read_dense(index_dir / REFINE_FILE, mmap=True)
-        check_matches_manifest(index_dir / REFINE_FILE, flat, index_dir / MANIFEST, manifest)
+        from retrieval_server.rerank import with_compact_refine, with_exact_rerank
+
+        flat_path = index_dir / REFINE_FILE
+        flat = read_dense(flat_path, mmap=True)
+        check_matches_manifest(flat_path, flat, index_dir / MANIFEST, manifest)
         if manifest.compact_factory is not None and config.exact_k_factor > 0:
             compact = read_dense(index_dir / COMPACT_FILE, mmap=False)  # in RAM: the point
             check_matches_manifest(
                 index_dir / COMPACT_FILE, compact, index_dir / MANIFEST, manifest
             )
-            dense = with_compact_refine(dense, compact, flat, k_factor, config.exact_k_factor)
-        else:
-            dense = with_refine(dense, flat, k_factor)
+            return with_compact_refine(dense, compact, flat_path, k_factor, config.exact_k_factor)
+        return with_exact_rerank(dense, flat_path, k_factor)
     return dense
 
 
@@ -371,29 +376,13 @@ def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: float) -
     return refined
 
 
-def with_compact_refine(
-    approximate: faiss.Index,
-    compact: faiss.Index,
-    exact: faiss.Index,
-    k_factor: int,
-    exact_k_factor: int,
-) -> faiss.Index:
-    """Two re-ranking stages: `approximate` proposes k x `k_factor` candidates, `compact` (finer
-    codes held in RAM, e.g. PQ192: a quarter of the flat bytes) re-scores them and keeps the
-    best k x `exact_k_factor`, and only those are read from `exact` (the memory-mapped flat
-    file) for their exact scores. Where the flat file does not fit the page cache, every
-    candidate read is a disk read: this cuts them from 32 to 2 a result."""
-    keep = min(exact_k_factor, k_factor)
-    return with_refine(with_refine(approximate, compact, k_factor / keep), exact, keep)
-
-
 @dataclass
 class LoadedIndex:
     """What the retrievers search: the FAISS index and/or BM25 (whichever are served), and the
     documents."""
 
     files: IndexFiles
-    dense: faiss.Index | None
+    dense: faiss.Index | ExactRerank | None
     bm25: bm25s.BM25 | None
     bm25_tokenizer: Tokenizer | None
     documents: DocumentStore

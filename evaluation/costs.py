@@ -32,11 +32,18 @@ Coefficients:
   generated tokens (prefill of prompt and observations included, so it is the all-in rollout
   cost per generated token) and update CPU seconds / update tokens. a and c are wall
   seconds of one-thread benches, b and d process CPU seconds of one-thread runs.
-- A published set: none is shipped. The brief named Search-R1's step breakdown; the
+- A published set: none is shipped whole. The brief named Search-R1's step breakdown; the
   Search-R1 paper and repository give step times (several minutes a step on 8 H100s, 200
   steps in a few hours, in its issue #1) but no breakdown by search call, generated,
   teacher-forced and trained token that this model's coefficients could be read from, and
   no other such breakdown was found. Rather than invent one, `rho` is swept over decades.
+  One published price anchors `a` where a search is a paid web call: ZeroSearch (Sun et al.,
+  arXiv 2505.04588, Table 8) reports about 64,000 Google searches through SerpAPI for
+  $586.7, so a = $0.0092 a call. Its `c` is not published; by arithmetic (a 3B policy's
+  teacher-forced token is 2 x 3e9 FLOP, at 40% of an A100's 312 TFLOP/s about 21,000 tokens
+  a second, at $2 an A100-hour) c is about 2.7e-8 $, so rho is about 3e5 there. A local
+  FAISS server is the other end: rho about 6 measured here. The default sweep
+  (`ExperimentConfig.env_ratios`) spans 10 to 1e5.
 """
 
 from __future__ import annotations

@@ -155,9 +155,10 @@ class ExperimentConfig(StrictModel):
         " (evaluation/costs.py; default: measured on this machine).",
     )
     env_ratios: list[float] = Field(
-        [10.0, 100.0, 1000.0, 10000.0],
+        [10.0, 100.0, 1000.0, 10000.0, 100000.0],
         description="rho = a / c values (a search call in teacher-forced tokens) at which"
-        " quality at matched modelled cost is read; measured here rho is about 6.",
+        " quality at matched modelled cost is read; measured here rho is about 6, a paid web"
+        " search against a 3B policy on a GPU about 3e5 (evaluation/costs.py).",
     )
     policy: TinyPolicyConfig = Field(
         default_factory=TinyPolicyConfig,

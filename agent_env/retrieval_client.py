@@ -36,6 +36,8 @@ failover or truncation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import os
 import random
@@ -225,12 +227,31 @@ class RetrievalClient:
     def _run(self, coro):
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
+            # wake every 0.1 s rather than block until done: a Ctrl-C the kernel hands to
+            # another thread (the loop's) does not interrupt this thread's wait, and Python
+            # raises KeyboardInterrupt only here, in the main thread, when it next runs
+            while not future.done():
+                concurrent.futures.wait([future], timeout=0.1)
             return future.result()
-        except BaseException:
+        except BaseException as err:
             # Ctrl-C (or any exit) in the waiting thread: cancel the search in the loop's
-            # thread too, so no task is left pending when the interpreter destroys the loop
+            # thread too, and wait until its tasks have ended, so none is left pending or
+            # with an unretrieved error when the interpreter destroys the loop (an ordinary
+            # error leaves other threads' searches on the shared loop alone)
             future.cancel()
+            if not isinstance(err, Exception):
+                self._cancel_all_tasks()
             raise
+
+    def _cancel_all_tasks(self, timeout_s: float = 2.0) -> None:
+        async def cancel_all() -> None:
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # retrieves their errors
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout_s)
 
     def search(self, queries: list[str]) -> list[list[Document]]:
         """Documents for each query, in order; raises RetrievalFailed if any query failed."""

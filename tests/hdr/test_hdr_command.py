@@ -157,7 +157,13 @@ def test_ctrl_c_in_a_command_without_a_resume_is_one_line_and_exit_130(tmp_path:
         argv = ["rollout", "--model", str(model), "--backend", "scripted", "--max-questions", "2",
                 "--server", f"http://127.0.0.1:{silent.getsockname()[1]}",
                 "--out", str(tmp_path / "t.jsonl")]  # fmt: skip
-        process = subprocess.Popen([HDR, *argv], stderr=subprocess.PIPE, text=True)
+        # SIGINT at its default, as in a terminal: a shell that starts the suite in the
+        # background (`make test &`) hands its children SIGINT ignored, and Python then
+        # installs no KeyboardInterrupt handler at all
+        process = subprocess.Popen(
+            [HDR, *argv], stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
         try:
             connection, _ = silent.accept()  # the command is running: it asks the server
             process.send_signal(signal.SIGINT)

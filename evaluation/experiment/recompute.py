@@ -97,9 +97,8 @@ def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:
 def finished_runs(root: Path) -> list[Path]:
     """`runs/<arm>/seed-<n>` folders holding a held-out evaluation (plain or gzipped)."""
     return sorted(
-        {path.parents[1] for path in root.glob("runs/*/seed-*/heldout/eval.json*")
-         if evaluation_file(path.parents[1] / "heldout" / "eval.json") == path}
-    )  # fmt: skip
+        run for run in root.glob("runs/*/seed-*") if evaluation_file(run / "heldout" / "eval.json")
+    )
 
 
 def recompute(root: str | Path) -> tuple[ExperimentSummary, ExperimentConfig, str]:

@@ -252,7 +252,7 @@ def report_command(
     """Recompute every table (contrasts, precondition, quality at matched and modelled cost,
     the ledger) from an experiment's per-question, per-seed evaluation files and run metrics."""
     from core.paths import EXPERIMENT, check_output, write_json_atomic, write_text_atomic
-    from evaluation.experiment.recompute import export_evidence, recompute
+    from evaluation.experiment.recompute import export_evidence, ignored_by_git, recompute
 
     if out is not None:  # refused before any work, never over a file it did not write
         out = check_output(out, EXPERIMENT, inputs=[source])
@@ -269,6 +269,13 @@ def report_command(
         written = export_evidence(source, export)
         size = sum((export / name).stat().st_size for name in written)
         typer.echo(f"exported {len(written)} files ({size / 2**20:.1f} MiB) to {export}")
+        ignored = ignored_by_git(export, written)
+        if ignored:  # an export is made to be committed: say loudly what git would leave out
+            typer.echo(
+                f"warning: git ignores {len(ignored)} of the exported files, so `git add` skips"
+                f" them (first: {ignored[0]}); change the ignore rule or use `git add -f`",
+                err=True,
+            )
 
 
 def demo_command(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -157,3 +158,27 @@ def export_evidence(root: str | Path, dest: Path) -> list[Path]:
     )
     swap_in(staged, dest, previous)
     return written
+
+
+def ignored_by_git(dest: Path, written: list[Path]) -> list[str]:
+    """The exported files (relative to `dest`) that the git work tree holding `dest` ignores,
+    each with the rule that ignores it ("runs/ (.gitignore:8): runs/a/seed-1/config.yaml"):
+    files an export meant for committing would silently leave out. Empty outside a work tree
+    or without git."""
+    paths = "".join(f"{dest / name}\n" for name in written)
+    try:
+        found = subprocess.run(
+            ["git", "-C", str(dest), "check-ignore", "--verbose", "--stdin"],
+            input=paths, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if found.returncode not in (0, 1):  # 128: not in a work tree
+        return []
+    ignored = []
+    for line in found.stdout.splitlines():  # "<source>:<line>:<pattern>\t<path>"
+        rule, _, path = line.partition("\t")
+        source, number, pattern = rule.split(":", 2)
+        relative = Path(path).resolve().relative_to(dest.resolve()).as_posix()
+        ignored.append(f"{pattern} ({Path(source).name}:{number}): {relative}")
+    return ignored

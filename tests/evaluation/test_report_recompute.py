@@ -78,3 +78,29 @@ def test_an_export_holds_what_the_recompute_reads_and_recomputes_the_same(tmp_pa
     forced = hdr("report", "--from", str(SAMPLE), "--export", str(export), "--force")
     assert forced.returncode == 0, forced.stderr[-2000:]
     assert (export / "notes.txt").read_text() == "mine"
+
+
+def test_an_export_that_git_would_leave_out_says_so(tmp_path):
+    """An export is made to be committed: where the work tree's ignore rules skip its files
+    (a `runs/` rule once swallowed a pilot's whole evidence), `hdr report --export` warns,
+    naming the rule, and still writes every file."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    export = tmp_path / "docs" / "evidence"
+    done = hdr("report", "--from", str(SAMPLE), "--export", str(export))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "warning: git ignores" in done.stderr and "runs/ (.gitignore:1)" in done.stderr
+    assert list(export.glob("runs/*/seed-*/heldout/eval.json.gz"))
+    (tmp_path / ".gitignore").write_text("/runs/\n")  # the root's runs only: nothing skipped
+    again = hdr("report", "--from", str(SAMPLE), "--export", str(export), "--force")
+    assert again.returncode == 0 and "warning" not in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")
+def test_the_projects_own_ignore_rules_keep_exported_evidence(tmp_path):
+    """docs/results/<experiment>/runs/... is committed evidence, not a run folder to ignore."""
+    from evaluation.experiment.recompute import ignored_by_git
+
+    names = [Path("pilot/runs/on_policy/seed-1/heldout/eval.json.gz")]
+    assert ignored_by_git(REPO / "docs" / "results", names) == []
+    assert ignored_by_git(REPO, [Path("runs/pilot/experiment_config.json")]) != []

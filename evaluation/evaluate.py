@@ -26,6 +26,7 @@ resume) instead of scoring the affected responses as wrong.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from collections.abc import Sequence
@@ -609,13 +610,30 @@ def write_report(report: EvalReport, out_dir: str | Path) -> tuple[Path, Path]:
     )
 
 
-def load_report(path: str | Path) -> EvalReport:
+GZIPPED = ".gz"  # an exported evaluation (`hdr report --export`) is kept compressed
+
+
+def report_file(path: str | Path) -> Path | None:
+    """The evaluation at `path` (an eval.json, or a folder holding one), or the gzipped copy
+    beside it that an export leaves (`eval.json.gz`), whichever exists; None if neither."""
     path = Path(path)
     if path.is_dir():
         path = path / "eval.json"
-    if not path.is_file():
+    for candidate in (path, path.with_name(path.name + GZIPPED)):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_report(path: str | Path) -> EvalReport:
+    """The EvalReport at `path` (see `report_file`: plain or gzipped)."""
+    found = report_file(path)
+    if found is None:
         raise UserError(f"evaluation result not found: {path}")
-    return EvalReport.model_validate_json(path.read_text())
+    data = found.read_bytes()
+    if found.name.endswith(GZIPPED):
+        data = gzip.decompress(data)
+    return EvalReport.model_validate_json(data)
 
 
 def evaluate(

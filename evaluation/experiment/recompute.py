@@ -20,39 +20,22 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from core.errors import UserError
+from evaluation.evaluate import GZIPPED, load_report, report_file
 from evaluation.experiment.config import ExperimentConfig
 from evaluation.experiment.report import results_markdown
 from evaluation.experiment.runs import RunResult
 from evaluation.experiment.summary import ExperimentSummary, summarize
 
-if TYPE_CHECKING:
-    from evaluation.evaluate import EvalReport
-
 # keys an older experiment_config.json may hold that no longer exist (dropped, not errors)
 RETIRED_KEYS = ("bootstrap_resamples",)
 # what a finished run keeps for the recompute (beside the top-level config and SFT evaluation)
 RUN_EVIDENCE = ("config.yaml", "metrics.jsonl", "eval.jsonl", "heldout/eval.json")
-GZIPPED = ".gz"  # per-question evaluation files are exported compressed
-
-
-def evaluation_file(path: Path) -> Path | None:
-    """`path` (an eval.json) or its gzipped export beside it, whichever exists."""
-    for candidate in (path, path.with_name(path.name + GZIPPED)):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def load_evaluation(path: Path) -> EvalReport:
-    from evaluation.evaluate import EvalReport
-
-    data = path.read_bytes()
-    if path.name.endswith(GZIPPED):
-        data = gzip.decompress(data)
-    return EvalReport.model_validate_json(data)
+# copied too where a run has it: the hash `hdr experiment` checks to take an exported run as
+# finished in another session (see runs.carried), which the recompute itself does not need
+RUN_HASH = "config_hash.json"
 
 
 def read_config(root: Path) -> ExperimentConfig:
@@ -74,7 +57,7 @@ def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:
 
     results = []
     for run_dir in finished_runs(root):
-        path = evaluation_file(run_dir / "heldout" / "eval.json")
+        path = report_file(run_dir / "heldout" / "eval.json")
         for needed in ("config.yaml", "metrics.jsonl"):
             if not (run_dir / needed).is_file():
                 raise UserError(f"{run_dir}: no {needed}; the recompute needs it")
@@ -84,7 +67,7 @@ def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:
                 arm=run_dir.parent.name,
                 seed=int(run_dir.name.removeprefix("seed-")),
                 run_dir=run_dir,
-                report=load_evaluation(path),
+                report=load_report(path),
                 metrics=read_jsonl(run_dir / "metrics.jsonl"),
                 rollouts_per_step=int(grpo["batch_prompts"]) * int(grpo["group_size"]),
             )
@@ -98,7 +81,7 @@ def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:
 def finished_runs(root: Path) -> list[Path]:
     """`runs/<arm>/seed-<n>` folders holding a held-out evaluation (plain or gzipped)."""
     return sorted(
-        run for run in root.glob("runs/*/seed-*") if evaluation_file(run / "heldout" / "eval.json")
+        run for run in root.glob("runs/*/seed-*") if report_file(run / "heldout" / "eval.json")
     )
 
 
@@ -108,8 +91,8 @@ def recompute(root: str | Path) -> tuple[ExperimentSummary, ExperimentConfig, st
     if not root.is_dir():
         raise UserError(f"--from {root}: not a folder")
     cfg = read_config(root)
-    start = evaluation_file(root / "sft_start" / "eval.json")
-    sft_report = load_evaluation(start) if start is not None else None
+    start = report_file(root / "sft_start" / "eval.json")
+    sft_report = load_report(start) if start is not None else None
     summary = summarize(read_runs(root, cfg), cfg.references, sft_report, cfg)
     return summary, cfg, results_markdown(summary, cfg)
 
@@ -127,14 +110,16 @@ def export_evidence(root: str | Path, dest: Path) -> list[Path]:
     if not runs:
         raise UserError(f"{root}: no finished run (runs/*/seed-*/heldout/eval.json) to export")
     sources = [root / "experiment_config.json"]
-    sources += [path for path in [evaluation_file(root / "sft_start" / "eval.json")] if path]
+    sources += [path for path in [report_file(root / "sft_start" / "eval.json")] if path]
     for run_dir in runs:
         for name in RUN_EVIDENCE:
-            found = evaluation_file(run_dir / name) if name.endswith("eval.json") else None
+            found = report_file(run_dir / name) if name.endswith("eval.json") else None
             found = found or run_dir / name
             if not found.is_file():
                 raise UserError(f"{run_dir}: no {name}; the recompute needs it")
             sources.append(found)
+        if (run_dir / RUN_HASH).is_file():
+            sources.append(run_dir / RUN_HASH)
     staged = staging_dir(dest)
     written = []
     for source in sources:
@@ -151,7 +136,7 @@ def export_evidence(root: str | Path, dest: Path) -> list[Path]:
     # an earlier export's files that this one lacks go; nothing else in `dest` is touched
     patterns = ["experiment_config.json", f"sft_start/eval.json{GZIPPED}"] + [
         f"runs/*/seed-*/{name}{GZIPPED if name.endswith('eval.json') else ''}"
-        for name in RUN_EVIDENCE
+        for name in (*RUN_EVIDENCE, RUN_HASH)
     ]
     previous = sorted(
         {p.relative_to(dest).as_posix() for pattern in patterns for p in dest.glob(pattern)}

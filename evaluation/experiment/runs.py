@@ -2,7 +2,8 @@
 
 Every run starts from the same SFT start with the same seeds (so the same prompt order) and
 is evaluated on one fixed held-out set. A finished run (its `final/` and `heldout/eval.json`)
-is reused when the experiment is run again with the same out dir, only when its
+is reused when the experiment is run again with the same out dir (or, without its model, a run
+carried over by its exported evidence: `carried`), only when its
 `config_hash.json` matches the config just built (a checkpointed or older run: the config.yaml
 it wrote at its start), and its evaluation only when it used the same k, seed, temperature
 and questions; otherwise one line names what differs.
@@ -21,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 from core.progress import say
 from evaluation.experiment.arms import Arm
 from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.fingerprint import check_reuse, digest, run_settings, write_hash
+from evaluation.experiment.fingerprint import (
+    HASH_FILE,
+    check_reuse,
+    digest,
+    run_settings,
+    write_hash,
+)
 from evaluation.experiment.server import die_with_parent
 from evaluation.experiment.train_configs import arm_train_config
 
@@ -59,7 +66,7 @@ def final_eval(
 ) -> EvalReport:
     """Held-out evaluation of one model with sampling seed `seed` (reused when
     `out/eval.json` exists)."""
-    from evaluation.evaluate import EvalConfig, evaluate, load_report
+    from evaluation.evaluate import EvalConfig, evaluate, load_report, report_file
 
     eval_cfg = EvalConfig(
         k=cfg.final_k,
@@ -70,7 +77,7 @@ def final_eval(
         generation=train_config.generation,
         retrieval=train_config.retrieval,
     )
-    if (out / "eval.json").is_file():  # reused only when it evaluated what is asked now
+    if report_file(out) is not None:  # reused only when it evaluated what is asked now
         report = load_report(out)
         wanted = eval_settings(eval_cfg.k, eval_cfg.seed, eval_cfg.sample_temperature, datasets)
         check_reuse(out, wanted, "held-out evaluation", report_settings(report))
@@ -122,7 +129,7 @@ def run_arm(
     run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"
     config = arm_train_config(cfg, arm, url, sft_dir, run_dir, seed)
     settings = run_settings(config, sft_dir, run_environment(cfg))
-    done = (run_dir / "final" / "config.json").is_file()
+    done = (run_dir / "final" / "config.json").is_file() or carried(run_dir)
     if done:  # reused only when it was trained with exactly this config
         check_reuse(run_dir, settings, "run", settings_written(cfg, run_dir, sft_dir))
     else:
@@ -147,6 +154,17 @@ def run_arm(
     )
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     return RunResult(arm.name, seed, run_dir, report, metrics, config.grpo.fresh_rows)
+
+
+def carried(run_dir: Path) -> bool:
+    """A run carried over from another machine or session by its exported evidence (`hdr
+    report --export`, copied into the out dir): no model, but its config hash, metrics and
+    held-out evaluation, which is all the experiment reads of a finished run. It counts as
+    finished only when that hash matches the config built now (checked by the caller)."""
+    from evaluation.evaluate import report_file
+
+    evidence = [run_dir / HASH_FILE, run_dir / "metrics.jsonl"]
+    return all(p.is_file() for p in evidence) and report_file(run_dir / "heldout") is not None
 
 
 def run_environment(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -318,6 +319,28 @@ def test_quick_experiment_end_to_end(tmp_path):
 
     with pytest.raises(httpx.TransportError):
         httpx.get(results["server_url"] + "/health", timeout=5)
+    # the runs' exported evidence, copied into a new out dir (another session's machine keeps
+    # the data dir's cached SFT start, not the run folders): every run is taken as finished,
+    # none is trained again, and the tables come out the same
+    evidence = tmp_path / "evidence"
+    exported = subprocess.run(
+        [sys.executable, "-m", "hdr.cli", "report", "--from", str(out), "--export", str(evidence)],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert list(evidence.glob("runs/*/seed-*/config_hash.json"))
+    carried_out = tmp_path / "carried"
+    shutil.copytree(evidence, carried_out)
+    again = subprocess.run(
+        [*cmd[: cmd.index("--out") + 1], str(carried_out), *cmd[cmd.index("--out") + 2 :]],
+        capture_output=True, text=True, cwd=REPO, timeout=3600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "experiment: training" not in again.stderr
+    assert not list(carried_out.glob("runs/*/seed-*/final"))
+    rerun = json.loads((carried_out / "results.json").read_text())
+    for name, arm in results["arms"].items():
+        assert rerun["arms"][name]["mean_at_k"] == arm["mean_at_k"]
 
 
 @pytest.mark.slow  # about 20 s of real runs; the CI budget keeps it to make test-slow

@@ -80,6 +80,25 @@ def test_a_finished_run_made_with_another_config_is_refused_before_any_work(tmp_
         run_arm(changed, changed.arm("on_policy"), 1, URL, sft, [])
 
 
+def test_a_run_carried_by_its_exported_evidence_is_checked_like_a_finished_one(tmp_path):
+    """No model, only what `hdr report --export` keeps (hash, metrics, gzipped held-out
+    evaluation): it counts as finished, and is refused when the config built now differs."""
+    from evaluation.experiment.runs import carried
+
+    cfg, config, sft = _run_config(tmp_path, out_dir=str(tmp_path / "o"))
+    run_dir = Path(config.out_dir)
+    (run_dir / "heldout").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    assert not carried(run_dir)  # an unfinished run's folder
+    (run_dir / "heldout" / "eval.json.gz").write_bytes(b"")
+    assert not carried(run_dir)  # no hash: what it was made with is unknown
+    write_hash(run_dir, run_settings(config, sft, run_environment(cfg)))
+    assert carried(run_dir)
+    changed = cfg.model_copy(update={"lr": 2e-5})
+    with pytest.raises(UserError, match=r"run .*seed-1 was made with other settings \(grpo.lr"):
+        run_arm(changed, changed.arm("on_policy"), 1, URL, sft, [])
+
+
 def test_the_sft_key_holds_the_base_configs_sft_section_and_the_train_overrides(tmp_path):
     def settings(**fields):
         cfg = experiment_config(data_dir=str(tmp_path), **fields)

@@ -488,12 +488,16 @@ def limit_table(
 ) -> None:
     """Each cell in turn: the encoder alone, the bare endpoint, hdr serve (and Search-R1's
     server), `rounds` times; hdr's q/s and p99 as ratios to the limit the first two imply."""
-    from retrieval_server.config import EncoderConfig
+    from core.config import load_config
+    from retrieval_server.config import ServerConfig
     from retrieval_server.encoder import Encoder
     from retrieval_server.index import validate_index
 
     load_before = list(os.getloadavg())
-    encoder = Encoder(validate_index(index).manifest.encoder, EncoderConfig())
+    # the encoder alone runs as the server's does (its encoder.* settings included)
+    encoder_settings = [s for s in settings if s.startswith("encoder.")]
+    encoder_config = load_config(ServerConfig, None, [f"index_dir={index}", *encoder_settings])
+    encoder = Encoder(validate_index(index).manifest.encoder, encoder_config.encoder)
     queries = benchmark_queries()
     logs = Path(tempfile.mkdtemp(prefix="hdr-bench-limit-"))
     servers = {"bare": free_port(), "hdr": free_port()}

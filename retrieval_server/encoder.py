@@ -383,9 +383,13 @@ class Encoder:
         tokenizer = load_fast_tokenizer(self.model_dir, self.spec.max_length)
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Idle intra-op threads sleep instead of spinning: in a server the spinning threads
-        # take the cores the event loop and FAISS need between two small batches.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Idle intra-op threads spin only briefly (EncoderConfig.spin_us): long enough to bridge
+        # one pass's parallel sections, not the gaps between requests, whose cores the event
+        # loop and FAISS need.
+        spin_us = self.config.spin_us
+        options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spin_us > 0)))
+        if spin_us:
+            options.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
         if self.config.threads:
             options.intra_op_num_threads = self.config.threads
         session = onnxruntime.InferenceSession(

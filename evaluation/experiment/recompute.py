@@ -25,6 +25,7 @@ from typing import Any
 from core.errors import UserError
 from evaluation.evaluate import GZIPPED, load_report, report_file
 from evaluation.experiment.config import ExperimentConfig
+from evaluation.experiment.fingerprint import HASH_FILE
 from evaluation.experiment.report import results_markdown
 from evaluation.experiment.runs import RunResult
 from evaluation.experiment.summary import ExperimentSummary, summarize
@@ -33,9 +34,9 @@ from evaluation.experiment.summary import ExperimentSummary, summarize
 RETIRED_KEYS = ("bootstrap_resamples",)
 # what a finished run keeps for the recompute (beside the top-level config and SFT evaluation)
 RUN_EVIDENCE = ("config.yaml", "metrics.jsonl", "eval.jsonl", "heldout/eval.json")
-# copied too where a run has it: the hash `hdr experiment` checks to take an exported run as
-# finished in another session (see runs.carried), which the recompute itself does not need
-RUN_HASH = "config_hash.json"
+# copied too where a run has it (fingerprint.HASH_FILE): the hash `hdr experiment` checks to
+# take an exported run as finished in another session (runs.carried); the recompute needs it not
+RUN_HASH = HASH_FILE
 
 
 def read_config(root: Path) -> ExperimentConfig:

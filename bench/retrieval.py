@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -373,18 +374,18 @@ async def load_cell(
     }
 
 
-def encoder_seconds_per_query(
-    encoder, queries: list[str], batch: int, seconds: float
+def seconds_per_query(
+    work: Callable[[list[str]], object], queries: list[str], batch: int, seconds: float
 ) -> tuple[float, float]:
-    """Wall and CPU seconds (this process, all threads) per query of the encoder alone,
-    encoding `batch` queries at a time."""
-    encoder.encode_queries(queries[:batch])  # warm
+    """Wall and CPU seconds (this process, all threads) per query of `work` (the encoder
+    alone, or the encoder and the index search), on `batch` queries at a time."""
+    work(queries[:batch])  # warm
     done, turn = 0, 0
     cpu_started = time.process_time()
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
         lo = (turn * batch) % max(1, len(queries) - batch)
-        encoder.encode_queries(queries[lo : lo + batch])
+        work(queries[lo : lo + batch])
         done += batch
         turn += 1
     return (time.perf_counter() - started) / done, (time.process_time() - cpu_started) / done
@@ -490,14 +491,16 @@ def limit_table(
     server), `rounds` times; hdr's q/s and p99 as ratios to the limit the first two imply."""
     from core.config import load_config
     from retrieval_server.config import ServerConfig
-    from retrieval_server.encoder import Encoder
-    from retrieval_server.index import validate_index
+    from retrieval_server.index import load_index
+    from retrieval_server.retrievers import DenseRetriever
 
     load_before = list(os.getloadavg())
-    # the encoder alone runs as the server's does (its encoder.* settings included)
-    encoder_settings = [s for s in settings if s.startswith("encoder.")]
-    encoder_config = load_config(ServerConfig, None, [f"index_dir={index}", *encoder_settings])
-    encoder = Encoder(validate_index(index).manifest.encoder, encoder_config.encoder)
+    # the encoder and the index search run in this process as the server's do (its
+    # encoder.* and dense.* settings included)
+    own = [s for s in settings if s.startswith(("encoder.", "dense."))]
+    config = load_config(ServerConfig, None, [f"index_dir={index}", *own])
+    retriever = DenseRetriever(load_index(index, dense=config.dense, with_bm25=False), config)
+    encoder = retriever.encoder
     queries = benchmark_queries()
     logs = Path(tempfile.mkdtemp(prefix="hdr-bench-limit-"))
     servers = {"bare": free_port(), "hdr": free_port()}
@@ -519,11 +522,16 @@ def limit_table(
             for clients, per_request in cells:
                 cell = samples.setdefault((clients, per_request), {})
                 batch = min(clients * per_request, 256)
-                encode_s, encode_cpu_s = encoder_seconds_per_query(
-                    encoder, queries, batch, seconds / 2
+                encode_s, encode_cpu_s = seconds_per_query(
+                    encoder.encode_queries, queries, batch, seconds / 2
                 )
                 cell.setdefault("encode_s", []).append(encode_s)
                 cell.setdefault("encode_cpu_s", []).append(encode_cpu_s)
+                retrieve_s, _ = seconds_per_query(
+                    lambda batch_queries: retriever.search(batch_queries, LIMIT_TOPK),
+                    queries, batch, seconds / 2,
+                )  # fmt: skip
+                cell.setdefault("retrieve_s", []).append(retrieve_s)
                 bodies = request_bodies(queries, per_request)
                 for name, port in servers.items():
                     url = f"http://127.0.0.1:{port}"
@@ -606,6 +614,13 @@ def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
     row["hdr_cpu_ms_per_request"] = median("hdr", "server_cpu_ms_per_request")
     row["hdr_cpu_ratio"] = round(limit_cpu_ms / row["hdr_cpu_ms_per_request"], 3)
     row["hdr_qps_ratio"] = round(row["hdr_queries_per_s"] / limit_qps, 3)
+    # the limit again with the index search in it (encode + search alone, in this process):
+    # what is left between it and hdr is hdr's own per-request path
+    retrieve_s = statistics.median(cell["retrieve_s"])
+    with_search = per_request / (1 / bare_rps + per_request * retrieve_s)
+    row["retriever_queries_per_s"] = round(1 / retrieve_s, 1)
+    row["limit_with_search_queries_per_s"] = round(with_search, 1)
+    row["hdr_qps_ratio_with_search"] = round(row["hdr_queries_per_s"] / with_search, 3)
     row["hdr_p99_ratio"] = round(row["hdr_p99_ms"] / limit_p99, 3)
     if "search_r1" in cell:
         row["search_r1_queries_per_s"] = median("search_r1", "queries_per_s")
@@ -620,8 +635,8 @@ def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
 def print_limit(rows: list[dict], console: Console) -> None:
     table = Table(title="hdr serve against the limit (topk 3, return_scores, dense)")
     columns = ["clients x q/req", "encoder q/s", "bare req/s", "limit q/s", "hdr q/s", "ratio",
-               "hdr p99 ms", "limit p99 ms", "p99 ratio", "CPU ms/req limit", "hdr",
-               "CPU ratio"]  # fmt: skip
+               "+ search: limit q/s", "ratio", "hdr p99 ms", "limit p99 ms", "p99 ratio",
+               "CPU ms/req limit", "hdr", "CPU ratio"]  # fmt: skip
     with_r1 = any("search_r1_queries_per_s" in row for row in rows)
     if with_r1:
         columns += ["Search-R1 q/s", "hdr/SR1", "p99 hdr/SR1"]
@@ -635,6 +650,8 @@ def print_limit(rows: list[dict], console: Console) -> None:
             f"{row['limit_queries_per_s']:.0f}",
             f"{row['hdr_queries_per_s']:.0f}",
             f"{row['hdr_qps_ratio']:.2f}",
+            f"{row['limit_with_search_queries_per_s']:.0f}",
+            f"{row['hdr_qps_ratio_with_search']:.2f}",
             f"{row['hdr_p99_ms']:.1f}",
             f"{row['limit_p99_ms']:.1f}",
             f"{row['hdr_p99_ratio']:.2f}",

@@ -51,6 +51,10 @@ class DenseRetriever:
         self.dense = index.dense
         self.threads = config.dense.threads or faiss.omp_get_max_threads()
         self._set_threads = faiss.omp_set_num_threads
+        self.blas_from = config.dense.blas_from_queries
+        if self.blas_from:  # process-wide, in query floats (queries x dimension)
+            faiss.cvar.distance_compute_blas_threshold = self.blas_from * index.dense.d
+        self.flat = isinstance(index.dense, faiss.IndexFlat)  # read_index gives the subclass
         spec = index.manifest.encoder
         if config.query_prefix is not None:
             spec = spec.model_copy(update={"query_prefix": config.query_prefix})
@@ -64,13 +68,19 @@ class DenseRetriever:
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         vectors = self.encoder.encode_queries(queries)  # (Q, dimension)
         k = min(topk, self.dense.ntotal)
-        # per calling thread (OpenMP's setting is the thread's own): a lone query on one
-        self._set_threads(max(1, min(self.threads, len(queries))))
+        # per calling thread (OpenMP's setting is the thread's own)
+        self._set_threads(self.search_threads(len(queries)))
         scores, rows = self.dense.search(vectors, k)  # (Q, k) each; row -1 = no hit
         return [
             [(int(r), float(s)) for r, s in zip(query_rows, query_scores, strict=True) if r >= 0]
             for query_rows, query_scores in zip(rows, scores, strict=True)
         ]
+
+    def search_threads(self, queries: int) -> int:
+        """OpenMP threads for a search of `queries`: one a query, one for a flat BLAS product."""
+        if self.flat and self.blas_from and queries >= self.blas_from:
+            return 1
+        return max(1, min(self.threads, queries))
 
 
 @RETRIEVERS.register("bm25")

@@ -16,10 +16,11 @@ import pytest
 from servers import running_server
 
 from core.errors import UserError
-from retrieval_server.config import DenseSearchConfig
+from retrieval_server.config import DenseSearchConfig, ServerConfig
 from retrieval_server.corpus import iter_vital_articles
 from retrieval_server.index import MANIFEST, load_index, read_manifest
 from retrieval_server.index_build import FlatFileWriter, convert_index, partial_dir
+from retrieval_server.retrievers import DenseRetriever
 
 # factory string -> least share of queries whose served top passage is the exact (Flat) one;
 # 1.0 for indexes that keep exact vectors and search every list here (nprobe >= nlist).
@@ -128,6 +129,26 @@ def test_mmap_serves_the_same_as_in_memory(small_index: Path, retrieval_url: str
     queries = [q for q, _ in fixture_queries()][:10]
     with running_server(small_index, dense={"mmap": False}) as server:
         assert top_rows(server.url, queries, topk=5) == top_rows(retrieval_url, queries, topk=5)
+
+
+def test_a_batch_through_blas_finds_what_lone_queries_find(small_index: Path) -> None:
+    """A flat batch of >= dense.blas_from_queries is one BLAS product, a lone query FAISS's
+    SIMD scan: batching must not change the passages or their scores."""
+    queries = [q for q, _ in fixture_queries()]
+    index = load_index(small_index, with_bm25=False)
+    try:
+        retriever = DenseRetriever(index, ServerConfig(index_dir=small_index))
+        assert faiss.cvar.distance_compute_blas_threshold == 4 * index.dense.d  # query floats
+        assert retriever.search_threads(len(queries)) == 1  # one thread for the product
+        batched = retriever.search(queries, 5)
+        alone = [retriever.search([query], 5)[0] for query in queries]
+    finally:
+        index.close()
+    for batch_hits, lone_hits in zip(batched, alone, strict=True):
+        assert [row for row, _ in batch_hits] == [row for row, _ in lone_hits]
+        np.testing.assert_allclose(
+            [score for _, score in batch_hits], [score for _, score in lone_hits], atol=1e-5
+        )
 
 
 def test_dense_only_server(small_index: Path) -> None:

@@ -57,3 +57,28 @@ def test_the_pilot_preset_declares_the_gate_and_results_carry_it(tmp_path):
 def pre_table(results):
     by = {(r.arm, r.seed): r.report.per_question("mean") for r in results}
     return np.stack([by["on_policy_b12", s] - by["on_policy_b8", s] for s in (1, 2, 3)])
+
+
+def test_the_replay_comparison_is_the_gated_design_on_any_bed():
+    """The comparison a passing bed runs was declared beside the pilot: its design is the one
+    the gate's MDE was computed for, its 1.5x arm is the gate's arm, every "matches" has a
+    margin, and a bed's overrides laid over it reach the runs."""
+    pilot = experiment_config("pilot-dose-response")
+    comparison = experiment_config("replay-comparison")
+    pre = pilot.precondition
+    assert len(comparison.seeds) == pre.planned_seeds and comparison.final_k == pre.planned_k
+    assert comparison.final_questions == pre.planned_questions  # None: the whole test split
+    gate_fresh = [o for o in pilot.arm(pre.arm).overrides if o.startswith("grpo.batch_prompts=")]
+    larger = comparison.arm("on_policy_larger").fresh * comparison.batch_prompts
+    assert gate_fresh == [f"grpo.batch_prompts={round(larger)}"]
+    assert pilot.arm(pre.reference).overrides == (f"grpo.batch_prompts={comparison.batch_prompts}",)
+    pairs = {(c.arm, c.reference, c.metric): c for c in comparison.contrasts}
+    assert ("headroom_drift", "on_policy", "mean_at_k") in pairs  # equal fresh rollouts
+    primary = pairs[("headroom_drift", "on_policy_larger", "mean_at_k")]
+    assert primary.primary and primary.equivalence_margin == 0.0075
+    for bed in pre.beds:
+        on_bed = experiment_config("replay-comparison", overrides=bed.overrides)
+        on_pilot = experiment_config("pilot-dose-response", overrides=[f"pilot_bed={bed.name}"])
+        changed = {o.split("=")[0].split(".")[0] for o in bed.overrides}
+        for key in changed | {"steps", "lr", "group_size", "policy"}:
+            assert getattr(on_bed, key) == getattr(on_pilot, key), (bed.name, key)

@@ -240,7 +240,9 @@ def report_command(
     source: Path = typer.Option(
         ..., "--from", help="An experiment's files: experiment_config.json and runs/."
     ),
-    out: Path = typer.Option(None, "--out", help="Also write results.md and results.json here."),
+    out: Path = typer.Option(
+        None, "--out", help="Also write results.md, results.json and the charts here."
+    ),
     export: Path = typer.Option(
         None,
         "--export",
@@ -258,10 +260,9 @@ def report_command(
         out = check_output(out, EXPERIMENT, inputs=[source])
     if export is not None:
         export = check_output(export, EXPERIMENT, inputs=[source], option="--export", force=force)
-    summary, cfg, markdown = recompute(source)
+    summary, cfg, markdown = recompute(source, out / "charts" if out is not None else None)
     typer.echo(markdown)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})
         write_text_atomic(out / "results.md", markdown)
         typer.echo(f"wrote {out / 'results.md'} and {out / 'results.json'}")

@@ -82,6 +82,10 @@ class CostModel(StrictModel):
         return self.model_copy(update={"search_call": rho * self.teacher_forced_token})
 
 
+# rho where a search is a paid web call (ZeroSearch's SerpAPI price against a 3B policy's
+# teacher-forced token on an A100; module docstring): the far end of the sweep
+PAID_WEB_SEARCH_RHO = 3.0e5
+
 REPO = Path(__file__).resolve().parents[1]
 MEASURED_HERE = CostModel(
     search_call=2.999e-4,

@@ -54,6 +54,8 @@ import yaml
 
 from core.errors import UserError
 from core.paths import CHARTS, check_output, staging_dir, swap_in
+from evaluation.costs import CAVEAT as COST_CAVEAT
+from evaluation.costs import PAID_WEB_SEARCH_RHO, CostModel, ModelledCostRow
 
 # Fixed colours so an arm looks the same in every chart and every report.
 ARM_COLORS = {
@@ -501,6 +503,45 @@ def plot_quality_vs_cost(groups: dict[str, list[RunData]], out_dir: Path) -> lis
     return made
 
 
+def plot_modelled_cost(
+    rows: Sequence[ModelledCostRow], model: CostModel, out_dir: Path
+) -> Path | None:
+    """Each declared contrast at matched modelled cost (the last budget fraction) against
+    rho = a / c on a log axis, with its 95% t-interval over seeds: where, as a search call
+    grows dearer against a teacher-forced token, one arm starts to lead or never does. The
+    rho measured here and a paid web search's are marked; the caveat is the footnote."""
+    contrasts = [r for r in rows if r.reference is not None]
+    if not contrasts:
+        return None
+    last = max(r.fraction for r in contrasts)
+    lines: dict[str, list[ModelledCostRow]] = defaultdict(list)
+    for r in sorted((r for r in contrasts if r.fraction == last), key=lambda r: r.rho):
+        lines[f"{r.arm} − {r.reference}"].append(r)
+    fig, ax = _figure(
+        "Declared contrasts at matched modelled cost\n"
+        f"(budget: {last:g} x the smallest total any run reached)",
+        "rho = a / c (one search call in teacher-forced tokens, log)",
+        "held-out Mean@k difference (95% t, seeds)",
+    )
+    ax.set_xscale("log")
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    for i, (label, points) in enumerate(lines.items()):
+        rho = np.array([p.rho for p in points]) * 1.06 ** (i - (len(lines) - 1) / 2)  # no overlap
+        est = np.array([p.estimate for p in points])
+        spread = np.array([[p.estimate - p.low, p.high - p.estimate] for p in points]).T
+        color = _FALLBACK_COLORS[i % len(_FALLBACK_COLORS)]
+        ax.errorbar(rho, est, yerr=np.nan_to_num(spread), color=color, marker="o", ms=4,
+                    capsize=2, label=f"{label} ({len(points[0].seeds)} seeds)")  # fmt: skip
+    marks = ((model.env_to_compute, "measured here"), (PAID_WEB_SEARCH_RHO, "paid web search"))
+    for rho, name in marks:
+        ax.axvline(rho, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(name, (rho, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                    rotation=90, va="top", ha="right")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.text(0.01, 0.01, COST_CAVEAT, fontsize=7, wrap=True, va="bottom")
+    return _save(fig, out_dir / "contrasts_vs_modelled_cost.png", bottom=0.14)
+
+
 def plot_replay_age(groups: dict[str, list[RunData]], out_dir: Path) -> Path | None:
     ages = {
         label: [
@@ -596,11 +637,16 @@ CHARTS_INDEX = "charts.json"
 
 
 def plot_runs(
-    runs: Sequence[RunData], out_dir: str | Path, per_seed: bool = False, force: bool = False
+    runs: Sequence[RunData],
+    out_dir: str | Path,
+    per_seed: bool = False,
+    force: bool = False,
+    modelled_cost: tuple[Sequence[ModelledCostRow], CostModel] | None = None,
 ) -> list[Path]:
     """Write every chart the runs have data for into `out_dir` (new, empty, or earlier charts
     with `force`: `core.paths.check_output`), with `charts.json` listing the charts and each
-    line's run dirs; return the charts' paths. `per_seed`: see `line_groups`."""
+    line's run dirs; return the charts' paths. `per_seed`: see `line_groups`. An experiment
+    passes its `modelled_cost` rows and their cost model for `plot_modelled_cost`."""
     if not runs:
         raise UserError("no run dirs to plot")
     out_dir = check_output(out_dir, CHARTS, force=force, inputs=[run.path for run in runs])
@@ -611,6 +657,10 @@ def plot_runs(
         made += plot_quality_vs_cost(groups, staged)
         for chart in (plot_replay_age, plot_acceptance, plot_replay_count):
             path = chart(groups, staged)
+            if path is not None:
+                made.append(path)
+        if modelled_cost is not None:
+            path = plot_modelled_cost(*modelled_cost, staged)
             if path is not None:
                 made.append(path)
         if not made:

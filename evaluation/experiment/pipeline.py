@@ -71,7 +71,8 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     summary = summarize(results, cfg.references, sft_report, cfg)
     total_wall_time = time.perf_counter() - started
     runs = [load_run(r.run_dir, label=r.arm) for r in results]
-    charts = plot_runs(runs, out / "charts", force=True)  # the experiment's own charts
+    modelled = (summary.modelled_cost, cfg.cost_model)
+    charts = plot_runs(runs, out / "charts", force=True, modelled_cost=modelled)  # its own
     record = ExperimentResults(
         **vars(summary),
         server=server_health,

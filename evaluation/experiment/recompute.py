@@ -9,8 +9,8 @@ exactly those files of every finished run (the evaluation files gzipped, `eval.j
 the recompute reads alike), a few MB for a whole experiment, to commit beside its results.
 The summary is recomputed with the same code as the experiment's (`summarize`,
 `results_markdown`), so the tables, contrasts, precondition and matched-cost rows come out as
-the experiment's own results.md and results.json do, less the machine and server records and
-the charts.
+the experiment's own results.md and results.json do, less the machine and server records;
+with `--out` the charts are drawn again too.
 """
 
 from __future__ import annotations
@@ -86,16 +86,28 @@ def finished_runs(root: Path) -> list[Path]:
     )
 
 
-def recompute(root: str | Path) -> tuple[ExperimentSummary, ExperimentConfig, str]:
-    """The summary, the config and results.md of the experiment files under `root`."""
+def recompute(
+    root: str | Path, charts_dir: Path | None = None
+) -> tuple[ExperimentSummary, ExperimentConfig, str]:
+    """The summary, the config and results.md of the experiment files under `root`; with
+    `charts_dir` (a new folder) the experiment's charts too, drawn from the same files and
+    linked from results.md."""
+    from evaluation.plots import load_run, plot_runs
+
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"--from {root}: not a folder")
     cfg = read_config(root)
     start = report_file(root / "sft_start" / "eval.json")
     sft_report = load_report(start) if start is not None else None
-    summary = summarize(read_runs(root, cfg), cfg.references, sft_report, cfg)
-    return summary, cfg, results_markdown(summary, cfg)
+    runs = read_runs(root, cfg)
+    summary = summarize(runs, cfg.references, sft_report, cfg)
+    charts = None
+    if charts_dir is not None:
+        loaded = [load_run(r.run_dir, label=r.arm) for r in runs]
+        modelled = (summary.modelled_cost, cfg.cost_model)
+        charts = plot_runs(loaded, charts_dir, modelled_cost=modelled)
+    return summary, cfg, results_markdown(summary, cfg, charts)
 
 
 def export_evidence(root: str | Path, dest: Path) -> list[Path]:

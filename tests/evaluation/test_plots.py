@@ -244,3 +244,25 @@ def test_charts_replace_earlier_charts_only_with_force(tmp_path):
         plot_run_dirs([run], tmp_path / "charts")
     assert plot_run_dirs([run], tmp_path / "charts", force=True)
     assert (tmp_path / "charts" / "notes.txt").read_text() == "mine"  # not hdr's: untouched
+
+
+def test_the_modelled_cost_chart_draws_declared_contrasts_only(tmp_path):
+    from evaluation.costs import MEASURED_HERE, ModelledCostRow
+    from evaluation.plots import plot_modelled_cost
+
+    def row(rho, fraction, arm, reference, values):
+        mean = float(np.mean(values))
+        return ModelledCostRow(rho, fraction, 1.0, arm, reference, [1, 2], values,
+                               mean, mean - 0.01, mean + 0.01)  # fmt: skip
+
+    per_arm = [row(rho, 1.0, "headroom_drift", None, [0.4, 0.41]) for rho in (10.0, 1e3)]
+    assert plot_modelled_cost(per_arm, MEASURED_HERE, tmp_path) is None  # no contrast: no chart
+    contrasts = [
+        row(rho, fraction, "headroom_drift", "on_policy", [0.01 * i, 0.02 * i])
+        for i, rho in enumerate((10.0, 1e3, 1e5))
+        for fraction in (0.5, 1.0)
+    ]
+    path = plot_modelled_cost(per_arm + contrasts, MEASURED_HERE, tmp_path)
+    assert path == tmp_path / "contrasts_vs_modelled_cost.png"
+    width, height = _png_size(path)
+    assert width > 300 and height > 200

@@ -46,6 +46,11 @@ def test_the_tables_are_recomputed_as_the_experiment_made_them(tmp_path):
     md = (tmp_path / "out" / "results.md").read_text()
     assert md in done.stdout and "Cost ledger per run" in md and "rho = 1000" in md
     assert "| **primary** | headroom_drift − on_policy |" in md
+    # the charts are drawn again from the same files, the modelled-cost curve among them
+    charts = json.loads((tmp_path / "out" / "charts" / "charts.json").read_text())["charts"]
+    assert "contrasts_vs_modelled_cost.png" in charts and "heldout_vs_env_calls.png" in charts
+    assert all((tmp_path / "out" / "charts" / name).stat().st_size > 1000 for name in charts)
+    assert "(charts/contrasts_vs_modelled_cost.png)" in md
 
 
 def test_a_folder_that_is_no_experiment_is_one_line_and_exit_2(tmp_path):

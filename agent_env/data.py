@@ -268,6 +268,22 @@ def wiki_bridge_examples(split: str = "test", limit: int | None = None) -> list[
     return examples
 
 
+POOL_SEED = 10_009  # the pool's own seed: the same questions whatever the run's seed
+
+
+def question_pool(examples: list[QAExample], size: int | None) -> list[QAExample]:
+    """A fixed subset of `size` questions (the first of a permutation under `POOL_SEED`, in
+    their original order), or all of them when `size` is None or not smaller. Runs of any
+    seed draw their prompts from the same pool, so a small pool is seen many times over; a
+    smaller pool lies inside a larger one."""
+    if size is None or size >= len(examples):
+        return examples
+    import numpy as np
+
+    chosen = np.random.default_rng(POOL_SEED).permutation(len(examples))[:size]
+    return [examples[int(i)] for i in sorted(chosen)]
+
+
 def load_task(spec: str, split: str = "test") -> list[QAExample]:
     """`wiki-vital` or `wiki-bridge` (with `split`), or a path: `.jsonl` (FlashRAG) or
     `.parquet` (Search-R1)."""

@@ -19,6 +19,8 @@ Departures from Search-R1:
   decoded text, drops the EOS and carries on, which we cannot do without breaking exact ids.
 - The answer is the policy's own parsed `<answer>` action, never text the environment
   appended (the correction message mentions the tags).
+- `max_query_words` (off by default) sends only a search's first words to the retriever; the
+  policy's tokens stay as written (mask 1), so the loss is on what it wrote.
 - A retrieval failure marks the trajectory `failed` and ends it, instead of continuing with
   empty information; `on_failure` decides what the caller gets. Only the trajectories whose own
   query failed are marked; the rest of the turn's searches go on. A retrieval outage pauses the
@@ -65,6 +67,13 @@ class RolloutConfig(StrictModel):
     )
     doc_words: int | None = Field(
         None, ge=1, description="Keep only the first words of each document (tiny models: 6-8)."
+    )
+    max_query_words: int | None = Field(
+        None,
+        ge=1,
+        description="Query budget: only the first N whitespace-separated words of each search"
+        " reach the retriever (a keyword box, an API billed by query); the trajectory keeps"
+        " every token the policy wrote. None: the whole query.",
     )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -359,10 +368,19 @@ def split_failed(groups: list[list[Trajectory]]) -> tuple[list, list]:
     )
 
 
+def budget_query(query: str, max_words: int | None) -> str:
+    """What reaches the retriever of a search the policy wrote: its first `max_words` words
+    (`RolloutConfig.max_query_words`), or the query untouched when there is no budget."""
+    if max_words is None:
+        return query
+    return " ".join(query.split()[:max_words])
+
+
 def _search(searches, client: RetrievalClient, tokenizer, config: RolloutConfig) -> float:
     """One batched call for the turn's searches; appends observations. Returns its time."""
     start = time.perf_counter()
-    results = client.search_each([action.content for _, action in searches])
+    queries = [budget_query(action.content, config.max_query_words) for _, action in searches]
+    results = client.search_each(queries)
     failed = sum(docs is None for docs in results)
     if failed and config.on_failure == "raise":
         raise RetrievalFailed(f"{failed} of {len(results)} searches failed")

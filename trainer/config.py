@@ -59,6 +59,13 @@ class DataConfig(StrictModel):
     train_split: str = Field("train", description="Split of the training task.")
     eval: str = Field("wiki-vital", description="Held-out task for the periodic evaluation.")
     eval_split: str = Field("test", description="Split of the held-out task.")
+    train_questions: int | None = Field(
+        None,
+        ge=1,
+        description="RL pool size: train on only this many of the training questions, a fixed"
+        " subset that is the same for every run seed (agent_env.data.question_pool); None: all."
+        " The pool-size diagnostic trains on 32 to ask whether distinct questions matter.",
+    )
 
 
 class GRPOConfig(StrictModel):
@@ -332,6 +339,18 @@ class SFTConfig(StrictModel):
         " data.train_split); `sft` keeps them apart from the `rl` questions RL then trains on.",
     )
     rollout_chunk: int = Field(512, ge=1, description="Questions per scripted rollout call.")
+    query: Literal["verbatim", "shuffled"] = Field(
+        "verbatim",
+        description="The scripted search: the question verbatim, or its words in a random order"
+        " (one order per trajectory), so the start learns the format without settling which"
+        " words come first; under `rollout.max_query_words` that choice is left to RL.",
+    )
+    queries_per_question: int = Field(
+        1,
+        ge=1,
+        description="Scripted trajectories per question, each with its own order (`shuffled`"
+        " only): several random subsets of the question's words reach the retriever.",
+    )
     length_batches: bool = Field(
         False,
         description="Batch trajectories of similar lengths (less padding, faster epochs; the"
@@ -351,6 +370,15 @@ class SFTConfig(StrictModel):
     min_improvement: float = Field(
         0.01, ge=0, description="plateau: the relative drop in held-out loss that counts."
     )
+
+    @model_validator(mode="after")
+    def _copies_need_shuffling(self) -> SFTConfig:
+        if self.queries_per_question > 1 and self.query == "verbatim":
+            raise ValueError(
+                "sft.queries_per_question > 1 repeats the same verbatim trajectory: add"
+                " sft.query=shuffled"
+            )
+        return self
 
     @model_validator(mode="after")
     def _plateau_needs_heldout(self) -> SFTConfig:

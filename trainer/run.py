@@ -276,9 +276,10 @@ def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = 
 def load_examples(config: TrainConfig) -> tuple[list[QAExample], list[QAExample]]:
     """The training questions and the fixed held-out subset, read (and checked) before any
     model is loaded: a missing data file fails at once, not minutes in."""
-    from agent_env.data import load_task
+    from agent_env.data import load_task, question_pool
 
     train_examples = load_task(config.data.train, config.data.train_split)
+    train_examples = question_pool(train_examples, config.data.train_questions)
     if not train_examples:
         raise UserError(f"training task {config.data.train!r} has no questions")
     eval_examples = heldout_subset(

@@ -6,8 +6,9 @@ plus the `sft` section) and:
 
 1. makes one trajectory per training question with agent_env's scripted generator in oracle
    mode, through the real rollout loop against the real retrieval server: the search (the
-   question verbatim), then the gold title when it is among the retrieved documents, else
-   Doc 1's title;
+   question verbatim, or with `sft.query=shuffled` its words in a random order, one order per
+   trajectory and `sft.queries_per_question` trajectories per question), then the gold title
+   when it is among the retrieved documents, else Doc 1's title;
 2. trains on them with the RL loss mask (policy tokens only; prompt and observations are
    context), token-mean negative log-likelihood, AdamW, linear warmup then cosine decay;
 3. after each epoch (optionally) logs the loss of the held-out questions' scripted
@@ -43,22 +44,43 @@ from trainer.checkpoint import save_model
 
 
 def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss_mask) per question: oracle scripted trajectories via the rollout loop."""
+    """(ids, loss_mask) per trajectory: oracle scripted trajectories via the rollout loop, one
+    per question (verbatim), or `sft.queries_per_question` per question, each searching the
+    question's words in an order of its own (`sft.query=shuffled`)."""
     from agent_env.generation.scripted import ScriptedGenerator
     from agent_env.rollout import rollout_groups
 
+    sft = config.sft
     oracle = {ex.question.strip(): list(ex.golden_answers) for ex in examples}
     generator = ScriptedGenerator(
-        tokenizer, config.rollout.prompt, oracle=oracle, searches=max(1, config.rollout.max_turns)
+        tokenizer,
+        config.rollout.prompt,
+        oracle=oracle,
+        searches=max(1, config.rollout.max_turns),
+        shuffle_query=sft.query == "shuffled",
     )
-    rows, chunk = [], config.sft.rollout_chunk
+    copies = sft.queries_per_question
+    rows, chunk = [], sft.rollout_chunk
     for lo in range(0, len(examples), chunk):
+        part = examples[lo : lo + chunk]
+        seeds = None
+        if sft.query == "shuffled":  # a seed per trajectory: its order of the words
+            seeds = [
+                query_seed(config.seed, lo + i, c) for i in range(len(part)) for c in range(copies)
+            ]
         result = rollout_groups(
-            generator, client, tokenizer, examples[lo : lo + chunk], 1, config.rollout
+            generator, client, tokenizer, part, copies, config.rollout, seeds=seeds
         )
-        for (t,) in result.groups:
-            rows.append((t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask))
+        for group in result.groups:
+            for t in group:
+                rows.append((t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask))
     return rows
+
+
+def query_seed(seed: int, question: int, copy: int) -> int:
+    """The seed of one scripted trajectory's word order: a function of the run's seed, the
+    question's position and the copy, so the SFT data are the same on every rerun."""
+    return int(np.random.SeedSequence([seed, question, copy]).generate_state(1, np.uint32)[0])
 
 
 def _schedule(total: int, warmup_frac: float, decay: bool = True):

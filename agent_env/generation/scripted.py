@@ -1,6 +1,8 @@
 """`scripted` backend: a deterministic policy for tests, reference figures and SFT targets.
 
-First turn: search the question text verbatim. With `searches=1` (default), after an
+First turn: search the question text verbatim (or, with `shuffle_query`, its words in an
+order drawn from the trajectory's sampling seed: a format teacher that leaves which words
+come first open). With `searches=1` (default), after an
 information block: answer the title of Doc 1. With `searches=n`, after each of the first
 n-1 blocks it searches Doc 1's title (the bridge hop of `wiki-bridge`), and after the n-th
 it answers the first title of that block that it has not searched. In oracle mode (given
@@ -77,6 +79,16 @@ def document_titles(context_text: str) -> list[str]:
     return [_strip_quotes(t) for t in _DOC.findall(block)]
 
 
+def shuffled_words(text: str, seed: int | None) -> str:
+    """`text`'s whitespace-separated words in an order drawn from `seed` (None: from the text
+    itself), so the scripted policy stays reproducible."""
+    import random
+
+    words = text.split()
+    random.Random(text if seed is None else seed).shuffle(words)
+    return " ".join(words)
+
+
 class ScriptedGenerator:
     """Search the question, then answer Doc 1's title (or, with an oracle, the gold title)."""
 
@@ -87,8 +99,10 @@ class ScriptedGenerator:
         oracle: dict[str, list[str]] | None = None,
         searches: int = 1,
         after_close: str = "",
+        shuffle_query: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.shuffle_query = shuffle_query
         self.prompt = prompt
         self.oracle = oracle
         self.searches = searches
@@ -106,9 +120,11 @@ class ScriptedGenerator:
     def generate(
         self, contexts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
     ) -> list[Completion]:
-        return [self._act(ctx, params) for ctx in contexts]
+        if seeds is None:
+            seeds = [None] * len(contexts)
+        return [self._act(ctx, params, seed) for ctx, seed in zip(contexts, seeds, strict=True)]
 
-    def _act(self, context: list[int], params: SamplingParams) -> Completion:
+    def _act(self, context: list[int], params: SamplingParams, seed: int | None) -> Completion:
         text = self.tokenizer.decode(context, skip_special_tokens=False)
         question_match = self._question.search(text)
         question = question_match.group(1).strip() if question_match else ""
@@ -117,7 +133,8 @@ class ScriptedGenerator:
         if not titles and not question:  # nothing to act on: end the sequence
             return Completion([self.tokenizer.eos_token_id], [0.0], "eos")
         if not titles:
-            body, open_tag, close_tag = f" {question} ", SEARCH_OPEN, SEARCH_CLOSE
+            query = shuffled_words(question, seed) if self.shuffle_query else question
+            body, open_tag, close_tag = f" {query} ", SEARCH_OPEN, SEARCH_CLOSE
         elif blocks < self.searches:
             body, open_tag, close_tag = f" {titles[0]} ", SEARCH_OPEN, SEARCH_CLOSE
         else:

@@ -101,3 +101,31 @@ def test_sft_rl_and_test_questions_are_disjoint_and_train_is_sft_plus_rl():
         assert split_of(ex.golden_answers[0]) == "rl"
     with pytest.raises(UserError, match="valid: all, train, sft, rl, test"):
         wiki_vital_examples("validation")
+
+
+def test_the_question_pool_is_a_fixed_subset_in_the_tasks_order() -> None:
+    """`data.train_questions`: the same 32 `rl` questions for every run seed, in their order;
+    None (or a pool as large as the split) keeps every question."""
+    from agent_env.data import question_pool
+
+    rl = wiki_vital_examples("rl")
+    pool = question_pool(rl, 32)
+    assert len(pool) == 32 and len(set(pool)) == 32
+    assert pool == question_pool(rl, 32)  # no seed of the run in it
+    positions = [rl.index(ex) for ex in pool]
+    assert positions == sorted(positions) and positions[-1] > 64  # drawn, not the first 32
+    assert question_pool(rl, None) is rl and question_pool(rl, len(rl)) is rl
+    assert set(question_pool(rl, 8)) < set(pool)  # a smaller pool lies inside a larger one
+
+
+def test_training_reads_only_the_pool(tmp_path: Path) -> None:
+    from trainer.config import TrainConfig
+    from trainer.run import load_examples
+
+    config = TrainConfig.model_validate(
+        {"model": {"path": str(tmp_path)}, "data": {"train_split": "rl", "train_questions": 32}}
+    )
+    train, _ = load_examples(config)
+    assert len(train) == 32 and {ex.id for ex in train} <= {
+        ex.id for ex in wiki_vital_examples("rl")
+    }

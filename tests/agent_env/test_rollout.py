@@ -302,3 +302,55 @@ def test_observation_is_cut_to_its_token_budget(tokenizer) -> None:
     roomy = RolloutConfig(prompt=COMPACT, max_obs_tokens=2000)
     full_ids, full_text = observation(tokenizer, contents, roomy)
     assert len(full_ids) > 40 and "Doc 3(Title: " in full_text
+
+
+def test_the_query_budget_sends_the_first_words_and_keeps_the_policys_tokens(
+    tokenizer, small_index, retrieval_url, indexed_questions
+):
+    """`max_query_words=2`: a strict server that refuses queries over 20 characters answers the
+    search, so what reached it was the first two words ("Great Wall", 10 characters), and the
+    observation is the server's own answer to them, not to the whole query. The trajectory keeps
+    every token the policy wrote (mask 1). Without the budget the same search is refused."""
+    from servers import running_server
+
+    query = "Great Wall of China fortifications built across northern China"
+    policy = FixedPolicy(tokenizer, f"<search> {query} </search>")
+    raw = {
+        q: httpx.post(f"{retrieval_url}/retrieve", json={"queries": [q], "topk": 3}).json()
+        for q in (query, "Great Wall")
+    }
+    assert raw[query] != raw["Great Wall"]  # the budget changes what is retrieved
+    budget = RolloutConfig(max_turns=1, max_query_words=2, doc_words=8, on_failure="keep")
+    questions = indexed_questions[:2]
+    with (
+        running_server(small_index, profile="strict", max_query_chars=20) as server,
+        RetrievalClient(RetrievalConfig(urls=[server.url], topk=3), seed=0) as client,
+    ):
+        result = rollout_groups(policy, client, tokenizer, questions, 2, budget)
+        assert client.stats.refused_queries == 0
+        whole = budget.model_copy(update={"max_query_words": None})
+        refused = rollout_groups(policy, client, tokenizer, questions, 2, whole)
+        assert client.stats.refused_queries == 4  # the whole query never passes there
+    assert all(t.failed for g in refused.groups for t in g)
+    suffix = budget.prompt.observation_suffix
+    for traj in (t for g in result.groups for t in g):
+        assert not traj.failed and traj.searches == 1
+        assert traj.observations[0] == expected_block(raw["Great Wall"]["result"][0], 8, suffix)
+        assert traj.response_ids[: len(policy.ids)] == policy.ids
+        assert traj.loss_mask[: len(policy.ids)] == [1] * len(policy.ids)
+        written = tokenizer.decode(masked_runs(traj, 1)[0], skip_special_tokens=False)
+        assert written == f"<search> {query} </search>"
+
+
+@pytest.mark.parametrize(
+    ("query", "budget", "sent"),
+    [
+        ("a  b\tc d", 2, "a b"),
+        ("one two", 5, "one two"),
+        ("  keep  this  spacing ", None, "  keep  this  spacing "),  # no budget: untouched
+    ],
+)
+def test_budget_query(query, budget, sent) -> None:
+    from agent_env.rollout import budget_query
+
+    assert budget_query(query, budget) == sent

@@ -45,6 +45,69 @@ def test_scripted_sft_rows_train_only_on_policy_tokens(
     assert hits >= 3  # the gold title whenever BM25 retrieved it
 
 
+def policy_spans(tokenizer, ids, mask) -> list[str]:
+    """The decoded runs of a row's mask-1 ids (the policy's own text), in order."""
+    spans, cur = [], []
+    for tok, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(tok)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    spans.append(cur) if cur else None
+    return [tokenizer.decode(s, skip_special_tokens=False) for s in spans]
+
+
+def test_shuffled_sft_queries_vary_the_words_that_reach_the_retriever(
+    tiny_policy, small_qa, retrieval_url, tmp_path
+):
+    """`sft.query=shuffled`, 3 trajectories per question under a 2-word query budget: every
+    scripted search is the question's words in some order, the orders of a question differ,
+    the observation is the server's answer to the first two of them, and a rerun makes the
+    same rows (the orders come from the seed)."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from agent_env.data import load_task
+    from agent_env.prompts import format_documents
+    from agent_env.retrieval_client import RetrievalClient
+    from trainer.sft import scripted_rows
+
+    extra = ["rollout.max_tokens_per_turn=48", "rollout.max_query_words=2", "rollout.doc_words=8"]
+    extra += ["rollout.max_obs_tokens=400"]
+    extra += ["sft.query=shuffled", "sft.queries_per_question=3"]
+    overrides = tiny_overrides(retrieval_url, tmp_path / "m", small_qa, tmp_path / "r", *extra)
+    cfg = load_config(TrainConfig, TINY_CPU, overrides)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_policy))
+    examples = [ex for ex in load_task(str(small_qa), "train") if len(ex.question.split()) >= 4]
+    examples = examples[:5]
+    with RetrievalClient(cfg.retrieval) as client:
+        rows = scripted_rows(cfg, tokenizer, client, examples)
+        again = scripted_rows(cfg, tokenizer, client, examples)
+    assert rows == again and len(rows) == 15
+    for n, ex in enumerate(examples):
+        queries = []
+        for ids, mask in rows[3 * n : 3 * n + 3]:
+            query = policy_spans(tokenizer, ids, mask)[0].removesuffix("</search>").strip()
+            assert sorted(query.split()) == sorted(ex.question.split())
+            sent = " ".join(query.split()[:2])
+            request = {"queries": [sent], "topk": 3, "retriever": cfg.retrieval.retriever}
+            raw = httpx.post(f"{retrieval_url}/retrieve", json=request)
+            docs = format_documents([d["contents"] for d in raw.json()["result"][0]], 8)
+            assert docs in tokenizer.decode(ids, skip_special_tokens=False)
+            queries.append(query)
+        assert len(set(queries)) > 1, queries  # 3 orders of 4+ words: not all the same
+
+
+def test_copies_of_a_verbatim_query_are_refused():
+    from pydantic import ValidationError
+
+    from trainer.config import SFTConfig
+
+    with pytest.raises(ValidationError, match=r"sft\.query=shuffled"):
+        SFTConfig(queries_per_question=2)
+
+
 def test_sft_loss_falls_and_model_loads(sft_policy):
     from transformers import AutoModelForCausalLM
 

@@ -46,19 +46,47 @@ def test_the_crossed_interval_and_its_satterthwaite_df_by_hand():
 
 def test_below_three_df_the_interval_falls_back_to_the_stated_conservative_one():
     # the default floor is 3 df: 2.67 is below it. Fallback: Var = (MS_S + MS_Q) / (S Q) =
-    # (104/9) / 12 = 0.96296 at min(S, Q) - 1 = 2 df; t(0.975, 2) = 4.302653, half = 4.2222
+    # (104/9) / 12 = 0.96296 at the Satterthwaite df of MS_S + MS_Q:
+    # (104/9)^2 / ((84/9)^2 / 2 + (20/9)^2 / 3) = 133.531 / 45.202 = 2.9541
+    df = (104 / 9) ** 2 / ((84 / 9) ** 2 / 2 + (20 / 9) ** 2 / 3)
+    assert df == pytest.approx(2.9541, abs=1e-4)
     got = crossed_interval(TABLE)
-    assert "conservative" in got.method and got.df == 2
+    assert "conservative" in got.method and got.df == pytest.approx(df)
     assert got.se == pytest.approx(math.sqrt(104 / 108))
-    assert (got.low, got.high) == pytest.approx((7 / 3 - 4.22222, 7 / 3 + 4.22222), abs=1e-4)
-    # wider than the estimate it replaces, never narrower
+    half = stats.t.ppf(0.975, df) * math.sqrt(104 / 108)  # t(0.975, 2.954) = 3.2106
+    assert half == pytest.approx(3.1506, abs=1e-4)
+    assert (got.low, got.high) == pytest.approx((7 / 3 - half, 7 / 3 + half))
+    # its variance exceeds the one it replaces by MS_E / (S Q), never less; its df is that
+    # variance's own (2.95 here against the crossed 2.67), so the interval may be the narrower
     trusted = crossed_interval(TABLE, min_df=2)
-    assert got.high - got.low > trusted.high - trusted.low
+    assert got.se**2 - trusted.se**2 == pytest.approx((10 / 18) / 12)
     # 2 x 3, a seed mean square far above the rest: MS 13.5, 6.5, 1.5; df 342.25 / 204.5 =
-    # 1.67 -> fallback: Var = 20 / 6 at 1 df; t(0.975, 1) = 12.7062, half = 23.198
+    # 1.67 -> fallback: Var = 20 / 6 at 400 / (13.5^2 / 1 + 6.5^2 / 2) = 1.9668 df
     small = crossed_interval(np.array([[1.0, 2, 3], [3, 4, 8]]))
     assert mean_squares(np.array([[1.0, 2, 3], [3, 4, 8]])) == pytest.approx((13.5, 6.5, 1.5))
-    assert small.df == 1 and (small.low, small.high) == pytest.approx((-19.698, 26.698), abs=1e-3)
+    assert small.df == pytest.approx(400 / 203.375)
+    half = stats.t.ppf(0.975, 400 / 203.375) * math.sqrt(20 / 6)
+    assert (small.low, small.high) == pytest.approx((3.5 - half, 3.5 + half))
+
+
+def test_the_fallback_df_is_its_own_variances_not_the_fewest_terms():
+    """Two seeds x 400 questions of pure residual noise (no seed or question effect, the
+    pilots' case: arms that differ little question by question): the crossed variance
+    MS_S + MS_Q - MS_E is nearly 0, its df collapses to 1, and the fallback takes the
+    Satterthwaite df of MS_S + MS_Q computed directly (about 244, not min(S, Q) - 1 = 1), so
+    its interval is t(0.975, 1) / t(0.975, 244) = 6.4 times narrower than the old one's."""
+    d = 0.01 + np.random.default_rng(27).normal(0, 0.3, (2, 400))
+    ms_s, ms_q, ms_e = mean_squares(d)
+    crossed_df = satterthwaite(ms_s + ms_q - ms_e, [(ms_s, 1), (ms_q, 399), (-ms_e, 399)])
+    assert crossed_df < 3
+    got = crossed_interval(d)
+    direct = (ms_s + ms_q) ** 2 / (ms_s**2 / 1 + ms_q**2 / 399)
+    assert "conservative" in got.method and got.df == pytest.approx(direct)
+    assert got.df == pytest.approx(243.6, abs=0.1)
+    assert got.se == pytest.approx(math.sqrt((ms_s + ms_q) / 800))
+    half = (got.high - got.low) / 2
+    assert half == pytest.approx(stats.t.ppf(0.975, direct) * got.se)
+    assert stats.t.ppf(0.975, 1) * got.se / half == pytest.approx(6.45, abs=0.01)
 
 
 def test_a_large_design_keeps_satterthwaites_df():

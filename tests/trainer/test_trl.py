@@ -472,6 +472,14 @@ def test_vllm_server_generator_asks_for_stops_and_reads_finish_reasons():
     assert body["stop"] == ["</search>", "</answer>"] and body["stop_token_ids"] == [2]
     assert body["include_stop_str_in_output"] and body["logprobs"] == 0
     assert body["max_tokens"] == 3 and body["return_token_ids"]
+    # every field the server would fill from the checkpoint's generation_config.json is named,
+    # at what the loss assumes (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k 20)
+    sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                "presence_penalty", "frequency_penalty")  # fmt: skip
+    assert {k: body[k] for k in sampling} == {
+        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    }  # fmt: skip
     assert [(c.token_ids, c.finish_reason, c.stop_string) for c in out] == [
         ([5, 6], "stop", "</search>"), ([7, 2], "eos", None), ([8, 9, 10], "length", None),
     ]  # fmt: skip

@@ -1,20 +1,31 @@
 """The TRL review's defects 3, 6 and 8 on one process: colocated-vLLM settings refused in one
 line, completions that were not cut end on EOS (TRL's clipped_ratio reads real truncation), and
-the replay buffer travels in TRL's checkpoints and comes back on resume."""
+the replay buffer travels in TRL's checkpoints and comes back on resume. And sampling settings
+TRL's loss does not apply (top_p < 1, top_k, min_p, a repetition penalty) refused in one line,
+in Python and through `hdr trl-train`."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 pytest.importorskip("trl")
 
+from conftest import REPO
 from test_trl import G, make_trainer
 from trl import GRPOConfig
 
 from agent_env.data import QAExample
 from agent_env.rollout import Trajectory
 from trainer.config import ReplayConfig
-from trainer.integrations.trl import TRLReplayConfig, check_vllm_settings, ended
+from trainer.integrations.trl import (
+    TRLReplayConfig,
+    check_sampling_settings,
+    check_vllm_settings,
+    ended,
+)
 
 
 def trajectory(ids: list[int], truncated: bool = False) -> Trajectory:
@@ -53,6 +64,39 @@ def test_colocate_settings_the_rollout_cannot_honour_are_refused(tmp_path):
         assert "\n" not in str(err.value)
         setattr(args, key, GRPOConfig(**base).__dict__[key])
     check_vllm_settings(args)  # tp 1, no sleep: accepted
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("top_p", 0.9), ("top_k", 20), ("min_p", 0.05), ("repetition_penalty", 1.05),
+     ("generation_kwargs", {"top_p": 0.8})],
+)  # fmt: skip
+def test_sampling_the_loss_does_not_apply_is_refused(tmp_path, key, value):
+    """TRL's loss applies the temperature only: a sampler truncated or penalised otherwise
+    would train on log-probs of another distribution. TRL's defaults pass."""
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])
+    check_sampling_settings(GRPOConfig(**base))
+    check_sampling_settings(GRPOConfig(**base, min_p=0.0, top_k=0, top_p=1.0))
+    with pytest.raises(ValueError, match="samples with the temperature only") as err:
+        check_sampling_settings(GRPOConfig(**base, **{key: value}))
+    assert f"{key}={value!r}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_trl_train_refuses_top_p_below_one_in_one_line(tmp_path):
+    """Before any question, server or model is touched (no server runs here): exit 2 and one
+    `hdr: error:` line naming the setting."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hdr", "trl-train", "--config",
+         str(REPO / "configs/trl/tiny-cpu.yaml"), f"trl.output_dir={tmp_path}", "trl.top_p=0.9"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    # (transformers may warn above it about the config's `gradient_checkpointing` key)
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("hdr: error:")]
+    assert done.stderr.strip().endswith(line)
+    assert line.startswith("hdr: error: hdr's rollout in TRL samples with the temperature only")
+    assert "top_p=0.9" in line
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_resume_from_a_trl_checkpoint_keeps_the_buffer(

@@ -22,7 +22,7 @@ from real_vllm import build_bed, build_chain_bed, engine_start_beside_numba, rea
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from test_trl import G, make_trainer
+from test_trl import G, RecordingSession, make_trainer
 
 from trainer.config import ReplayConfig
 from trainer.integrations.trl import TRLReplayConfig
@@ -124,3 +124,42 @@ def test_trl_own_colocate_weight_sync_on_the_cpu_engine(trained):
     from trl.generation.vllm_generation import VLLMGeneration
 
     VLLMGeneration.sync_weights(trained.vllm_generation)  # TRL's, not the routed one
+
+
+@real_engine
+def test_the_server_request_leaves_no_sampling_field_to_the_checkpoint():
+    """TRL server mode: vLLM's server fills every sampling field a request leaves out from the
+    model's generation_config.json (`trl vllm-serve` does not pass `--generation-config
+    vllm`). Read by vLLM's own request model with Qwen2.5-Instruct's shipped defaults, hdr's
+    request gives exactly the sampling parameters hdr's in-process engine uses (whose log-probs
+    equal teacher forcing at the temperature); the same request without the neutral fields
+    would sample with a repetition penalty of 1.05 and top-k 20."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams as EngineParams
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from agent_env.generation.base import SamplingParams
+    from agent_env.generation.vllm import sampling_kwargs
+    from trainer.integrations.trl_vllm import NEUTRAL_SAMPLING, VLLMServerGenerator
+
+    qwen_defaults = {"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    session = RecordingSession([])
+    client = SimpleNamespace(model="qwen", base_url="http://vllm:8001", session=session)
+    params = SamplingParams(temperature=0.9, top_p=1.0, max_tokens=7)
+    VLLMServerGenerator(client, eos={2}).generate([[1, 2, 3]], params)
+    [(_, body)] = session.posts
+    filled = CompletionRequest.model_validate(body)._DEFAULT_SAMPLING_PARAMS  # a private attr
+    assert set(filled) <= set(body)
+    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+              "presence_penalty", "frequency_penalty")  # fmt: skip
+
+    def read(request: dict):
+        served = CompletionRequest.model_validate(request).to_sampling_params(7, qwen_defaults)
+        return {name: getattr(served, name) for name in fields}
+
+    in_process = EngineParams(**sampling_kwargs(params, {2}))
+    assert read(body) == {name: getattr(in_process, name) for name in fields}
+    assert read(body)["temperature"] == 0.9 and read(body)["repetition_penalty"] == 1.0
+    bare = {k: v for k, v in body.items() if k not in NEUTRAL_SAMPLING}
+    assert read(bare)["repetition_penalty"] == 1.05 and read(bare)["top_k"] == 20

@@ -138,6 +138,36 @@ def check_vllm_settings(args) -> None:
         )
 
 
+# GRPOConfig's sampling fields at the values under which the sampler draws from
+# softmax(logits / temperature), the distribution TRL's loss (its fused output layer) and hdr's
+# scoring compute log-probs under; min_p None is TRL's "off"
+NEUTRAL_SAMPLING_ARGS: dict[str, tuple] = {
+    "top_p": (1.0,),
+    "top_k": (0, None),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (1.0,),
+    "generation_kwargs": (None, {}),
+}
+
+
+def check_sampling_settings(args) -> None:
+    """Refuse, in one line, sampling settings the loss does not see: TRL's log-probs apply the
+    temperature only, so a truncated or penalised sampler (top_p < 1, top_k, min_p, a
+    repetition penalty, extra generation kwargs) would train on a distribution other than the
+    one it sampled from. hdr's own loop refuses `rollout.top_p < 1` for the same reason."""
+    changed = [
+        f"{name}={getattr(args, name)!r}"
+        for name, neutral in NEUTRAL_SAMPLING_ARGS.items()
+        if getattr(args, name, None) not in neutral
+    ]
+    if changed:
+        raise ValueError(
+            f"hdr's rollout in TRL samples with the temperature only, which is all TRL's loss"
+            f" applies; unset {', '.join(changed)} (top_p=1.0, top_k=0, min_p=None,"
+            " repetition_penalty=1.0, no generation_kwargs)"
+        )
+
+
 def check_generation_settings(args) -> None:
     """Refuse, in one line, ZeRO-3 generation from sharded weights: transformers then keeps
     every process in lockstep per generated token, and a multi-turn rollout calls `generate`
@@ -161,7 +191,8 @@ class SearchR1Rollout:
     every prompt repeated `num_generations` times in a row (its `RepeatSampler`), so the
     prompts are read as groups of that size, one completion returned per prompt received.
     Sampling temperature and top-p are TRL's (`GRPOConfig.temperature`, `top_p`), so the
-    sampler and TRL's loss see one distribution; the rest of the turn loop is `config`.
+    sampler and TRL's loss see one distribution (`check_sampling_settings` refuses top-p and
+    the other settings TRL's loss does not apply); the rest of the turn loop is `config`.
     """
 
     def __init__(
@@ -650,6 +681,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, replay: TRLReplayConfig | None = None, **kwargs) -> None:
         if kwargs.get("args") is not None:
             check_vllm_settings(kwargs["args"])
+            check_sampling_settings(kwargs["args"])
         super().__init__(*args, **kwargs)
         route_colocate_sync(self)  # TRL's colocated sync cannot load weights on vLLM's CPU build
         check_schedule(self.args, self.num_generations)

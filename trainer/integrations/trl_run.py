@@ -71,12 +71,17 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
     from trainer.integrations.trl import (
         ReplayGRPOTrainer,
         SearchR1Rollout,
+        check_sampling_settings,
         search_r1_dataset,
         search_r1_reward,
     )
 
     allow_deepspeed_on_cpu_processes()  # before accelerate's state exists (grpo_args)
     args = grpo_args(config)
+    try:  # before the questions, the retrieval server and the model are touched
+        check_sampling_settings(args)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     examples = load_task(config.data.train, config.data.train_split)[: config.max_questions]
     if not examples:
         raise UserError(f"training task {config.data.train!r} has no questions")

@@ -18,9 +18,14 @@ before it calls the rollout function (`GRPOTrainer._generate`).
 - server: one engine behind HTTP, reached from the main process only. `VLLMClient.generate`
   drops `finish_reason` and `stop_reason`, so this adapter posts the same request itself
   through the client's session and keeps them; the rollout function runs every process's
-  prompts on the main process in this mode (trainer/integrations/trl.py). NOT RUN against a
-  real `trl vllm-serve` (its weight transfer is NCCL between GPUs); the request and the
-  reading of the reply are tested against a recording stand-in of the endpoint.
+  prompts on the main process in this mode (trainer/integrations/trl.py). The request names
+  every sampling field the server would otherwise fill from the checkpoint's
+  `generation_config.json` (`trl vllm-serve` starts vLLM without `--generation-config vllm`,
+  and Qwen2.5-Instruct ships `repetition_penalty` 1.05, `top_k` 20, `top_p` 0.8), each set to
+  what the loss assumes: temperature only (`NEUTRAL_SAMPLING`). NOT RUN against a real `trl
+  vllm-serve` (its weight transfer is NCCL between GPUs); the request and the reading of the
+  reply are tested against a recording stand-in of the endpoint, and the request against
+  vLLM's own request model (tests/trainer/test_trl_vllm.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,19 @@ from types import SimpleNamespace
 
 from agent_env.generation.base import Completion, SamplingParams
 from agent_env.generation.vllm import VLLMGenerator, completion_from_output, sampling_kwargs
+
+# The sampling fields vLLM's OpenAI server fills from the model's generation config when a
+# request leaves them out (vLLM 0.31, `CompletionRequest._DEFAULT_SAMPLING_PARAMS`), at the
+# values under which the sampler's distribution is the trainer's softmax(logits / T): no
+# penalty, no truncation. temperature and top_p come from the rollout (top_p is refused
+# below 1 in the TRL path: `check_sampling_settings`).
+NEUTRAL_SAMPLING = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "top_k": 0,  # 0: the whole vocabulary
+    "min_p": 0.0,
+}
 
 
 def colocate_generator(trainer, eos: set[int]) -> VLLMGenerator:
@@ -79,6 +97,7 @@ class VLLMServerGenerator:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             **sampling_kwargs(params, self.eos),
+            **NEUTRAL_SAMPLING,
         }
         response = self.client.session.post(f"{self.client.base_url}/v1/completions", json=body)
         if response.status_code != 200:

@@ -400,7 +400,40 @@ def wrap_policy(model: nn.Module, dist: Dist) -> nn.Module:
         policy, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True
     )
     ddp.register_comm_hook(None, _sum_hook)
+    settle_buckets(ddp)
     return ddp
+
+
+def settle_buckets(ddp: nn.Module) -> None:
+    """Leave every gradient a zeroed view into DDP's final buckets, so that an update holds one
+    copy of the gradients. The reducer's buckets hold the trainable parameters' bytes in their
+    dtype for as long as the module lives (torch 2.13: one bucket of every parameter at
+    construction, rebuilt at the forward after the first synced backward into buckets of at
+    most `bucket_cap_mb`, 25 MiB, the first at most 1 MiB, in gradient-ready order). A pass
+    whose gradients start as None accumulates its `no_sync` micro-batches into tensors of their
+    own beside the buckets (a second copy until the last micro-batch's reduction copies them
+    in), and gradients still viewing the first bucket at the rebuild would hold it beside the
+    new ones. So: two synced forward/backward passes of a zero loss on one 2-token row, the
+    gradients None before each: the first records the gradient order, the second's forward
+    rebuilds the buckets with no gradient holding the old one, and its reduction makes every
+    gradient a view into the new buckets. From then on `zero_gradients` zeroes them in place.
+    Every rank runs it at setup (it reduces); no weight changes."""
+    device = next(ddp.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    real = torch.ones_like(ids)
+    for _ in range(2):
+        for param in ddp.parameters():
+            param.grad = None
+        logprobs, _ = ddp(ids, real, real)
+        (logprobs.sum() * 0.0).backward()
+
+
+def zero_gradients(optimizer: torch.optim.Optimizer, policy: nn.Module) -> None:
+    """Clear the gradients between passes: in one process drop them (their memory is free
+    until the next backward); under DDP zero them in place, since they are views into buckets
+    that live as long as the module (`settle_buckets`): dropping them frees nothing and makes
+    the next pass accumulate into a second copy."""
+    optimizer.zero_grad(set_to_none=not hasattr(policy, "no_sync"))
 
 
 def accumulate(policy: nn.Module, sync: bool):

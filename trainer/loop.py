@@ -562,7 +562,7 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     run.model.train()
     loss_sum = kl_sum = 0.0
     for p in range(cfg.updates_per_step):
-        run.optimizer.zero_grad(set_to_none=True)
+        distributed.zero_gradients(run.optimizer, run.policy)
         work = pass_chunks(rows, cfg.micro_batch, scanned if p == 0 else None)
         for c, chunk in enumerate(work):
             share = float(rows.loss_mask[chunk.rows].sum() / total) * shard.scale
@@ -575,7 +575,7 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
                 first_pass[chunk.rows] = lp
         grad_norm = distributed.clip_grad_norm(run.model, cfg.grad_clip)
         run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)  # gradients freed before the next phase
+        distributed.zero_gradients(run.optimizer, run.policy)  # freed, or zeroed DDP views
     run.scheduler.step()
     run.model.eval()
     drift, refreshed_headroom = replay_telemetry(run, shard, first_pass)

@@ -2,19 +2,28 @@
 worked out from the config and the model's shape before any GPU is touched.
 
 A step has three phases with different residents (`trainer/loop.py`): the rollout (the
-vLLM engine awake; gradients are freed after every optimizer step), behaviour scoring and
-replay selection (no-grad forwards), and the update (forward and backward of micro-batches,
-then the fused AdamW step). Under DDP every process holds all of it, so the plan is per GPU
-whatever the number of GPUs; `--gpus` adds NCCL's buffers and checks the shard count. A TRL
-run config (`hdr trl-train`'s) is planned by trainer/integrations/trl_memory.py instead.
+vLLM engine awake), behaviour scoring and replay selection (no-grad forwards), and the update
+(forward and backward of micro-batches, then the fused AdamW step). Under DDP every process
+holds all of it, so the plan is per GPU whatever the number of GPUs; `--gpus` adds NCCL's
+buffers and DDP's gradient buckets. A TRL run config (`hdr trl-train`'s) is planned by
+trainer/integrations/trl_memory.py instead.
 
 Exact arithmetic on the parameter count P (bytes): fp32 master weights 4P, AdamW's two fp32
-moments 8P, fp32 gradients 4P (update only), a bf16 KL reference 2P when `grpo.beta > 0`,
-and under bf16 autocast the bf16 copies of the weights autocast caches for a forward and its
-backward, 2P (an upper bound: embeddings are not cast). AdamW is fused on CUDA (no
-per-tensor temporaries) and DDP's gradients are views into its buckets
-(`gradient_as_bucket_view`), so neither adds a term. vLLM takes `gpu_memory_utilization` of
-the card while awake (its weights, KV cache and own activations live inside that share).
+moments 8P, a bf16 KL reference 2P when `grpo.beta > 0`, and under bf16 autocast the bf16
+copies of the weights autocast caches for a forward and its backward, 2P (an upper bound:
+embeddings are not cast). Gradients: in one process fp32 4P in the update only (dropped after
+the optimizer step). Under DDP (`gradient_as_bucket_view=True`) torch's reducer allocates
+buckets holding every trainable parameter's gradient in the parameter's dtype, 4P, once for
+the life of the DDP module: held in every phase, the rollout with the vLLM engine awake
+included. Their sizing (torch 2.13's `Reducer`): one bucket of every parameter at
+construction; after the first synced backward, buckets of at most `bucket_cap_mb` (25 MiB; the
+first at most 1 MiB, a parameter larger than the cap alone in its own), grouped by dtype and
+device in gradient-ready order; each bucket is exactly its parameters' elements, so the caps
+change the count of buckets, never their total. The gradients are views into them
+(`trainer/distributed.py` keeps them so: `settle_buckets`, `zero_gradients`), so there is no
+second copy. AdamW is fused on CUDA (no per-tensor temporaries). vLLM takes
+`gpu_memory_utilization` of the card while awake (its weights, KV cache and own activations
+live inside that share).
 
 Estimates, stated so they can be checked against a measurement (none was made: no GPU was
 lent): a row is at most T tokens (`generation.max_model_len` with vLLM, else a 1,024-token
@@ -291,6 +300,18 @@ def activation_lines(config: TrainConfig, shape: ModelShape, gib) -> list[Line]:
     return lines
 
 
+def gradient_line(parameters: int, gpus: int, gib) -> Line:
+    """The fp32 gradients: in one process during the update only; under DDP the reducer's
+    buckets (the gradients are views into them), held in every phase (module docstring)."""
+    if gpus == 1:
+        return Line("fp32 gradients (freed after the step)", gib(4 * parameters), ("update",))
+    return Line(
+        "DDP gradient buckets (fp32; the gradients are views into them), held for the run",
+        gib(4 * parameters),
+        PHASES,
+    )
+
+
 def plan_memory(
     config: TrainConfig, shape: ModelShape, gpu_gib: float, gpus: int = 1, name: str = "config"
 ) -> MemoryPlan:
@@ -304,7 +325,7 @@ def plan_memory(
     lines = [
         Line("fp32 master weights", gib(4 * P), every),
         Line("AdamW moments (2 x fp32)", gib(8 * P), every),
-        Line("fp32 gradients (freed after the step)", gib(4 * P), ("update",)),
+        gradient_line(P, gpus, gib),
     ]
     if config.grpo.beta > 0:
         lines.append(Line("bf16 KL reference model", gib(2 * P), every, "grpo.beta=0"))
@@ -314,7 +335,6 @@ def plan_memory(
     lines.append(Line("CUDA context and workspaces", CONTEXT_GIB, every))
     if gpus > 1:
         lines.append(Line("NCCL buffers", NCCL_GIB, every))
-        lines.append(Line("DDP buckets (the gradients are views into them)", 0.0, ("update",)))
     lines += activation_lines(config, shape, gib)
     kv_gib = sequences = None
     if gen.backend == "vllm":

@@ -142,7 +142,21 @@ def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> di
         "update_rows": update_rows,
         "weights": {k: v.tolist() for k, v in model.state_dict().items()},
         "buffer_headroom": [g.headroom for g in run.buffer],
+        **gradient_memory(model, run.policy),
     }
+
+
+def gradient_memory(model, policy) -> dict:
+    """Where the gradients live after the last update: how many are None, how many distinct
+    storages the others view, and (under DDP) the reducer's bucket sizes in bytes."""
+    grads = [p.grad for p in model.parameters()]
+    storages = {g.untyped_storage().data_ptr() for g in grads if g is not None}
+    out = {"params": len(grads), "grads_none": sum(g is None for g in grads),
+           "grad_storages": len(storages)}  # fmt: skip
+    if hasattr(policy, "_get_ddp_logging_data"):
+        logged = policy._get_ddp_logging_data()
+        out["buckets"] = [int(x) for x in logged["rebuilt_bucket_sizes"].split(",")]
+    return out
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -221,6 +235,26 @@ def test_update_matches_one_process(two_and_one):
     start = tiny_llama(seed=0).state_dict()
     moved = any(not torch.equal(torch.tensor(one["weights"][k]), start[k]) for k in start)
     assert moved
+
+
+def test_ddp_gradients_stay_views_into_its_buckets(two_and_one):
+    """Under DDP the gradients are zeroed views into the reducer's (rebuilt) buckets between
+    updates, so a pass's no_sync micro-batches accumulate into the buckets, not into a second
+    copy; the buckets hold the fp32 parameters' bytes, as `hdr plan-memory` counts them. In one
+    process the gradients are dropped after the step."""
+    from trainer.memory_plan import ModelShape, plan_memory
+
+    (r0, r1), one = two_and_one
+    parameters = sum(p.numel() for p in tiny_llama(seed=0).parameters())
+    for rank in (r0, r1):
+        assert rank["grads_none"] == 0
+        assert rank["grad_storages"] == len(rank["buckets"]) >= 1
+        assert sum(rank["buckets"]) == 4 * parameters
+    assert one["grads_none"] == one["params"] and "buckets" not in one
+    shape = ModelShape("tiny", parameters, 32, 64, 2, 32, 64, 128)
+    plan = plan_memory(small_config(), shape, gpu_gib=80, gpus=2)
+    (bucket_line,) = [x for x in plan.lines if x.component.startswith("DDP gradient buckets")]
+    assert bucket_line.gib * 2**30 == sum(r0["buckets"])
 
 
 def test_ranks_that_disagree_are_refused_in_one_line(two_and_one):

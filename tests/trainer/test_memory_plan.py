@@ -11,7 +11,7 @@ from conftest import REPO
 
 from core.config import load_config
 from trainer.config import TrainConfig
-from trainer.memory_plan import ModelShape, model_shape, plan_memory
+from trainer.memory_plan import PHASES, ModelShape, model_shape, plan_memory
 
 GIB = 2**30
 
@@ -126,9 +126,41 @@ def test_the_3b_config_fits_80_gb_and_is_refused_on_40_in_one_line():
     )  # fmt: skip
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
-    # the rollout: 11.50 + 22.99 + 1 GiB beside vLLM's 0.35 of the card: 35.49 / 0.60
-    assert line.startswith("hdr: error: ") and "needs a GPU of at least 60 GiB" in line
+    # what no setting shrinks, at its largest in the update: weights 11.50 + AdamW 22.99 +
+    # gradients 11.50 + autocast's copies 5.75 + context 1 + the asleep engine 1 = 53.74 / 0.95
+    assert line.startswith("hdr: error: ") and "needs a GPU of at least 57 GiB" in line
     assert "| **total** |" in done.stdout  # the table is printed before the refusal
+
+
+def test_ddp_buckets_are_held_in_every_phase_on_the_8_gpu_run():
+    """The 3B config under DDP on 8 x 80 GB: torch's reducer holds the fp32 gradient buckets
+    (4 bytes x 3,085,938,688 parameters) for the whole run, the rollout with vLLM awake
+    included. The old arithmetic counted them in the update only (as 0, the gradients being
+    views) and passed vLLM at 0.35 of the card with a 69.7 GiB rollout; with the buckets that
+    rollout is 81.2 GiB and is refused naming the share that fits, which the config now ships."""
+    shipped = load_config(TrainConfig, REPO / "configs/search-r1-qwen2.5-3b.yaml", [])
+    shape = model_shape(shipped.model.path)
+    eight = plan_memory(shipped, shape, gpu_gib=80, gpus=8)
+    (buckets,) = [x for x in eight.lines if x.component.startswith("DDP gradient buckets")]
+    assert buckets.gib * GIB == 4 * 3_085_938_688 and buckets.phases == PHASES
+    assert not [x for x in eight.lines if x.component.startswith("fp32 gradients")]
+    one = plan_memory(shipped, shape, gpu_gib=80, gpus=1)
+    for phase in PHASES:  # 8 GPUs: one process's memory plus the buckets and NCCL's buffers
+        grads = 4 * 3_085_938_688 / GIB if phase != "update" else 0.0
+        assert eight.total(phase) == pytest.approx(one.total(phase) + grads + 0.5)
+    assert eight.refusal() is None and eight.peak == ("rollout", pytest.approx(73.23, abs=0.01))
+    old_share = load_config(
+        TrainConfig, REPO / "configs/search-r1-qwen2.5-3b.yaml",
+        ["generation.gpu_memory_utilization=0.35"],
+    )  # fmt: skip
+    before = plan_memory(old_share, shape, gpu_gib=80, gpus=8)
+    assert before.total("rollout") - buckets.gib == pytest.approx(69.74, abs=0.01)  # the old plan
+    assert before.refusal() == (
+        "the rollout phase needs 81.2 GiB per GPU, over the 76.0 GiB usable of 80; the largest"
+        " part a setting shrinks is vLLM engine: gpu_memory_utilization 0.35 of the GPU"
+        " (28.0 GiB): generation.gpu_memory_utilization=0.25"
+    )
+    assert shipped.generation.gpu_memory_utilization == 0.25
 
 
 TRL_8GPU = REPO / "configs/trl/qwen2.5-3b-8gpu.yaml"

@@ -44,6 +44,7 @@ from agent_env.rewards import best_at_k, mean_at_k, per_question_best, per_quest
 from agent_env.rollout import RolloutConfig
 from core.config import StrictModel
 from core.errors import UserError, warn
+from core.fingerprint import differences, digest, summary
 from core.paths import EVAL, check_output, local_model, write_json_atomic, write_text_atomic
 from evaluation.metrics import (
     WIKI_VITAL,
@@ -324,8 +325,7 @@ def _fingerprint_payload(
 
 
 def _fingerprint(model_id: str, datasets: list[EvalDataset], config: EvalConfig) -> str:
-    payload = _fingerprint_payload(model_id, datasets, config)
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(_fingerprint_payload(model_id, datasets, config), length=16, compact=False)
 
 
 def _settings_record(model_id: str, datasets: list[EvalDataset], config: EvalConfig) -> dict:
@@ -334,35 +334,21 @@ def _settings_record(model_id: str, datasets: list[EvalDataset], config: EvalCon
     model, _, weights = payload["model"].partition("|")
     payload["model"], payload["weights"] = model, weights
     payload["questions"] = {
-        name: f"{len(ids)} questions, ids {_digest(ids)}"
+        name: f"{len(ids)} questions, ids {digest(ids, length=8, compact=False)}"
         for name, ids in payload["questions"].items()
     }
     return payload
 
 
-def _digest(ids: list[str]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8]
-
-
-def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in settings.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def settings_differences(earlier: dict[str, Any], now: dict[str, Any], most: int = 4) -> str:
-    """`k 8 then, 5 now; settings.max_questions None then, 200 now`: what differs, briefly."""
-    a, b = _flatten(earlier), _flatten(now)
-    settings_first = sorted(set(a) | set(b), key=lambda key: (not key.startswith("settings."), key))
-    keys = [key for key in settings_first if a.get(key) != b.get(key)]
-    shown = [f"{key.removeprefix('settings.')} {a.get(key)!r} then, {b.get(key)!r} now"
-             for key in keys[:most]]  # fmt: skip
-    more = f"; {len(keys) - most} more" if len(keys) > most else ""
-    return "; ".join(shown) + more if shown else "an older format"
+def settings_differences(earlier: dict[str, Any], now: dict[str, Any]) -> str:
+    """`k 8 then, 5 now; max_questions None then, 200 now`: what differs, the evaluation's own
+    settings first, briefly."""
+    changes = differences(
+        earlier, now,
+        label=lambda key: key.removeprefix("settings."),
+        order=lambda key: (not key.startswith("settings."), key),
+    )  # fmt: skip
+    return summary(changes) or "an older format"
 
 
 def _read_partial(path: Path, fingerprint: str) -> dict[tuple[str, int], dict[str, Any]]:

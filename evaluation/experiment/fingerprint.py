@@ -13,22 +13,16 @@ from it, so a start rebuilt with other settings invalidates the runs made from i
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from core.fingerprint import differences, digest, summary
 from core.paths import write_json_atomic
 
 HASH_FILE = "config_hash.json"
-
-
-def digest(settings: Mapping[str, Any]) -> str:
-    """The SHA-256 of `settings` as canonical JSON (sorted keys, no whitespace)."""
-    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _without(settings: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any]:
@@ -80,26 +74,6 @@ def sft_settings(train_config, init: Mapping[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def flatten(settings: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as `{dotted.key: leaf}`."""
-    if not isinstance(settings, Mapping):
-        return {prefix: settings}
-    out: dict[str, Any] = {}
-    for key, value in settings.items():
-        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
-def differences(stored: Mapping[str, Any], now: Mapping[str, Any], limit: int = 4) -> str:
-    """`key stored -> now` for the first `limit` dotted keys that differ (sorted), and how
-    many more."""
-    a, b = flatten(stored), flatten(now)
-    keys = sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>"))
-    shown = [f"{k} {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in keys[:limit]]
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(shown) + more
-
-
 def write_hash(folder: Path, settings: Mapping[str, Any]) -> str:
     """Write `folder/config_hash.json` (atomically); returns the hash."""
     sha = digest(settings)
@@ -132,5 +106,5 @@ def check_reuse(
         )
     if sha == digest(settings):
         return
-    changed = differences(recorded, settings) or "its stored hash differs"
+    changed = summary(differences(recorded, settings)) or "its stored hash differs"
     raise UserError(f"{what} {folder} was made with other settings ({changed}); {remedy}")

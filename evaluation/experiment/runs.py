@@ -19,16 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.fingerprint import digest
 from core.progress import say
 from evaluation.experiment.arms import Arm
 from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.fingerprint import (
-    HASH_FILE,
-    check_reuse,
-    digest,
-    run_settings,
-    write_hash,
-)
+from evaluation.experiment.fingerprint import HASH_FILE, check_reuse, run_settings, write_hash
 from evaluation.experiment.server import die_with_parent
 from evaluation.experiment.train_configs import arm_train_config
 

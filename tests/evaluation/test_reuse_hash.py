@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from core.errors import UserError
+from core.fingerprint import digest
 from evaluation.experiment.config import experiment_config
 from evaluation.experiment.fingerprint import (
     HASH_FILE,
     check_reuse,
-    digest,
     run_settings,
     sft_settings,
     write_hash,
@@ -55,7 +55,8 @@ def test_a_mismatch_is_refused_in_one_line_naming_what_differs(tmp_path):
     with pytest.raises(UserError) as err:
         check_reuse(folder, run_settings(b, sft), "run")
     line = str(err.value)
-    assert "\n" not in line and "grpo.lr 5e-05 -> 0.0001" in line and "steps 60 -> 70" in line
+    assert "\n" not in line and "grpo.lr 5e-05 then, 0.0001 now" in line
+    assert "steps 60 then, 70 now" in line
     with pytest.raises(UserError, match=f"has no {HASH_FILE}"):
         check_reuse(tmp_path / "bare", run_settings(a, sft), "run")
     # without a hash file, the settings read back from what the folder holds are compared
@@ -76,7 +77,7 @@ def test_a_finished_run_made_with_another_config_is_refused_before_any_work(tmp_
     # a finished run from before runs carried a hash: checked through its own config.yaml
     (run_dir / HASH_FILE).unlink()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    with pytest.raises(UserError, match=r"grpo\.lr 5e-05 -> 2e-05"):
+    with pytest.raises(UserError, match=r"grpo\.lr 5e-05 then, 2e-05 now"):
         run_arm(changed, changed.arm("on_policy"), 1, URL, sft, [])
 
 
@@ -137,5 +138,6 @@ def test_an_sft_start_made_with_other_settings_is_refused_not_reused(tmp_path):
                                    init_identity(made, init)))  # fmt: skip
     log = tmp_path / "log"
     assert ensure_sft(made, URL, log) == start  # the same settings: reused, nothing trained
-    with pytest.raises(UserError, match=r"SFT start .* \(rollout.max_tokens_per_turn 32 -> 9\)"):
+    changed = r"SFT start .* \(rollout.max_tokens_per_turn 32 then, 9 now\)"
+    with pytest.raises(UserError, match=changed):
         ensure_sft(now, URL, log)

@@ -130,7 +130,7 @@ def build(
     exact top 10 of the queries."""
     import faiss
 
-    from retrieval_server.index_build import FlatFileWriter, new_faiss_index
+    from retrieval_server.index_writers import FlatFileWriter, new_faiss_index
 
     basis, centres = generator_basis(clusters=clusters)
     query_vectors = synthetic_vectors(10**9, queries, basis, centres)  # held out
@@ -202,8 +202,8 @@ import json, sys, time
 started = float(sys.argv[1])
 sys.path.insert(0, sys.argv[6])
 import numpy as np
-from retrieval_server.index import read_dense, set_search_parameters, with_refine
-from retrieval_server.rerank import with_compact_refine, with_exact_rerank
+from retrieval_server.index import read_dense, set_search_parameters
+from retrieval_server.rerank import with_compact_refine, with_exact_rerank, with_refine
 from pathlib import Path
 index = read_dense(Path(sys.argv[2]), mmap=sys.argv[3] == "1")
 set_search_parameters(index, int(sys.argv[4]), 128)

@@ -21,6 +21,13 @@ class RunInterrupted(UserError):
         return (type(self), (str(self), self.signum))
 
 
+def error_reason(err: BaseException) -> str:
+    """The line of a library's error message that says why: its last non-empty line (FAISS's
+    C++ errors start with where they were raised); the error's type when it says nothing."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 def warn(message: str) -> None:
     """One `hdr: warning:` line on stderr: something is probably wrong, but the work goes on."""
     import sys

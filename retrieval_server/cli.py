@@ -234,7 +234,7 @@ def convert_command(
     """Remake an index's FAISS part as another index type from its stored vectors (no
     re-encoding): e.g. an imported wiki-18 Flat index into IVF-PQ. Resumable: an interrupted
     convert, rerun with the same options, continues after its last saved step."""
-    from retrieval_server.index_build import convert_index
+    from retrieval_server.index_convert import convert_index
 
     manifest = convert_index(
         source, out, index_type, train_sample, refine=refine, force=force,
@@ -273,7 +273,7 @@ def import_command(
 ) -> None:
     """Adopt an existing FAISS index and its corpus without re-encoding (e.g. Search-R1's
     e5_Flat.index + wiki-18.jsonl); refuses when re-encoded passages do not match it."""
-    from retrieval_server.index_build import import_index
+    from retrieval_server.index_import import import_index
 
     manifest, summary = import_index(
         faiss_file,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.errors import UserError, warn
+from core.errors import UserError, error_reason, warn
 
 if TYPE_CHECKING:
     import faiss
@@ -98,12 +98,12 @@ def clone_to_gpus(index: faiss.Index, gpus: list[int]) -> faiss.Index:
     """
     import faiss
 
-    from retrieval_server.index import first_line
-
     options = faiss.GpuMultipleClonerOptions()
     options.shard = True  # each GPU holds a slice: wiki-18's 64 GB fits on several cards
     options.useFloat16 = True
     try:
         return faiss.index_cpu_to_gpus_list(index, co=options, gpus=list(gpus))
     except RuntimeError as err:
-        raise UserError(f"faiss cannot put this index on GPUs {gpus}: {first_line(err)}") from None
+        raise UserError(
+            f"faiss cannot put this index on GPUs {gpus}: {error_reason(err)}"
+        ) from None

@@ -13,8 +13,8 @@ arrays, bm25s's npy+JSON format, JSON):
                        normalisation), dimension, FAISS factory string, document count, corpus
                        path and fingerprint, byte size of every file above
 
-Builds and imports write into `DIR.partial/` and rename it to `DIR` when complete
-(`retrieval_server.index_build`), so a directory with a manifest is always whole.
+Builds, converts and imports write into `DIR.partial/` and rename it to `DIR` when complete
+(`retrieval_server.index_staging`), so a directory with a manifest is always whole.
 The corpus is not copied: the manifest records its path relative to the index directory (so
 `data/` can move as a whole) and a fingerprint that `validate_index` checks.
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from core.errors import UserError
+from core.errors import UserError, error_reason
 from retrieval_server.encoder import EncoderSpec, guess_prefixes
 
 if TYPE_CHECKING:
@@ -270,12 +270,7 @@ def read_dense(path: Path, mmap: bool) -> faiss.Index:
     try:
         return faiss.read_index(str(path), flags)
     except RuntimeError as err:
-        raise UserError(f"{path} is not a readable FAISS index: {first_line(err)}") from None
-
-
-def first_line(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
+        raise UserError(f"{path} is not a readable FAISS index: {error_reason(err)}") from None
 
 
 def set_search_parameters(index: faiss.Index, nprobe: int, ef_search: int) -> None:
@@ -362,18 +357,6 @@ def to_gpus(
         max_topk or gpu_faiss.GPU_MAX_K, config.nprobe if ivf else None, k_factor
     )
     return gpu_faiss.clone_to_gpus(dense, gpus), k_factor
-
-
-def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: float) -> faiss.Index:
-    """`approximate` (e.g. IVF-PQ) proposes k x `k_factor` candidates per query; `exact` (finer
-    codes or flat vectors in RAM) re-scores and re-ranks them with FAISS's `IndexRefine`. The
-    served re-ranking from the memory-mapped flat file is `rerank.ExactRerank`, which reads
-    the candidates' rows ahead instead of one page fault at a time."""
-    import faiss
-
-    refined = faiss.IndexRefine(approximate, exact)  # keeps Python references to both
-    refined.k_factor = k_factor
-    return refined
 
 
 @dataclass

@@ -9,7 +9,8 @@ limit on this machine (16 q/s for 320 candidates a query). `ExactRerank` first t
 kernel every row the batch will read (`madvise(MADV_WILLNEED)`, which starts the reads at
 once and returns), then gathers and scores them, so the disk serves them in parallel: 80
 random rows took 3.6-5.1 ms this way against 576-649 ms through plain faults of a NumPy view
-(bench/scale.py measures the served points).
+(bench/scale.py measures the served points). `with_refine` is FAISS's own re-ranking from
+vectors or finer codes held in RAM, the first stage of `with_compact_refine`.
 """
 
 from __future__ import annotations
@@ -80,6 +81,18 @@ class ExactRerank:
         return scores, labels
 
 
+def with_refine(approximate: faiss.Index, exact: faiss.Index, k_factor: float) -> faiss.Index:
+    """`approximate` (e.g. IVF-PQ) proposes k x `k_factor` candidates per query; `exact` (finer
+    codes or flat vectors in RAM) re-scores and re-ranks them with FAISS's `IndexRefine`. The
+    served re-ranking from the memory-mapped flat file is `ExactRerank`, which reads the
+    candidates' rows ahead instead of one page fault at a time."""
+    import faiss
+
+    refined = faiss.IndexRefine(approximate, exact)  # keeps Python references to both
+    refined.k_factor = k_factor
+    return refined
+
+
 def with_exact_rerank(approximate: faiss.Index, flat_path: Path, k_factor: float) -> ExactRerank:
     """`approximate` re-ranked exactly from the flat file at `flat_path` (module docstring)."""
     flat = FlatRows(flat_path, approximate.ntotal, approximate.d)
@@ -97,7 +110,5 @@ def with_compact_refine(
     codes held in RAM, e.g. PQ192: a quarter of the flat bytes) re-scores them and keeps the
     best k x `exact_k_factor`, and only those rows are read from the flat file for their
     exact scores: 2-8 reads a result instead of `k_factor`."""
-    from retrieval_server.index import with_refine
-
     keep = min(exact_k_factor, k_factor)
     return with_exact_rerank(with_refine(approximate, compact, k_factor / keep), flat_path, keep)

@@ -29,7 +29,9 @@ from retrieval_server.index import (
     read_manifest,
     validate_index,
 )
-from retrieval_server.index_build import VECTORS_DIR, build_index, import_index, partial_dir
+from retrieval_server.index_build import build_index
+from retrieval_server.index_import import import_index
+from retrieval_server.index_staging import VECTORS_DIR, partial_dir
 from retrieval_server.retrievers import RETRIEVERS
 
 HDR = str(Path(sys.executable).with_name("hdr"))
@@ -92,7 +94,7 @@ def test_a_changed_encoder_spec_refuses_to_discard_chunks_until_they_are_removed
     assert str(refused.value) == (
         f"{partial} holds 1 encoded chunks of an interrupted build with other settings"
         " (--passage-prefix '' then, 'passage: ' now; --query-prefix '' then, 'query: ' now):"
-        f" rerun with the earlier settings to resume, or remove them with `rm -r {partial}` to"
+        f" rerun with the earlier settings to resume, or remove it with `rm -r {partial}` to"
         " start over"
     )
     assert (partial / VECTORS_DIR / "000000.npy").is_file()  # nothing discarded

@@ -15,7 +15,8 @@ import faiss
 import numpy as np
 from test_cli_commands import assert_one_line_user_error, hdr
 
-from retrieval_server.index_build import ADDED_DIR, CONVERT_STATE, TRAINED_FILE, partial_dir
+from retrieval_server.index_convert import ADDED_DIR, CONVERT_STATE, TRAINED_FILE
+from retrieval_server.index_staging import partial_dir
 
 FACTORY = "IVF4,PQ8x4fs"
 CHUNK = "40"
@@ -23,7 +24,7 @@ CHUNK = "40"
 KILLED_AFTER_THREE_STEPS = """
 import os, signal, sys
 from pathlib import Path
-from retrieval_server.index_build import convert_index
+from retrieval_server.index_convert import convert_index
 
 def stop(steps):
     if steps == 3:
@@ -62,7 +63,11 @@ def test_a_killed_convert_resumes_to_the_uninterrupted_index(
     assert (partial / TRAINED_FILE).is_file()
 
     other = convert(small_index, out, "--train-sample", "200")
-    assert_one_line_user_error(other, "holds an interrupted `hdr index convert` (3 chunks added)")
+    assert_one_line_user_error(
+        other,
+        "holds 3 added chunks of an interrupted `hdr index convert` with other settings"
+        " (train_sample ",
+    )
     assert sorted(p.name for p in (partial / ADDED_DIR).iterdir()) == steps
 
     resumed = convert(small_index, out)

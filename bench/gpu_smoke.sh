@@ -1,46 +1,79 @@
 #!/usr/bin/env bash
-# GPU smoke test of hdr's GPU path: one line PASS, FAIL or SKIP per check, then a summary.
-# No network (everything offline: the tiny Qwen2 bed is built here, the corpus is the embedded
-# one), at most 8 minutes on one GPU (each check gets what is left of that budget).
+# GPU smoke test of hdr's GPU path: what the machine has, then one line PASS, FAIL or SKIP per
+# check with its reason, then a summary. Offline (the beds are built here, the corpus is the
+# embedded one, the index BM25), at most HDR_SMOKE_BUDGET_S (480) seconds.
 #
-#   bench/gpu_smoke.sh [WORK_DIR]         (default: a new temporary directory, kept)
+#   bench/gpu_smoke.sh [--without-vllm] [--allow-no-gpu] [WORK_DIR]   (default: a new temp dir)
 #
-# Checks, each skipped cleanly when what it needs is missing:
-#   engine    the tests marked `vllm` (the ones `make test` runs on the CPU build, one
-#             contract): tests/agent_env/test_vllm_engine.py, test_vllm_rollout.py and
-#             tests/trainer/test_vllm_engine_loop.py, here on CUDA (fp32 engine and trainer):
-#             finish reasons, seeds, the context limit, log-probs against teacher forcing,
-#             the weight sync and its check, multi-turn rollouts against hf's, `hdr train`
-#             with replay (the torchrun test is `slow` there and 2-GPU here: see torchrun)
-#                                                                     (needs CUDA and vLLM)
-#   sync      the weight sync round trip on the random bed: vLLM's log-probs (bf16) match
-#             torch's teacher forcing (fp32) before, and after the engine slept, torch's weights
-#             were perturbed and synced; and no longer match the old weights (CUDA and vLLM)
-#   train     3 GRPO + Headroom-Drift steps of configs/search-r1-qwen2.5-3b.yaml shrunk to the
-#             bed, bf16 autocast, vLLM generation with sleep mode, against `hdr serve` on a
-#             300-passage index of the embedded corpus                (CUDA and vLLM)
-#   faiss     `hdr serve` with the dense index on GPU 0 (dense.gpus=[0]) answers what the
-#             CPU index answers                                       (faiss with GPU support)
-#   torchrun  2 steps of the same under torchrun with 2 processes, one GPU each
-#                                                                     (2 GPUs, CUDA and vLLM)
-# Exit status: 0 when no check failed (skips included), 1 otherwise.
+# The Python it runs: HDR_GPU_PY, else .venv-gpu/bin/python (`make setup-gpu` makes it: CUDA
+# torch, vLLM 0.31.0, TRL, DeepSpeed). Before anything else it prints the machine (driver and
+# the CUDA it supports, each GPU and its free memory, torch and the CUDA it was built for,
+# vLLM, the libraries, the settings). Then, if the machine lacks what the checks need, it
+# exits 2 with one line on stderr naming it: `gpu-smoke: missing: no CUDA device: ...`, `...
+# no CUDA torch: ...` or `... no vLLM: ...`. With --allow-no-gpu it reports every check SKIP
+# with that reason instead, says SKIP (never PASS) in the summary, and exits 0.
+#
+# Checks (required ones fail the run when they skip; bench/gpu_smoke.py and
+# bench/gpu_smoke_torch.py say what each holds to):
+#   engine    (vLLM, required) the tests marked `vllm` (the ones `make test` runs on the CPU
+#             build): tests/agent_env/test_vllm_engine.py, test_vllm_rollout.py,
+#             tests/trainer/test_vllm_engine_loop.py, here on CUDA
+#   sync      (vLLM, required) weight sync round trip with sleep mode, vLLM bf16 vs torch fp32
+#   train     (vLLM, required) 3 steps of `hdr train`, the 3B config shrunk to the bed, vLLM
+#             with sleep mode
+#   hf-train  (required) the same 3 steps with hdr's hf backend on CUDA, bf16 autocast
+#   scoring   (required) hdr's hf sampler against the trainer's scoring, fp32 and bf16
+#   memory    (required) `hdr plan-memory` against torch.cuda.max_memory_allocated per phase of
+#             a 2-step run of a 250M-parameter bed (its second step)
+#   faiss     (optional: faiss with GPU support) `hdr serve` with dense.gpus=[0] answers what
+#             the CPU index answers
+#   torchrun  (optional: 2 GPUs) 2 steps of hf-train under torchrun, one GPU a process (NCCL)
+# --without-vllm: the machine needs CUDA torch only; the three vLLM checks are not run.
+#
+# Numerics: TRITON_F32_DEFAULT=ieee is exported, so Triton's fp32 dots (vLLM's Triton
+# attention on Hopper) are IEEE fp32, not TF32, and the fp32 agreements hold; the tolerances
+# per dtype are in bench/gpu_smoke.py.
+#
+# A bare machine whose Python has CUDA torch but not hdr's other dependencies: set
+# HDR_SMOKE_WHEELS to a folder of wheels (bench/gpu_smoke_wheels.sh makes it, about 31 MB);
+# they are installed into WORK_DIR/site and put on PYTHONPATH, nothing else is touched.
+# Exit status: 0 when every required check passed (or --allow-no-gpu found no GPU), 1 when a
+# check failed or a required one skipped, 2 when the machine lacks what the checks need.
+# Writes WORK_DIR/summary.json (each check's status and line) and each check's log.
 # shellcheck disable=SC2329  # functions called by the EXIT trap or by `run` through bash -c
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PY:-$ROOT/.venv/bin/python}"
-BUDGET_S="${HDR_SMOKE_BUDGET_S:-480}"
-WORK="${1:-$(mktemp -d -t hdr-gpu-smoke.XXXXXX)}"
+WITH_VLLM=1
+ALLOW_NO_GPU=0
+WORK=""
+for arg in "$@"; do
+    case "$arg" in
+        --without-vllm) WITH_VLLM=0 ;;
+        --allow-no-gpu) ALLOW_NO_GPU=1 ;;
+        -h | --help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "gpu-smoke: unknown option $arg (--without-vllm, --allow-no-gpu)" >&2; exit 2 ;;
+        *) WORK="$arg" ;;
+    esac
+done
+WORK="${WORK:-$(mktemp -d -t hdr-gpu-smoke.XXXXXX)}"
 mkdir -p "$WORK"
 cd "$ROOT" || exit 1
+PY="${HDR_GPU_PY:-$ROOT/.venv-gpu/bin/python}"
+BUDGET_S="${HDR_SMOKE_BUDGET_S:-480}"
 
-# offline: no hub, no usage reports
+# offline: no hub, no usage reports; fp32 Triton dots in IEEE fp32 (not TF32)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export TOKENIZERS_PARALLELISM=false
+export TOKENIZERS_PARALLELISM=false TRITON_F32_DEFAULT=ieee
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 STARTED=$SECONDS
-declare -a SUMMARY=()
+declare -a SUMMARY=() RESULTS=()
 FAILED=0
+RAN=0
 SERVER_PID=""
+CHECKS=(engine sync train hf-train scoring memory faiss torchrun)
+VLLM_CHECKS=" engine sync train "
+OPTIONAL=" faiss torchrun "
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -52,13 +85,21 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# record NAME STATUS MESSAGE: print and remember one result line
+# record NAME STATUS MESSAGE: print and remember one result line; a required check that
+# skips fails the run
 record() {
+    local name="$1" status="$2" message="$3"
+    if [[ "$status" == SKIP && "$OPTIONAL" != *" $name "* && $ALLOW_NO_GPU == 0 ]]; then
+        message="$message (a required check: the run fails)"
+        FAILED=1
+    fi
+    [[ "$status" == FAIL ]] && FAILED=1
+    [[ "$status" != SKIP ]] && RAN=1
     local line
-    line="$(printf '%-9s %-4s %s' "$1" "$2" "$3")"
+    line="$(printf '%-9s %-4s %s' "$name" "$status" "$message")"
     echo "$line"
     SUMMARY+=("$line")
-    [[ "$2" == FAIL ]] && FAILED=1
+    RESULTS+=("$name" "$status" "$message")
     return 0
 }
 
@@ -86,48 +127,82 @@ run() {
     esac
 }
 
-has_python_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
-cuda_devices() { "$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0; }
+write_summary() {
+    local verdict="$1"
+    "$PY" - "$WORK/summary.json" "$verdict" "${RESULTS[@]}" <<'EOF' 2>/dev/null ||
+import json, sys
+path, verdict, *flat = sys.argv[1:]
+checks = [dict(name=n, status=s, line=m) for n, s, m in zip(flat[::3], flat[1::3], flat[2::3])]
+json.dump({"verdict": verdict, "checks": checks}, open(path, "w"), indent=1)
+EOF
+        echo "{\"verdict\": \"$verdict\"}" >"$WORK/summary.json"
+}
 
-GPUS="$(cuda_devices)"
-HAS_VLLM=0
-has_python_module vllm && HAS_VLLM=1
-echo "hdr GPU smoke: $GPUS CUDA device(s), vLLM $([[ $HAS_VLLM == 1 ]] && "$PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || echo 'not installed'); work dir $WORK"
+finish() {
+    local verdict=PASS
+    ((RAN == 0)) && verdict=SKIP
+    ((FAILED)) && verdict=FAIL
+    echo
+    echo "hdr GPU smoke summary ($((SECONDS - STARTED)) s of ${BUDGET_S} s; logs in $WORK):"
+    printf '  %s\n' "${SUMMARY[@]}"
+    case "$verdict" in
+        PASS) echo "hdr GPU smoke: PASS" ;;
+        SKIP) echo "hdr GPU smoke: SKIP: nothing was checked ($1)" ;;
+        FAIL) echo "hdr GPU smoke: FAIL" ;;
+    esac
+    write_summary "$verdict"
+    [[ "$verdict" == FAIL ]] && exit 1
+    exit 0
+}
+
+# not_checked REASON: the machine cannot run the checks. One line and exit 2, or with
+# --allow-no-gpu every check SKIP with the reason and a SKIP verdict.
+not_checked() {
+    if ((ALLOW_NO_GPU == 0)); then
+        echo "gpu-smoke: missing: $1" >&2
+        exit 2
+    fi
+    for name in "${CHECKS[@]}"; do record "$name" SKIP "$1"; done
+    finish "$1"
+}
+
+echo "hdr GPU smoke: python $PY; work dir $WORK"
+if ! "$PY" -c '' 2>/dev/null; then
+    not_checked "no Python for the GPU checks at $PY: run \`make setup-gpu\` (.venv-gpu) or set HDR_GPU_PY"
+fi
+if [[ -n "${HDR_SMOKE_WHEELS:-}" ]]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" \
+        "$HDR_SMOKE_WHEELS"/*.whl || not_checked "the wheels in $HDR_SMOKE_WHEELS did not install"
+    export PYTHONPATH="$PYTHONPATH:$WORK/site"
+fi
+PREFLIGHT=()
+((WITH_VLLM)) || PREFLIGHT=(--without-vllm)
+"$PY" bench/gpu_smoke_machine.py "${PREFLIGHT[@]}" | tee "$WORK/machine.txt"
+MISSING="$(sed -n 's/^missing: //p' "$WORK/machine.txt")"
+if [[ -n "$MISSING" ]] || ! grep -qx ready "$WORK/machine.txt"; then
+    not_checked "${MISSING:-the machine could not be read (see above)}"
+fi
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+echo
 
 BED="$WORK/qwen-bed"
-# The bed of the sync and train checks (the engine check's tests build their own); built
-# once (a minute on a CPU at most).
+MEDIUM="$WORK/qwen-bed-250m"
+# the beds: the tiny Qwen2 bed (checks of behaviour), and a 250M-parameter one for the memory
+# check, where the planner's per-parameter lines dominate (a minute on a CPU at most)
 build_beds() {
     [[ -e "$BED" ]] || "$PY" -m hdr.cli init-model --arch qwen2 --out "$BED" \
         hidden_size=64 num_layers=2 num_heads=2 num_kv_heads=1 intermediate_size=128 init_std=0.3 \
         >"$WORK/bed.log" 2>&1 || return 1
+    [[ -e "$MEDIUM" ]] || "$PY" -m hdr.cli init-model --arch qwen2 --out "$MEDIUM" \
+        hidden_size=1024 num_layers=8 num_heads=16 num_kv_heads=2 intermediate_size=2816 \
+        >>"$WORK/bed.log" 2>&1 || return 1
 }
-
-skip_unless_vllm() {
-    if ((GPUS < 1)); then record "$1" SKIP "no CUDA GPU"; return 1; fi
-    if ((HAS_VLLM == 0)); then record "$1" SKIP "vLLM is not installed (pip install -e '.[gpu]')"; return 1; fi
-    return 0
-}
-
-# --- engine, sync -----------------------------------------------------------------------
-BEDS_OK=0
-if ((GPUS >= 1 && HAS_VLLM == 1)); then
-    if build_beds; then BEDS_OK=1; else record beds FAIL "building the Qwen2 bed failed (log: $WORK/bed.log)"; fi
+if ! build_beds; then
+    for name in "${CHECKS[@]}"; do record "$name" FAIL "building the beds failed (log: $WORK/bed.log)"; done
+    finish "no bed"
 fi
-# the same tests as on the CPU; their own output, then one line for this summary
-vllm_tests() {
-    "$PY" -m pytest -q -p no:cacheprovider -m "vllm and not slow" \
-        tests/agent_env/test_vllm_engine.py tests/agent_env/test_vllm_rollout.py \
-        tests/trainer/test_vllm_engine_loop.py
-    local status=$?
-    if ((status == 0)); then echo "PASS: the tests marked vllm, on CUDA"; else echo "FAIL: pytest exit $status"; fi
-    return "$status"
-}
-export -f vllm_tests
-if skip_unless_vllm engine && ((BEDS_OK)); then run engine vllm_tests; fi
-if skip_unless_vllm sync && ((BEDS_OK)); then run sync "$PY" bench/gpu_smoke.py sync "$BED"; fi
 
-# --- a retrieval server on a small embedded index ------------------------------------------
+# --- a retrieval server on a small BM25 index of the embedded corpus ----------------------
 start_server() {
     local port="$1" index="$2"
     shift 2
@@ -149,82 +224,32 @@ start_server() {
 INDEX="$WORK/index"
 PORT="${HDR_SMOKE_PORT:-8731}"
 URL="http://127.0.0.1:$PORT"
-need_server() {
-    [[ -n "$SERVER_PID" ]] && return 0
-    if [[ ! -e "$INDEX/manifest.json" ]]; then
-        "$PY" -m hdr.cli index prepare-wiki --out "$WORK/wiki.jsonl" --limit 300 >"$WORK/index.log" 2>&1 &&
-            "$PY" -m hdr.cli index build --corpus "$WORK/wiki.jsonl" --out "$INDEX" >>"$WORK/index.log" 2>&1 ||
-            return 1
-    fi
-    SERVER_PID="$(start_server "$PORT" "$INDEX")" || { SERVER_PID=""; return 1; }
-}
-
-# configs/search-r1-qwen2.5-3b.yaml on the bed: its precision, sleep mode and limits shrunk
-train_args() {
-    echo train --config configs/search-r1-qwen2.5-3b.yaml "model.path=$BED" "out_dir=$1" \
-        "retrieval.urls=[$URL]" retrieval.expect_encoder=null retrieval.expect_documents=null \
-        data.train=wiki-vital data.eval=wiki-vital "steps=$2" grpo.batch_prompts=4 \
-        grpo.group_size=4 grpo.warmup_steps=1 grpo.micro_batch=4 grpo.score_chunk=8 \
-        replay.budget=2 replay.capacity=8 replay.tau=1.0 rollout.max_turns=1 \
-        rollout.max_tokens_per_turn=32 rollout.max_obs_tokens=128 rollout.max_response_tokens=128 \
-        generation.max_model_len=1024 generation.gpu_memory_utilization=0.25 \
-        generation.max_num_seqs=64 eval.every=0 eval.at_start=false checkpoint.save_every=0 \
-        log.progress=false log.tensorboard=false "distributed.rollout_shards=$3"
-}
-
-# train_check OUT STEPS WORLD: exit 0 with a PASS line when metrics.jsonl has STEPS records
-# of world size WORLD, the final model was written, and the mean sampler/trainer log-prob gap
-# of every step is under 0.1 (bf16 on both sides)
-train_check() {
-    local out="$1" steps="$2" world="$3"
-    "$PY" - "$out" "$steps" "$world" <<'EOF'
-import json, math, sys
-from pathlib import Path
-out, steps, world = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-ok = [r["step"] for r in rows] == list(range(1, steps + 1)) and (out / "final").is_dir()
-ok = ok and all(r["world_size"] == world and math.isfinite(r["loss"]) for r in rows)
-gap = [round(r["logprob_gap_mean"], 4) for r in rows]  # vLLM bf16 against trainer bf16
-ok = ok and max(gap) < 0.1
-print(("PASS" if ok else "FAIL") + f": {len(rows)} steps, world {world}, sampler/trainer gap {gap}")
-sys.exit(0 if ok else 1)
-EOF
-}
-
-train_once() {
-    local out="$WORK/run-train"
-    rm -rf "$out"
-    # shellcheck disable=SC2046  # train_args prints one word per argument
-    "$PY" -m hdr.cli $(train_args "$out" 3 1) model.device=cuda:0 generation.device=cuda:0 &&
-        train_check "$out" 3 1
-}
-
-train_two() {
-    local out="$WORK/run-torchrun"
-    rm -rf "$out"
-    # shellcheck disable=SC2046
-    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m hdr.cli \
-        $(train_args "$out" 2 2) model.device=cuda:0 generation.device=cuda:0 &&
-        train_check "$out" 2 2
-}
-
-export PY WORK BED URL PORT INDEX
-export -f start_server train_args train_check train_once train_two
-
-# --- train ---------------------------------------------------------------------------------
-if skip_unless_vllm train && ((BEDS_OK)); then
-    if need_server; then
-        run train train_once
-    else
-        record train FAIL "the retrieval server did not start (logs: $WORK/index.log, $WORK/serve-$PORT.log)"
-    fi
+# BM25 only: no encoder to carry to a bare machine (the faiss check builds its dense index)
+if "$PY" -m hdr.cli index prepare-wiki --out "$WORK/wiki.jsonl" --limit 300 >"$WORK/index.log" 2>&1 &&
+    "$PY" -m hdr.cli index build --corpus "$WORK/wiki.jsonl" --out "$INDEX" --no-dense \
+        >>"$WORK/index.log" 2>&1; then
+    SERVER_PID="$(start_server "$PORT" "$INDEX" --retriever bm25)" || SERVER_PID=""
 fi
+SERVED=$([[ -n "$SERVER_PID" ]] && echo 1 || echo 0)
+no_server="the retrieval server did not start (logs: $WORK/index.log, $WORK/serve-$PORT.log)"
 
-# --- faiss on the GPU ------------------------------------------------------------------------
+# the same tests as on the CPU; their own output, then one line for this summary
+vllm_tests() {
+    "$PY" -m pytest -q -p no:cacheprovider -m "vllm and not slow" \
+        tests/agent_env/test_vllm_engine.py tests/agent_env/test_vllm_rollout.py \
+        tests/trainer/test_vllm_engine_loop.py
+    local status=$?
+    if ((status == 0)); then echo "PASS: the tests marked vllm, on CUDA"; else echo "FAIL: pytest exit $status"; fi
+    return "$status"
+}
+
 faiss_check() {
-    local gpu_pid
-    gpu_pid="$(start_server $((PORT + 1)) "$INDEX" 'dense.gpus=[0]')" || { echo "FAIL: hdr serve with dense.gpus=[0] did not start"; return 1; }
-    "$PY" - "$URL" "http://127.0.0.1:$((PORT + 1))" <<'EOF'
+    local dense="$WORK/index-dense" gpu_pid cpu_pid
+    "$PY" -m hdr.cli index build --corpus "$WORK/wiki.jsonl" --out "$dense" --no-bm25 ||
+        { echo "FAIL: hdr index build (dense) failed"; return 1; }
+    cpu_pid="$(start_server $((PORT + 1)) "$dense")" || { echo "FAIL: hdr serve (CPU index) did not start"; return 1; }
+    gpu_pid="$(start_server $((PORT + 2)) "$dense" 'dense.gpus=[0]')" || { kill "$cpu_pid"; echo "FAIL: hdr serve with dense.gpus=[0] did not start"; return 1; }
+    "$PY" - "http://127.0.0.1:$((PORT + 1))" "http://127.0.0.1:$((PORT + 2))" <<'EOF'
 import json, sys, urllib.request
 def ask(base):
     body = json.dumps({"queries": ["capital of France", "largest planet"], "topk": 3,
@@ -237,34 +262,40 @@ print(("PASS" if cpu == gpu else "FAIL") + f": GPU top-3 {gpu}, CPU top-3 {cpu}"
 sys.exit(0 if cpu == gpu else 1)
 EOF
     local status=$?
-    kill "$gpu_pid" 2>/dev/null
-    wait "$gpu_pid" 2>/dev/null
+    kill "$gpu_pid" "$cpu_pid" 2>/dev/null
+    wait "$gpu_pid" "$cpu_pid" 2>/dev/null
     return "$status"
 }
+export PY WORK PORT
+export -f start_server vllm_tests faiss_check
 
-export -f faiss_check
-if ((GPUS < 1)); then
-    record faiss SKIP "no CUDA GPU"
-elif ! "$PY" -c 'import faiss, sys; sys.exit(not (hasattr(faiss, "GpuMultipleClonerOptions") and faiss.get_num_gpus() > 0))' 2>/dev/null; then
-    record faiss SKIP "faiss has no GPU support here (pip install faiss-gpu-cu12 in place of faiss-cpu)"
-elif need_server; then
-    run faiss faiss_check
-else
-    record faiss FAIL "the retrieval server did not start (logs: $WORK/index.log, $WORK/serve-$PORT.log)"
-fi
-
-# --- torchrun with 2 ranks ---------------------------------------------------------------------
-if ((GPUS < 2)); then
-    record torchrun SKIP "fewer than 2 GPUs visible ($GPUS)"
-elif skip_unless_vllm torchrun && ((BEDS_OK)); then
-    if need_server; then
-        run torchrun train_two
-    else
-        record torchrun FAIL "the retrieval server did not start"
+# --- the checks, in the order of the header ----------------------------------------------
+for name in "${CHECKS[@]}"; do
+    if [[ "$VLLM_CHECKS" == *" $name "* ]] && ((WITH_VLLM == 0)); then
+        continue # --without-vllm: not part of this run
     fi
-fi
-
-echo
-echo "hdr GPU smoke summary ($((SECONDS - STARTED)) s of ${BUDGET_S} s; logs in $WORK):"
-printf '  %s\n' "${SUMMARY[@]}"
-exit "$FAILED"
+    case "$name" in
+        engine) run engine vllm_tests ;;
+        sync) run sync "$PY" bench/gpu_smoke.py sync "$BED" ;;
+        scoring) run scoring "$PY" bench/gpu_smoke_torch.py scoring "$BED" cuda:0 ;;
+        train | hf-train | memory | torchrun)
+            if ((SERVED == 0)); then record "$name" FAIL "$no_server"; continue; fi
+            case "$name" in
+                train) run train "$PY" bench/gpu_smoke_torch.py train "$WORK" "$BED" "$URL" vllm 3 ;;
+                hf-train) run hf-train "$PY" bench/gpu_smoke_torch.py train "$WORK" "$BED" "$URL" hf 3 ;;
+                memory) run memory "$PY" bench/gpu_smoke_torch.py memory "$WORK" "$MEDIUM" "$URL" ;;
+                torchrun)
+                    if ((GPUS < 2)); then record torchrun SKIP "fewer than 2 GPUs visible ($GPUS)"; continue; fi
+                    run torchrun "$PY" bench/gpu_smoke_torch.py train "$WORK" "$BED" "$URL" hf 2 2 ;;
+            esac
+            ;;
+        faiss)
+            if ! "$PY" -c 'import faiss, sys; sys.exit(not (hasattr(faiss, "GpuMultipleClonerOptions") and faiss.get_num_gpus() > 0))' 2>/dev/null; then
+                record faiss SKIP "faiss has no GPU support here (pip install faiss-gpu-cu12 in place of faiss-cpu)"
+            else
+                run faiss faiss_check
+            fi
+            ;;
+    esac
+done
+finish ""

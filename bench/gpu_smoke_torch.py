@@ -41,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "search-r1-qwen2.5-3b.yaml"
 GIB = 2**30
 # the loop's phases (trainer/loop.py) as the planner's (trainer/memory_plan.py) name them
-PLANNED_AS = {"rollout": "rollout", "scoring": "scoring", "selection": "scoring", "update": "update"}
+PLANNED_AS = {
+    "rollout": "rollout", "scoring": "scoring", "selection": "scoring", "update": "update",
+}  # fmt: skip
 # the plan's lines that are exact products of the parameter count (the rest are estimates)
 EXACT = ("fp32 master weights", "AdamW moments", "fp32 gradients", "DDP gradient buckets",
          "bf16 KL reference model")  # fmt: skip
@@ -173,7 +175,8 @@ def phase_peaks(device):
             torch.cuda.reset_peak_memory_stats(device)
         with original(self, name):
             yield
-        measured.append((steps["n"], name, torch.cuda.max_memory_allocated(device) if cuda else None))
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
+        measured.append((steps["n"], name, peak))
 
     Run.phase = phase
     try:
@@ -194,7 +197,8 @@ def compare(plan, measured) -> tuple[dict, list[str]]:
         if not peaks:
             problems.append(f"no {phase} phase ran after step 1")
         elif peak is not None and not exact <= peak <= plan.total(phase):
-            problems.append(f"{phase} {peak:.2f} GiB outside [{exact:.2f}, {plan.total(phase):.2f}]")
+            planned = plan.total(phase)
+            problems.append(f"{phase} {peak:.2f} GiB outside [{exact:.2f}, {planned:.2f}]")
     return table, problems
 
 

@@ -46,9 +46,7 @@ def smoke(tmp_path: Path, *args: str, python: str = sys.executable):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "script", ["gpu_smoke.sh", "gpu_smoke_wheels.sh"], ids=["smoke", "wheels"]
-)
+@pytest.mark.parametrize("script", ["gpu_smoke.sh", "gpu_smoke_wheels.sh"], ids=["smoke", "wheels"])
 def test_the_scripts_are_valid_bash_and_shellcheck_clean(script):
     path = REPO / "bench" / script
     subprocess.run(["bash", "-n", str(path)], check=True)

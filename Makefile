@@ -25,7 +25,7 @@ BIN_VLLM  := $(VENV_VLLM)/bin
 VENV_VERL ?= .venv-verl
 BIN_VERL  := $(VENV_VERL)/bin
 
-.PHONY: setup setup-vllm setup-verl test test-envs test-vllm test-verl test-slow test-stack lint demo serve index experiment powered ablations clean
+.PHONY: setup setup-vllm setup-verl setup-gpu test test-envs test-vllm test-verl test-slow test-stack lint demo serve index experiment powered ablations clean
 
 setup: $(VENV)/.installed
 
@@ -64,6 +64,24 @@ $(VENV_VERL)/.installed: pyproject.toml
 	$(BIN_VERL)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN_VERL)/pip install -q -e ".[dev,verl]"
 	$(BIN_VERL)/python -c "import verl, transformers; print('verl', verl.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+# The GPU environment bench/gpu_smoke.sh runs in, on a machine with an NVIDIA driver for CUDA 13
+# (not part of `make test`): the CUDA build of torch asked for by name from TORCH_GPU_INDEX,
+# with pip's own settings off (they may resolve torch to a local CPU wheel), checked, then the
+# project with the `gpu` extra (vLLM, TRL, DeepSpeed) and the dev tools the smoke's tests use.
+VENV_GPU ?= .venv-gpu
+TORCH_GPU_INDEX ?= https://pypi.org/simple
+GPU_PIP = PIP_CONFIG_FILE=/dev/null DS_BUILD_OPS=0 $(VENV_GPU)/bin/pip --isolated
+
+setup-gpu: $(VENV_GPU)/.installed
+
+$(VENV_GPU)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV_GPU)
+	$(GPU_PIP) install -q --upgrade pip
+	$(GPU_PIP) install -q "$(TORCH)" --index-url $(TORCH_GPU_INDEX)
+	$(VENV_GPU)/bin/python -c "import sys, torch; sys.exit(0 if (torch.version.cuda or '').startswith('13') else 'torch ' + torch.__version__ + ' is not the CUDA 13 build')"
+	$(GPU_PIP) install -q -e ".[dev,gpu]" --index-url $(TORCH_GPU_INDEX)
 	touch $@
 
 lint: setup
@@ -151,5 +169,5 @@ ablations: setup
 # Only the environments: data/ and runs/ may hold files of the user's own (a corpus, a model),
 # and hdr never deletes what it did not make.
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) $(VENV_VERL)
-	@echo "removed $(VENV), $(VENV_VLLM) and $(VENV_VERL); $(DATA)/ and $(RUNS)/ are left as they are (remove them yourself if nothing in them is yours)"
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_VERL) $(VENV_GPU)
+	@echo "removed $(VENV), $(VENV_VLLM), $(VENV_VERL) and $(VENV_GPU); $(DATA)/ and $(RUNS)/ are left as they are (remove them yourself if nothing in them is yours)"

@@ -21,6 +21,8 @@
 #   HDR_ENCODER       (empty: hdr's default)     encoder name or local path for the build
 #   HDR_INDEX_TYPE    flat                       FAISS index type: flat | hnsw
 #   HDR_BM25          1                          also build a BM25 index (0: dense only)
+#   HDR_BUILD_INDEX   1                          0: never build; no index is one line, exit 2
+#                                                (a large index made beforehand, e.g. wiki-18)
 #   HDR_HOST          127.0.0.1                  bind address (0.0.0.0 in the image)
 #   HDR_PORT          8000                       port
 #   HDR_RETRIEVER     dense                      dense | bm25
@@ -35,6 +37,7 @@ HDR_CORPUS_LIMIT="${HDR_CORPUS_LIMIT:-}"
 HDR_ENCODER="${HDR_ENCODER:-}"
 HDR_INDEX_TYPE="${HDR_INDEX_TYPE:-flat}"
 HDR_BM25="${HDR_BM25:-1}"
+HDR_BUILD_INDEX="${HDR_BUILD_INDEX:-1}"
 HDR_HOST="${HDR_HOST:-127.0.0.1}"
 HDR_PORT="${HDR_PORT:-8000}"
 HDR_RETRIEVER="${HDR_RETRIEVER:-dense}"
@@ -71,6 +74,11 @@ build_index() {
     run_step "${build[@]}"
 }
 
+if [[ ! -f "$MANIFEST" && "$HDR_BUILD_INDEX" == 0 ]]; then
+    log "no index at $HDR_INDEX_DIR (no $MANIFEST) and HDR_BUILD_INDEX=0: make it first with" \
+        "\`hdr index import\` (docs/stack.md, Serving a real wiki-18 index)"
+    exit 2
+fi
 if [[ ! -f "$MANIFEST" ]]; then
     mkdir -p "$HDR_DATA_DIR" "$(dirname "$HDR_INDEX_DIR")"
     if command -v flock >/dev/null 2>&1; then

@@ -123,7 +123,7 @@ def health_code(healthcheck: dict) -> str:
 
 def test_compose_has_the_documented_services_and_volumes(compose):
     assert set(compose["services"]) == {"retrieval", "trainer", "trainer-gpu"}
-    assert set(compose["volumes"]) == {"hdr-data", "hdr-runs"}
+    assert set(compose["volumes"]) == {"hdr-data", "hdr-runs", "hdr-gpu-model", "hdr-gpu-data"}
 
 
 def test_retrieval_service_serves_a_volume_on_loopback_with_a_healthcheck(compose):
@@ -146,6 +146,21 @@ def test_published_port_follows_the_environment():
     raw = yaml.safe_load(COMPOSE.read_text())["services"]["retrieval"]["ports"]
     env = {"HDR_RETRIEVAL_BIND": "0.0.0.0", "HDR_RETRIEVAL_PORT": "9100"}
     assert interpolate(raw, env) == ["0.0.0.0:9100:8000"]
+
+
+WIKI18 = ROOT / "docker-compose.wiki18.yml"
+
+
+def test_the_wiki18_override_serves_a_mounted_index_and_never_builds_one():
+    """docker-compose.wiki18.yml: `retrieval` serves the dense wiki-18 e5 index of a host
+    directory (read-only, HDR_WIKI18, which must be set) and never builds one on start."""
+    retrieval = yaml.safe_load(WIKI18.read_text())["services"]["retrieval"]
+    env = interpolate(retrieval["environment"])
+    assert env == {"HDR_INDEX_DIR": "/data/index-e5", "HDR_BUILD_INDEX": "0",
+                   "HDR_RETRIEVER": "dense"}  # fmt: skip
+    (volume,) = retrieval["volumes"]
+    assert re.fullmatch(r"\$\{HDR_WIKI18:\?set HDR_WIKI18 [^}]+\}:/data:ro", volume), volume
+    assert 'HDR_BUILD_INDEX="${HDR_BUILD_INDEX:-1}"' in ENTRYPOINTS["retrieval"].read_text()
 
 
 def test_cpu_trainer_waits_for_a_healthy_retrieval_and_writes_to_a_volume(compose):
@@ -173,7 +188,12 @@ def test_gpu_profile_reserves_gpus_and_switches_config(compose):
     assert gpu["build"]["target"] == "gpu"
     assert gpu["depends_on"] == {"retrieval": {"condition": "service_healthy"}}
     assert gpu["environment"]["HDR_CONFIG"] == "/app/configs/search-r1-qwen2.5-3b.yaml"
-    assert gpu["environment"]["HDR_MODEL"] == ""  # the config's own model.path
+    # the policy and the data are local paths mounted read-only (nothing from a hub): empty
+    # volumes by default, which `hdr train` refuses in one line (tests/stack/test_gpu_image.py)
+    assert gpu["environment"]["HDR_MODEL"] == "/models/policy"
+    assert "hdr-gpu-model:/models/policy:ro" in gpu["volumes"]
+    assert "hdr-gpu-data:/runs/data/searchr1:ro" in gpu["volumes"]  # the config's data/searchr1/
+    assert "HF_TOKEN" not in gpu["environment"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     # `all`, written out: an interpolated count is a string, which Compose v1 refuses at `up`.
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
@@ -294,11 +314,43 @@ def test_trainer_dockerfiles_have_cpu_and_gpu_targets():
     assert stage_names(DOCKERFILES["trainer"])[-1] == "cpu"
     assert stage_names(DOCKERFILES["trainer-gpu"])[-1] == "gpu"
     gpu = DOCKERFILES["trainer-gpu"].read_text()
-    assert re.search(r"^FROM \$\{CUDA_IMAGE\} AS gpu$", gpu, re.M)
-    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:13\.\S*-runtime-ubuntu24\.04$", gpu, re.M)
-    assert 'pip install "/tmp/src[gpu]"' in gpu
     assert re.search(r"HDR_BIN=/app/docker/trainer-gpu-launch\.sh", gpu)
     assert "COPY docker/trainer-gpu-launch.sh /app/docker/" in gpu
+
+
+def test_gpu_image_builds_from_the_cpu_images_base_with_cuda_torch_asked_for_and_checked():
+    """No registry: the CPU images' base (python:3.11-slim, or the stand-in), not a CUDA base
+    image; the CUDA build of torch named before the project (pip settings elsewhere resolve
+    torch to a CPU wheel) and the build stopped unless it is the CUDA 13 build; the `gpu`
+    extra (vLLM, TRL, DeepSpeed); a wheelhouse; offline at run time with the model and the data
+    at mounted paths; the install the last layer (vfs copies every layer whole)."""
+    path = DOCKERFILES["trainer-gpu"]
+    text = path.read_text()
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE_IMAGE}"]
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text and "ARG WHEELHOUSE=docker/wheelhouse" in text
+    assert (
+        "ARG TORCH_VERSION=2.13.0" in text and "ARG TORCH_INDEX_URL=https://pypi.org/simple" in text
+    )
+    (install,) = [a for op, a in dockerfile_instructions(path) if op == "RUN" and "/opt/venv" in a]
+    torch_at = install.index(
+        'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"'
+    )
+    check_at = install.index('cuda.startswith("13")')
+    assert torch_at < check_at < install.index('pip install "/tmp/src[gpu]"')
+    assert "import torch, vllm, trl, deepspeed" in install  # what the image is for imports
+    assert "rm -rf /tmp/src /tmp/wheelhouse /root/.cache" in install
+    ops = [op for op, _ in dockerfile_instructions(path)]
+    after = ops[ops.index("RUN", ops.index("COPY")) + 1 :]  # after the install: metadata only
+    assert set(after) <= {"USER", "ENV", "VOLUME", "WORKDIR", "ENTRYPOINT"}, after
+    env = " ".join(a for op, a in dockerfile_instructions(path) if op == "ENV")
+    for setting in ("HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1", "HDR_MODEL=/models/policy"):
+        assert setting in env, setting
+    assert not re.search(r"^#\s*syntax", text, re.M)
+    for op, args in dockerfile_instructions(path):
+        assert "--chmod" not in args and "--mount" not in args, (op, args)
+    gpu_extra = re.search(r"^gpu = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    for package in ("vllm==", "torch==", "trl==", "deepspeed=="):
+        assert f'"{package}' in gpu_extra[1], package
 
 
 def test_images_run_as_non_root_and_start_their_entrypoint_script():
@@ -499,9 +551,12 @@ def test_every_setting_is_documented_with_its_default():
                 assert default in rows[name], f"docs/stack.md does not give {name}'s default"
 
 
-def test_docs_say_the_gpu_image_was_not_built_here():
+def test_docs_say_the_gpu_image_was_built_here_and_never_run_on_a_gpu():
+    """The size itself is checked against the built image by tests/stack/test_gpu_image.py."""
     text = DOCS.read_text()
-    assert "GPU image was not built" in text
+    assert "GPU image was not built" not in text
+    assert re.search(r"GPU image \(`hdr-trainer:gpu`\) is\s+[\d.]+ GB", text)
+    assert "Built here, never run on a GPU." in text
 
 
 # --------------------------------------------------------------- a real compose client
@@ -597,3 +652,23 @@ def test_compose_client_accepts_the_files(version, files, profile, services):
     for name in active & set(expected):
         for key, value in expected[name].get("environment", {}).items():
             assert str(resolved[name]["environment"][key] or "") == value, (name, key)
+
+
+@pytest.mark.parametrize("version", sorted(CLIENTS) or ["none"])
+def test_compose_client_reads_the_wiki18_override_and_refuses_it_unset(version):
+    if version == "none":
+        pytest.skip("no docker compose client (plugin or docker-compose) on this machine")
+    args = [*CLIENTS[version], "--project-directory", str(ROOT), "-f", str(COMPOSE),
+            "-f", str(WIKI18), "--profile", "gpu", "config"]  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HDR_")}
+    unset = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert unset.returncode != 0 and "set HDR_WIKI18" in unset.stderr
+    env["HDR_WIKI18"] = "/srv/wiki18"
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    retrieval = yaml.safe_load(done.stdout)["services"]["retrieval"]
+    assert retrieval["environment"]["HDR_BUILD_INDEX"] == "0"
+    mounts = [
+        v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in retrieval["volumes"]
+    ]
+    assert any(m.startswith("/srv/wiki18:/data") for m in mounts), mounts

@@ -134,3 +134,19 @@ def test_sigterm_during_the_first_start_build_stops_it_at_once(tmp_path):
     assert output.strip().splitlines()[-1] == "retrieval-entrypoint: stopped by a signal"
     assert not (data / "index" / "manifest.json").exists()
     assert "serving" not in output
+
+
+def test_with_builds_off_a_missing_index_is_one_line_and_nothing_is_written(tmp_path):
+    """HDR_BUILD_INDEX=0 (docker-compose.wiki18.yml: a 21M-passage index is made beforehand):
+    no index is refused at once in one line, exit 2, and no corpus or index is started."""
+    env = container_env(tmp_path / "data", free_port())
+    env.update(HDR_BUILD_INDEX="0", HDR_INDEX_DIR=str(tmp_path / "data" / "index-e5"))
+    done = subprocess.run(
+        ["bash", str(ROOT / "docker" / "retrieval-entrypoint.sh")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"retrieval-entrypoint: no index at {tmp_path / 'data' / 'index-e5'}")
+    assert "HDR_BUILD_INDEX=0" in line and "hdr index import" in line
+    assert not (tmp_path / "data").exists()

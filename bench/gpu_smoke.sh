@@ -224,10 +224,13 @@ start_server() {
 INDEX="$WORK/index"
 PORT="${HDR_SMOKE_PORT:-8731}"
 URL="http://127.0.0.1:$PORT"
-# BM25 only: no encoder to carry to a bare machine (the faiss check builds its dense index)
+# BM25 only: no encoder travels to a bare machine (the faiss check builds its dense index). A
+# BM25-only build still records the encoder a dense index would use, read from a model
+# directory; the bed's stands in for the packaged MiniLM (83 MB, not carried), and BM25 never
+# uses it.
 if "$PY" -m hdr.cli index prepare-wiki --out "$WORK/wiki.jsonl" --limit 300 >"$WORK/index.log" 2>&1 &&
     "$PY" -m hdr.cli index build --corpus "$WORK/wiki.jsonl" --out "$INDEX" --no-dense \
-        >>"$WORK/index.log" 2>&1; then
+        --encoder "$BED" >>"$WORK/index.log" 2>&1; then
     SERVER_PID="$(start_server "$PORT" "$INDEX" --retriever bm25)" || SERVER_PID=""
 fi
 SERVED=$([[ -n "$SERVER_PID" ]] && echo 1 || echo 0)

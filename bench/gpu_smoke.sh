@@ -35,7 +35,7 @@
 # per dtype are in bench/gpu_smoke.py.
 #
 # A bare machine whose Python has CUDA torch but not hdr's other dependencies: set
-# HDR_SMOKE_WHEELS to a folder of wheels (bench/gpu_smoke_wheels.sh makes it, about 31 MB);
+# HDR_SMOKE_WHEELS to a folder of wheels (bench/gpu_smoke_wheels.sh makes it, about 30 MB);
 # they are installed into WORK_DIR/site and put on PYTHONPATH, nothing else is touched.
 # Exit status: 0 when every required check passed (or --allow-no-gpu found no GPU), 1 when a
 # check failed or a required one skipped, 2 when the machine lacks what the checks need.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels bench/gpu_smoke.sh --without-vllm needs on a GPU machine whose Python already has
 # CUDA torch, transformers and the common scientific stack, but not hdr's server side: the
-# web server, BM25, FAISS (CPU), Qwen2.5's BPE ranks and the embedded corpus. About 31 MB,
+# web server, BM25, FAISS (CPU), Qwen2.5's BPE ranks and the embedded corpus. About 30 MB,
 # so it travels with the working tree to a machine with no network.
 #
 #   bench/gpu_smoke_wheels.sh [DIR]     (default .whl; PYTHON_VERSION, default 3.12)

@@ -173,7 +173,7 @@ def load_average() -> float:
 def train_once(base: list[str], extra: list[str]) -> tuple[list[dict], dict | None, dict]:
     from core.config import load_config
     from trainer.config import TrainConfig
-    from trainer.loop import train
+    from trainer.train import train
 
     cfg = load_config(TrainConfig, REPO / "configs/tiny-cpu.yaml", [*base, *extra])
     shutil.rmtree(cfg.out_dir, ignore_errors=True)
@@ -279,7 +279,7 @@ def runs_for(args) -> list[tuple[str, list[str]]]:
         out.append((rule, [*workers, "distributed.rollout_shards=1", "async_rollout.split=steps",
                            f"async_rollout.max_lag={args.max_lag}",
                            f"async_rollout.rule={rule}", f"async_rollout.tau={args.tau}",
-                           "async_rollout.target=0.5"]))  # fmt: skip
+                           "async_rollout.adaptive_gate.target=0.5"]))  # fmt: skip
     return out
 
 

@@ -37,7 +37,7 @@ from agent_env.retrieval_client import RetrievalClient
 from agent_env.rollout import rollout_groups
 from core.config import load_config
 from trainer.config import TrainConfig
-from trainer.loop import sample_prompts
+from trainer.fresh import sample_prompts
 from trainer.run import load_policy
 from trainer.scoring import behaviour_groups, score_groups, unique_rows
 

@@ -8,6 +8,7 @@ forbids extras) and every failure becomes one `UserError` line naming the offend
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,6 +117,42 @@ def build_config(model: type[M], data: dict[str, Any], overrides: Sequence[str] 
 def load_config(model: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
     """`model` from the YAML file at `path` (or nothing) and dotted overrides."""
     return build_config(model, read_config_file(path) if path is not None else {}, overrides)
+
+
+def _lookup(data: Any, dotted: str) -> tuple[dict[str, Any], str] | None:
+    """The mapping that holds the last part of `dotted` in `data`, and that part; None when
+    `data` does not hold the key."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data.get(part) if isinstance(data, dict) else None
+    return (data, last) if isinstance(data, dict) and last in data else None
+
+
+def renamed_in(data: Any, renamed: dict[str, str]) -> str | None:
+    """One line for the first old key of `renamed` (old dotted key -> new) that `data` holds:
+    it names the new key and how to write the value there; None when it holds none."""
+    for old, new in renamed.items():
+        found = _lookup(data, old)
+        if found is not None:
+            return f"{old} is now {new}: write {new}={found[0][found[1]]}"
+    return None
+
+
+def move_renamed(data: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any]:
+    """A copy of `data` with the value of each old dotted key of `renamed` moved to its new
+    key: how hdr reads a config it wrote itself before a key was renamed."""
+    out = copy.deepcopy(data)
+    for old, new in renamed.items():
+        found = _lookup(out, old)
+        if found is None:
+            continue
+        value = found[0].pop(found[1])
+        *parents, last = new.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
 
 
 def dump_config(config: BaseModel) -> str:

@@ -5,9 +5,12 @@ Processes. `async_rollout.workers` = n rollout workers, each a `torch.multiproce
 child with its own copy of the policy, its own generator (hf, or a vLLM engine: "Engines"
 below), its own tokenizer and its own retrieval client. Worker w rolls out shards w, w+n,
 ... of every step's `distributed.rollout_shards` contiguous shards (`split: shards`; whole
-steps in turn with `split: steps`), each seeded from `trainer.distributed.shard_seed(seed,
-step, 0, shard)` (hf: torch's RNG; vllm: each trajectory's own seed): a shard's tokens depend
-on the weights it was sampled with, never on which process sampled it.
+steps in turn with `split: steps`), each seeded from `trainer.fresh.shard_seed(seed, step, 0,
+shard)` (hf: torch's RNG; vllm: each trajectory's own seed) by the same code the synchronous
+loop rolls out with (`trainer.fresh.roll_shards`): a shard's tokens depend on the weights it
+was sampled with, never on which process sampled it. To the loop the workers are a fresh
+source (`trainer.fresh.FreshSource`): `collect(step)` gives the step's `FreshBatch` with each
+group's lag.
 
 Versions and weight publication. The weights after update u are version u (a run starts at
 version `start - 1`: 0, or the resumed checkpoint's step). The trainer publishes each version
@@ -24,13 +27,13 @@ same tokens bit for bit (the test compares them), only run in another process.
 
 The gate. The trainer teacher-forces every fresh group under its current weights (the loop's
 behaviour pass). For a late group that pass measures its Policy Drift `D(g)` against the
-sampler's log-probs, and the staleness rule (`trainer.staleness`) admits or rejects it. An
-admitted late group trains with the sampler's log-probs as its behaviour log-probs (the
-clipped ratio then corrects for the policy that really sampled it); a rejected one enters the
-replay buffer with them (`async_rollout.over_gate: buffer`: Headroom may bring it back when
-its drift passes the replay gate) or is dropped. The late groups' teacher-forced tokens are
-`cost_gate_tf_tokens` in the ledger (moved out of `cost_behaviour_tf_tokens`, which counts the
-on-time groups).
+sampler's log-probs, and the staleness rule (`trainer.staleness.admit_late`) admits or
+rejects it. An admitted late group trains with the sampler's log-probs as its behaviour
+log-probs (the clipped ratio then corrects for the policy that really sampled it); a rejected
+one enters the replay buffer with them (`async_rollout.over_gate: buffer`: Headroom may bring
+it back when its drift passes the replay gate) or is dropped. The late groups' teacher-forced
+tokens are `cost_gate_tf_tokens` in the ledger (moved out of `cost_behaviour_tf_tokens`, which
+counts the on-time groups).
 
 Faults. A worker that dies (killed, out of memory) or fails (a retrieval outage past
 `retrieval.outage_grace_s`) stops the run, in one line naming the last checkpoint, at the
@@ -47,7 +50,7 @@ new version goes from the module into the engine through the backend's checked s
 the module's teacher forcing, one line if they differ), and the worker rolls all its shards
 out together, each trajectory under its own seed, as the synchronous loop does with vllm.
 The trainer's own engine (held-out evaluation) is then built only when first used
-(`LazyGenerator`), so a run holds `workers` engines while it trains.
+(`trainer.fresh.LazyGenerator`), so a run holds `workers` engines while it trains.
 
 Departures: one process group only (no torchrun); no dynamic sampling (a refill would be a
 rollout the queue did not plan); a vllm worker's module sits on `model.device` beside its
@@ -69,15 +72,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
-from torch import Tensor
 
 from core.errors import UserError
-from trainer.gate import AdaptiveGate, FixedGate
-from trainer.replay import StoredGroup, policy_drift
-from trainer.staleness import STALENESS_RULES, Admission, as_tensors, decide
+from trainer.fresh import (
+    FreshBatch,
+    RolloutContext,
+    RolloutSpend,
+    deal_shards,
+    join_shards,
+    nothing_reached,
+    roll_shards,
+    sample_prompts,
+)
 
 if TYPE_CHECKING:
-    from agent_env.rollout import RolloutResult
     from trainer.config import TrainConfig
     from trainer.run import Run
 
@@ -173,16 +181,6 @@ class WorkerTiming:
         return self.wait_version_s + self.load_weights_s + self.rollout_s
 
 
-@dataclass
-class RolloutSide:
-    """The attributes `trainer.distributed._rollout_one_by_one` reads from a run."""
-
-    config: TrainConfig
-    generator: Any
-    client: Any
-    tokenizer: Any
-
-
 STAT_SUMS = ("calls", "requests", "attempts", "retries", "failures", "queries", "passages",
              "failed_queries", "truncated_queries", "refused_queries", "bad_responses",
              "outages", "outage_s", "latency_s")  # fmt: skip
@@ -211,8 +209,6 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
     try:
         from agent_env.generation import build_generator
         from agent_env.retrieval_client import connect
-        from trainer.distributed import _rollout_one_by_one, _rollout_together, shard_bounds
-        from trainer.loop import sample_prompts
         from trainer.run import load_examples, load_policy
 
         cfg, a = spec.config, spec.config.async_rollout
@@ -225,10 +221,9 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
             cfg.generation, model_dir=cfg.model.path, tokenizer=tokenizer,
             prompt=cfg.rollout.prompt, model=None if engine else model,
         )  # fmt: skip
-        roll = _rollout_together if generator.per_request_seeds else _rollout_one_by_one
         client = connect(cfg.retrieval, seed=cfg.seed + 1 + spec.index)
         train_examples, _ = load_examples(cfg)
-        side = RolloutSide(cfg, generator, client, tokenizer)
+        context = RolloutContext(cfg, generator, client, tokenizer)
         shards = range(cfg.distributed.rollout_shards)
         if a.split == "shards":
             shards = range(spec.index, cfg.distributed.rollout_shards, a.workers)
@@ -248,10 +243,9 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
                 generator.sync_weights(model)  # checked: one line if the engine lags behind
             loaded = time.perf_counter()
             examples = sample_prompts(train_examples, cfg.seed, step, cfg.grpo.batch_prompts)
-            bounds = shard_bounds(len(examples), cfg.distributed.rollout_shards)
-            mine = [(s, [examples[i] for i in bounds[s]]) for s in shards if bounds[s]]
+            mine = deal_shards(examples, cfg.distributed.rollout_shards, shards)
             before = replace(client.stats, request_latencies=list(client.stats.request_latencies))
-            pieces, spent = roll(side, mine, step, 0)
+            pieces, spent = roll_shards(context, mine, step, 0)
             timing = WorkerTiming(
                 wait_version_s=waited - began,
                 load_weights_s=loaded - waited,
@@ -285,21 +279,23 @@ class Delivered:
 
     version: int
     pieces: list  # [(shard, kept groups, dropped groups)]
-    spent: Any  # trainer.distributed.RolloutSpend
+    spent: RolloutSpend
     stats: dict[str, Any]
     timing: WorkerTiming
 
 
 @dataclass
 class RolloutWorkers:
-    """The trainer's handle on its rollout workers: `collect(step)` the step's rollout,
-    `publish(model, version)` after each update, `close()` at the end."""
+    """The trainer's handle on its rollout workers, a `trainer.fresh.FreshSource`:
+    `collect(step)` the step's rollout, `publish(model, version)` after each update, `close()`
+    at the end."""
 
     config: TrainConfig
     board: WeightBoard
     processes: list
     stop: Any
-    start: int  # the first step of this process's run
+    client_stats: Any  # the trainer's retrieval counters (`ClientStats`), which the workers' join
+    first_step: int  # the first step of this process's run
     inbox: queue.Queue = field(default_factory=queue.Queue)
     arrived: dict[int, dict[int, Delivered]] = field(default_factory=dict)
     failed: dict[int, tuple[int, str, str]] = field(default_factory=dict)  # w -> (step, kind, line)
@@ -315,7 +311,7 @@ class RolloutWorkers:
         ctx = mp.get_context("spawn")
         board = WeightBoard(run.model, start - 1, ctx)
         stop = ctx.Event()
-        workers = cls(cfg, board, [], stop, start)
+        workers = cls(cfg, board, [], stop, run.client.stats, start)
         for w in range(cfg.async_rollout.workers):
             receive, send = ctx.Pipe(duplex=False)
             threads = cfg.async_rollout.worker_threads or torch.get_num_threads()
@@ -370,15 +366,33 @@ class RolloutWorkers:
             return f"pid {proc.pid}, killed by {signal.Signals(-code).name}"
         return f"pid {proc.pid}, exit code {code}"
 
-    def collect(self, step: int) -> tuple[RolloutResult, list[int], dict[str, Any]]:
-        """Step `step`'s rollout from every worker: one RolloutResult in shard order, each
-        kept group's lag (`step - 1 - version`), and the workers' client counters summed.
+    def collect(self, step: int) -> FreshBatch:
+        """Step `step`'s rollout from every worker: the groups in shard order with each kept
+        group's lag (`step - 1 - version`); the workers' client counters join the trainer's.
         Raises RetrievalUnavailable or RolloutWorkerLost when a worker cannot deliver it."""
+        parts = self._wait_for(step)
+        result = join_shards([(d.pieces, d.spent) for d in parts.values()])
+        version = {shard: d.version for d in parts.values() for shard, _, _ in d.pieces}
+        kept = {shard: len(groups) for d in parts.values() for shard, groups, _ in d.pieces}
+        lags = [step - 1 - version[s] for s in sorted(version) for _ in range(kept[s])]
+        stats: dict[str, Any] = {k: sum(d.stats[k] for d in parts.values()) for k in STAT_SUMS}
+        stats["request_latencies"] = [
+            x for d in parts.values() for x in d.stats["request_latencies"]
+        ]
+        stats["max_in_flight"] = max(d.stats["max_in_flight"] for d in parts.values())
+        add_stats(self.client_stats, stats)
+        if not result.groups:
+            raise nothing_reached(step, self.config.retrieval.urls)
+        timing = [parts[w].timing for w in sorted(parts)]
+        return FreshBatch(result.groups, [result], int(stats["passages"]), lags, timing)
+
+    def _wait_for(self, step: int) -> dict[int, Delivered]:
+        """Every responsible worker's delivery of `step`, by worker; raises when one of them
+        failed or ended before delivering it."""
         from agent_env.retrieval_client import RetrievalUnavailable
-        from agent_env.rollout import RolloutResult
 
         a = self.config.async_rollout
-        needed = responsible(a.split, a.workers, self.start, step)
+        needed = responsible(a.split, a.workers, self.first_step, step)
         while not needed <= set(self.arrived.get(step, {})):
             missing = needed - set(self.arrived.get(step, {}))
             for w in sorted(missing):
@@ -395,29 +409,7 @@ class RolloutWorkers:
                         f" ({self._exit(w)})"
                     )
             self._take(timeout=0.5)
-        parts = self.arrived.pop(step)
-        ordered = sorted(
-            ((piece, parts[w].version) for w in parts for piece in parts[w].pieces),
-            key=lambda pv: pv[0][0],
-        )
-        spends = [d.spent for d in parts.values()]
-        result = RolloutResult(
-            groups=[g for (_, kept, _), _ in ordered for g in kept],
-            env_calls=sum(s.env_calls for s in spends),
-            retrieval_calls=sum(s.retrieval_calls for s in spends),
-            gen_time=max(s.gen_time for s in spends),
-            retrieval_time=max(s.retrieval_time for s in spends),
-            wall_time=max(s.wall_time for s in spends),
-            dropped=[g for (_, _, dropped), _ in ordered for g in dropped],
-        )
-        lags = [step - 1 - v for (_, kept, _), v in ordered for _ in kept]
-        stats: dict[str, Any] = {k: sum(d.stats[k] for d in parts.values()) for k in STAT_SUMS}
-        stats["request_latencies"] = [
-            x for d in parts.values() for x in d.stats["request_latencies"]
-        ]
-        stats["max_in_flight"] = max(d.stats["max_in_flight"] for d in parts.values())
-        stats["timing"] = [parts[w].timing for w in sorted(parts)]
-        return result, lags, stats
+        return self.arrived.pop(step)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self.board.publish(model, version)
@@ -458,112 +450,3 @@ def add_stats(client_stats, delta: dict[str, Any]) -> None:
         setattr(client_stats, k, getattr(client_stats, k) + delta[k])
     client_stats.request_latencies.extend(delta["request_latencies"])
     client_stats.max_in_flight = max(client_stats.max_in_flight, delta["max_in_flight"])
-
-
-# --- admission of late groups -------------------------------------------------------------
-
-
-class LazyGenerator:
-    """The trainer's generator when rollout workers hold the engines (`vllm` with
-    `async_rollout.workers`): built at its first `generate` (the held-out evaluation), with
-    the trainer's weights at that moment; until then `sleep` and `sync_weights` have nothing
-    to do. `build()` returns the real generator."""
-
-    def __init__(self, build, model: torch.nn.Module, per_request_seeds: bool) -> None:
-        self.build = build
-        self.model = model
-        self.per_request_seeds = per_request_seeds
-        self.inner = None
-
-    def generate(self, contexts, params, seeds=None):
-        if self.inner is None:
-            self.inner = self.build()
-            self.inner.sync_weights(self.model)
-        return self.inner.generate(contexts, params, seeds=seeds)
-
-    def sleep(self) -> None:
-        if self.inner is not None:
-            self.inner.sleep()
-
-    def sync_weights(self, model) -> None:
-        if self.inner is not None:
-            self.inner.sync_weights(model)
-
-
-def make_gate(config: TrainConfig):
-    """The staleness gate the config names: AdaptiveGate for adaptive_drift_gate, else fixed."""
-    a = config.async_rollout
-    if STALENESS_RULES.get(a.rule).adaptive:
-        return AdaptiveGate(tau=a.tau, target=a.target, kind=a.target_kind, rate=a.adapt_rate)
-    return FixedGate(a.tau)
-
-
-@dataclass
-class LateDecision:
-    """The step's fresh groups after the staleness rule: those that train, those that go to
-    the buffer instead, and what the decision saw."""
-
-    trained: list[StoredGroup]
-    to_buffer: list[StoredGroup]
-    dropped: int
-    admission: Admission | None
-
-    def record(self) -> dict[str, Any] | None:
-        """The step's `async_*` metrics (None when nothing was measured: the sync loop)."""
-        a = self.admission
-        if a is None:
-            return None
-        late = a.late
-        return {
-            "rollout_lags": a.lags.tolist(),
-            "late_groups": int(late.sum()),
-            "late_admitted": int((a.admitted & late).sum()),
-            "late_to_buffer": len(self.to_buffer),
-            "late_dropped": self.dropped,
-            "late_drift": a.drifts[late].tolist(),
-            "late_admitted_drift": a.drifts[late & a.admitted].tolist(),
-            "late_admitted_share": a.late_admitted_share,
-            "staleness_tau": None if a.tau == float("inf") else a.tau,
-        }
-
-
-def admit_late(
-    run: Run, fresh: list[StoredGroup], sampled: list[Tensor], lags: list[int] | None
-) -> LateDecision:
-    """Apply the configured staleness rule to the step's fresh groups (`lags` None: the
-    trainer rolled them out itself, all on time). `fresh[k].gen_logprobs` are teacher-forced
-    under the current weights; `sampled[k]` the sampler's, aligned `[G, T_k]`. Late groups
-    take the sampler's log-probs as behaviour log-probs, admitted or not."""
-    if lags is None:
-        return LateDecision(list(fresh), [], 0, None)
-    from trainer.scoring import distinct_tokens
-
-    cfg = run.config
-    norm = cfg.replay.drift_norm
-    drifts = [
-        float(policy_drift(g.gen_logprobs, s, g.loss_mask, norm))
-        for g, s in zip(fresh, sampled, strict=True)
-    ]
-    drift_t, lag_t = as_tensors(drifts, lags)
-    rule = STALENESS_RULES.get(cfg.async_rollout.rule)
-    admission = decide(rule, run.staleness_gate, drift_t, lag_t, cfg.async_rollout.max_lag)
-    late = [g for g, lag in zip(fresh, lags, strict=True) if lag > 0]
-    gate_tokens = distinct_tokens(late)
-    run.cost.gate_tf_tokens += gate_tokens
-    run.cost.behaviour_tf_tokens -= gate_tokens
-    trained, rejected = [], []
-    for g, s, lag, ok in zip(fresh, sampled, lags, admission.admitted.tolist(), strict=True):
-        if lag > 0:
-            g.gen_logprobs = s.float() * g.loss_mask  # the policy that sampled it
-        (trained if ok else rejected).append(g)
-    keep = cfg.async_rollout.over_gate == "buffer"
-    return LateDecision(trained, rejected if keep else [], 0 if keep else len(rejected), admission)
-
-
-def on_time(fresh: list, sampled: list, lags: list[int] | None) -> tuple[list, list]:
-    """The fresh groups sampled by the current weights (all of them when `lags` is None):
-    the sampler/trainer log-prob gap is measured on these, not on late groups' drift."""
-    if lags is None:
-        return fresh, sampled
-    pairs = [(g, s) for g, s, lag in zip(fresh, sampled, lags, strict=True) if lag == 0]
-    return [g for g, _ in pairs], [s for _, s in pairs]

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields as dataclass_fields
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -15,9 +14,10 @@ from pydantic import Field, field_validator, model_validator
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
-from core.config import StrictModel
+from core.config import StrictModel, renamed_in
+from trainer.gate import AdaptiveGate, FixedGate, Gate
 from trainer.replay import ORDERED_ARMS
-from trainer.selectors import SELECTORS
+from trainer.selectors import SELECTORS, select_params
 from trainer.staleness import STALENESS_RULES
 
 
@@ -109,6 +109,37 @@ class GRPOConfig(StrictModel):
         return self.batch_prompts * self.group_size
 
 
+class GateConfig(StrictModel):
+    """An adaptive drift gate (`trainer.gate.AdaptiveGate`): the target it holds, and how fast
+    its tau moves. One set of names for both of its uses: the replay scan's gate
+    (`replay.adaptive_gate`, with `replay.gate: adaptive`) and the staleness gate of late
+    groups (`async_rollout.adaptive_gate`, with `async_rollout.rule: adaptive_drift_gate`);
+    each starts at its own section's `tau`. `build` is the one factory of both gates."""
+
+    target_kind: Literal["acceptance", "drift_budget"] = Field(
+        "acceptance",
+        description="Hold the share of the groups scored that are admitted (acceptance), or"
+        " the mean drift of the groups admitted (drift_budget).",
+    )
+    target: float = Field(
+        0.5, gt=0, description="The acceptance rate (<= 1) or the drift budget to hold."
+    )
+    rate: float = Field(0.1, gt=0, description="Log-space step of tau per decision.")
+
+    @model_validator(mode="after")
+    def _acceptance_is_a_share(self) -> GateConfig:
+        if self.target_kind == "acceptance" and self.target > 1:
+            raise ValueError(f"target={self.target} is an acceptance rate: add one <= 1")
+        return self
+
+    def build(self, tau: float, adaptive: bool) -> Gate:
+        """The gate a section names: an AdaptiveGate that starts at `tau` and holds this
+        target, or (not `adaptive`) the paper's constant `FixedGate(tau)`."""
+        if not adaptive:
+            return FixedGate(tau)
+        return AdaptiveGate(tau=tau, target=self.target, kind=self.target_kind, rate=self.rate)
+
+
 class ReplayConfig(StrictModel):
     """The replay buffer and the selector's knobs (the selector itself is `arm`)."""
 
@@ -120,19 +151,13 @@ class ReplayConfig(StrictModel):
     gate: Literal["fixed", "adaptive"] = Field(
         "fixed",
         description="The replay scan's drift gate: fixed (the paper's constant tau) or"
-        " adaptive (trainer.gate.AdaptiveGate: tau moves each step to hold gate_target;"
-        " logged per step as replay_tau).",
+        " adaptive (tau moves each step to hold `adaptive_gate`'s target; logged per step as"
+        " replay_tau).",
     )
-    gate_target_kind: Literal["acceptance", "drift_budget"] = Field(
-        "acceptance",
-        description="gate adaptive: hold the share of scanned groups admitted (acceptance),"
-        " or the mean drift of the admitted groups (drift_budget).",
-    )
-    gate_target: float = Field(
-        0.5, gt=0, description="gate adaptive: the acceptance rate (<= 1) or the drift budget."
-    )
-    gate_rate: float = Field(
-        0.1, gt=0, description="gate adaptive: log-space step of tau per selection."
+    adaptive_gate: GateConfig = Field(
+        default_factory=GateConfig,
+        description="gate adaptive: the target the scan's tau holds (shares its names with"
+        " async_rollout.adaptive_gate).",
     )
     drift_norm: Literal["l2", "l1"] = Field(
         "l2", description="Drift of the gate for headroom_drift and drift_only (l2: mean sq.)."
@@ -158,18 +183,17 @@ class ReplayConfig(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _gate_target_in_range(self) -> ReplayConfig:
-        acceptance = self.gate == "adaptive" and self.gate_target_kind == "acceptance"
-        if acceptance and self.gate_target > 1:
-            raise ValueError(
-                f"replay.gate_target={self.gate_target} is an acceptance rate: add one <= 1"
-            )
+    def _adaptive_tau_in_range(self) -> ReplayConfig:
         if self.gate == "adaptive" and not 1e-8 <= self.tau <= 1e4:
             raise ValueError(
                 f"replay.gate=adaptive starts from replay.tau={self.tau}, outside the gate's"
                 " range [1e-8, 1e4]: add a replay.tau inside it"
             )
         return self
+
+    def make_gate(self) -> Gate:
+        """The replay scan's drift gate (`GateConfig.build`), starting at `tau`."""
+        return self.adaptive_gate.build(self.tau, adaptive=self.gate == "adaptive")
 
 
 class EvalConfig(StrictModel):
@@ -270,16 +294,10 @@ class AsyncConfig(StrictModel):
         description="drift_gate: admit a late group when D(g) <= tau; adaptive_drift_gate: the"
         " starting tau. Same drift as the replay gate (`replay.drift_norm`).",
     )
-    target_kind: Literal["acceptance", "drift_budget"] = Field(
-        "acceptance",
-        description="adaptive_drift_gate: hold the share of late groups admitted"
-        " (acceptance), or the mean drift of the late groups admitted (drift_budget).",
-    )
-    target: float = Field(
-        0.5, gt=0, description="adaptive_drift_gate: the acceptance rate (<= 1) or drift budget."
-    )
-    adapt_rate: float = Field(
-        0.1, gt=0, description="adaptive_drift_gate: log-space step of tau per update."
+    adaptive_gate: GateConfig = Field(
+        default_factory=GateConfig,
+        description="adaptive_drift_gate: the target the staleness tau holds over the late"
+        " groups (shares its names with replay.adaptive_gate).",
     )
     over_gate: Literal["buffer", "drop"] = Field(
         "buffer",
@@ -303,18 +321,15 @@ class AsyncConfig(StrictModel):
     def _known_rule(cls, v: str) -> str:
         return STALENESS_RULES.check(v)
 
-    @model_validator(mode="after")
-    def _target_in_range(self) -> AsyncConfig:
-        if self.target_kind == "acceptance" and self.target > 1:
-            raise ValueError(
-                f"async_rollout.target={self.target} is an acceptance rate: add one <= 1"
-            )
-        return self
-
     @property
     def enabled(self) -> bool:
         """Whether rollouts run in worker processes."""
         return self.workers > 0
+
+    def make_gate(self) -> Gate:
+        """The staleness rule's drift gate (`GateConfig.build`), starting at `tau`; adaptive
+        for a rule that adapts it (adaptive_drift_gate)."""
+        return self.adaptive_gate.build(self.tau, adaptive=STALENESS_RULES.get(self.rule).adaptive)
 
 
 class SFTConfig(StrictModel):
@@ -398,6 +413,20 @@ EXPERIMENT_ONLY_ARMS = {
 own (evaluation.experiment.arms defines them; the trainer cannot import it)."""
 
 
+RENAMED_KEYS = {
+    "replay.gate_target": "replay.adaptive_gate.target",
+    "replay.gate_target_kind": "replay.adaptive_gate.target_kind",
+    "replay.gate_rate": "replay.adaptive_gate.rate",
+    "async_rollout.target": "async_rollout.adaptive_gate.target",
+    "async_rollout.target_kind": "async_rollout.adaptive_gate.target_kind",
+    "async_rollout.adapt_rate": "async_rollout.adaptive_gate.rate",
+}
+"""Keys an earlier hdr read, and the keys their values are under now (the replay and the
+staleness gate share one set of names). A config that names one is refused in one line naming
+the new key; a config hdr itself wrote (a run's config.yaml, a run's recorded settings: they
+hold every key) is read with the values moved (`core.config.move_renamed`)."""
+
+
 class TrainConfig(StrictModel):
     """A GRPO training run with (or without) Headroom-Drift Replay."""
 
@@ -420,6 +449,16 @@ class TrainConfig(StrictModel):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     async_rollout: AsyncConfig = Field(default_factory=AsyncConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys_named(cls, data: Any) -> Any:
+        """A key of `RENAMED_KEYS` is answered with the key it is now (not silently dropped,
+        not as an unknown key)."""
+        renamed = renamed_in(data, RENAMED_KEYS)
+        if renamed is not None:
+            raise ValueError(renamed)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -546,20 +585,3 @@ class TrainConfig(StrictModel):
         """The arm's knobs, as its rule's own params dataclass (`select_params`)."""
         budget = self.replay.budget if self.replays else 0
         return select_params(self.arm, self.replay, budget, self.seed, self.steps)
-
-
-def select_params(arm: str, replay: ReplayConfig, budget: int, seed: int, total_steps: int):
-    """The rule `arm`'s params dataclass (`ScanParams`, `FreshnessParams`, `SwapParams`)
-    filled from `replay` and the run (its seed and length)."""
-    knobs = {
-        "budget": budget,
-        "tau": replay.tau,
-        "norm": replay.drift_norm,
-        "chunk": replay.scan_chunk,
-        "seed": seed,
-        "total_steps": total_steps,
-        "tau_age": replay.tau_age,
-        "is_beta_start": replay.is_beta_start,
-    }
-    params_type = SELECTORS.get(arm).params_type
-    return params_type(**{f.name: knobs[f.name] for f in dataclass_fields(params_type)})

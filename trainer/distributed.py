@@ -1,4 +1,5 @@
-"""Data-parallel training: the torch.distributed plumbing that `trainer/loop.py` calls.
+"""Data-parallel training: the torch.distributed plumbing the trainer calls (the process group,
+collectives, the DDP-wrapped loss forward, the gradient reduction, the RNG states).
 
 `hdr train` is one code path for any number of processes. Launched plainly it is world size 1
 and no process group exists; under `torchrun --nproc-per-node N` it reads RANK, WORLD_SIZE
@@ -7,15 +8,15 @@ and LOCAL_RANK, joins a process group (gloo on CPUs, NCCL on GPUs, each rank on
 
 One step across N ranks (the protocol docs/trainer.md writes down):
 
-1. Prompts. Every rank draws the step's `b` prompts (`sample_prompts`, a pure function of
-   seed and step). They are cut into `distributed.rollout_shards` contiguous shards; rank r
-   rolls out shards r, r+N, ... each under torch's RNG seeded from (seed, step, round, shard)
-   (round > 0: dynamic sampling's refills), so a shard samples the same tokens whichever rank
-   runs it and however many ranks there are. With vLLM (per-request seeds) a rank rolls all
-   its shards out together, one engine call per turn, every trajectory seeded from its
-   shard's seed and its place in the shard. The trajectories are all-gathered: every rank
-   holds the step's whole rollout, so dynamic sampling's filter and refills, rewards, metrics
-   and the cost ledger are the single-process ones.
+1. Prompts (`trainer/fresh.py`). Every rank draws the step's `b` prompts (`sample_prompts`, a
+   pure function of seed and step). They are cut into `distributed.rollout_shards` contiguous
+   shards; rank r rolls out shards r, r+N, ... each under torch's RNG seeded from (seed, step,
+   round, shard) (round > 0: dynamic sampling's refills), so a shard samples the same tokens
+   whichever rank runs it and however many ranks there are. With vLLM (per-request seeds) a
+   rank rolls all its shards out together, one engine call per turn, every trajectory seeded
+   from its shard's seed and its place in the shard. The trajectories are all-gathered: every
+   rank holds the step's whole rollout, so dynamic sampling's filter and refills, rewards,
+   metrics and the cost ledger are the single-process ones.
 2. Behaviour log-probs and advantages: the fresh groups are dealt round-robin, each rank
    teacher-forces its share, and the StoredGroups are all-gathered in step order.
 3. Replay selection runs on every rank, on identical inputs: the buffer is replicated (every
@@ -65,7 +66,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 from torch import nn
@@ -231,134 +231,6 @@ def shutdown(dist: Dist) -> None:
         if torch_dist.get_backend() == "gloo":
             time.sleep(GLOO_DRAIN_S)
         torch_dist.destroy_process_group()
-
-
-# --- rollouts ----------------------------------------------------------------------------------
-
-
-def shard_bounds(num_prompts: int, shards: int) -> list[range]:
-    """Contiguous, near-equal shards of the step's prompt positions."""
-    return [
-        range(s * num_prompts // shards, (s + 1) * num_prompts // shards) for s in range(shards)
-    ]
-
-
-def shard_seed(seed: int, step: int, round_: int, shard: int) -> int:
-    """torch's seed for one rollout shard (of the step's batch, round 0, or of a dynamic-
-    sampling refill): a function of (seed, step, round, shard) only."""
-    return int(np.random.SeedSequence([seed, step, round_, shard]).generate_state(1, np.uint64)[0])
-
-
-def trajectory_seeds(shard_seed_: int, count: int) -> list[int]:
-    """The sampling seeds of one shard's `count` trajectories (example-major), for a backend
-    that seeds each request (vllm): a function of the shard's seed and the position only."""
-    state = np.random.SeedSequence(shard_seed_).generate_state(count, np.uint32)
-    return [int(x) for x in state]
-
-
-@dataclass
-class RolloutSpend:
-    """One rank's rollout totals: batched requests, searching turns and times."""
-
-    env_calls: int = 0
-    retrieval_calls: int = 0
-    gen_time: float = 0.0
-    retrieval_time: float = 0.0
-    wall_time: float = 0.0
-
-    def add(self, result) -> None:
-        self.env_calls += result.env_calls
-        self.retrieval_calls += result.retrieval_calls
-        self.gen_time += result.gen_time
-        self.retrieval_time += result.retrieval_time
-        self.wall_time += result.wall_time
-
-
-def rollout_sharded(run, examples: list, step: int, round_: int = 0):
-    """Roll out `examples` (`G` responses each) as `distributed.rollout_shards` contiguous
-    shards; this rank rolls out shards rank, rank + N, ... and every rank receives every
-    shard's groups. A backend that samples from torch's RNG (hf) rolls the shards out one after
-    another, each under torch's RNG seeded by `shard_seed`; one that seeds each request (vllm)
-    rolls all of this rank's shards out together, one engine call per turn, each trajectory
-    seeded from its shard's seed and its place in it (`trajectory_seeds`). Either way a shard's
-    samples do not depend on which rank runs it. Returns one RolloutResult for all shards, in
-    shard order (the order of `examples`); its times are the slowest rank's."""
-    from agent_env.rollout import RolloutResult
-
-    bounds = shard_bounds(len(examples), run.config.distributed.rollout_shards)
-    mine = [  # (shard, its examples) of this rank
-        (shard, [examples[i] for i in bounds[shard]])
-        for shard in run.dist.share(len(bounds))
-        if bounds[shard]
-    ]
-    roll = _rollout_together if run.generator.per_request_seeds else _rollout_one_by_one
-    pieces, spent = roll(run, mine, step, round_)
-    parts = run.dist.all_gather((pieces, spent))
-    ordered = sorted((piece for part, _ in parts for piece in part), key=lambda p: p[0])
-    spends = [spend for _, spend in parts]
-    return RolloutResult(
-        groups=[g for _, kept, _ in ordered for g in kept],
-        env_calls=sum(s.env_calls for s in spends),
-        retrieval_calls=sum(s.retrieval_calls for s in spends),
-        gen_time=max(s.gen_time for s in spends),
-        retrieval_time=max(s.retrieval_time for s in spends),
-        wall_time=max(s.wall_time for s in spends),
-        dropped=[g for _, _, dropped in ordered for g in dropped],
-    )
-
-
-def _rollout_one_by_one(run, shards: list[tuple[int, list]], step: int, round_: int):
-    """Each shard in its own rollout under torch's RNG seeded by `shard_seed`. Returns
-    [(shard, kept groups, dropped groups)] and this rank's RolloutSpend."""
-    from agent_env.rollout import rollout_groups
-
-    cfg, spent, pieces = run.config, RolloutSpend(), []
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    for shard, examples in shards:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(shard_seed(cfg.seed, step, round_, shard))
-            G = cfg.grpo.group_size
-            result = rollout_groups(
-                run.generator, run.client, run.tokenizer, examples, G, cfg.rollout
-            )
-        spent.add(result)
-        pieces.append((shard, result.groups, result.dropped))
-    return pieces, spent
-
-
-def _rollout_together(run, shards: list[tuple[int, list]], step: int, round_: int):
-    """All of this rank's shards in one rollout (one engine call per turn), every trajectory
-    with its own seed; the groups are split back into shards, and a failed group dropped
-    from its own shard's as `rollout.on_failure` says."""
-    from agent_env.rollout import rollout_groups, split_failed
-
-    cfg, G, spent = run.config, run.config.grpo.group_size, RolloutSpend()
-    if not shards:
-        return [], spent
-    examples = [ex for _, part in shards for ex in part]
-    seeds = [
-        seed
-        for shard, part in shards
-        for seed in trajectory_seeds(shard_seed(cfg.seed, step, round_, shard), len(part) * G)
-    ]
-    config = cfg.rollout
-    if config.on_failure == "drop_group":  # dropped per shard below, after the split
-        config = config.model_copy(update={"on_failure": "keep"})
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):  # nothing here moves the shared RNG
-        result = rollout_groups(
-            run.generator, run.client, run.tokenizer, examples, G, config, seeds=seeds
-        )
-    spent.add(result)
-    pieces, start = [], 0
-    for shard, part in shards:
-        groups = result.groups[start : start + len(part)]
-        start += len(part)
-        kept, dropped = groups, []
-        if cfg.rollout.on_failure == "drop_group":
-            kept, dropped = split_failed(groups)
-        pieces.append((shard, kept, dropped))
-    return pieces, spent
 
 
 # --- the trained module ------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""The GRPO training loop with Headroom-Drift Replay: `train(config, resume=None) -> run_dir`.
+"""One GRPO step with Headroom-Drift Replay: `train_step(run, step) -> StepRecord`.
 
 The method is the paper's ("Headroom-Drift Replay: A Primitive for Principled Replay Control
 in GRPO", arXiv 2609.03941). One step, top to bottom (`train_step`; docs/design.md):
 1. rollout: `b` prompts, `G` responses each, through agent_env's multi-turn loop against the
-   retrieval server(s);
+   retrieval server(s), from the run's fresh source (`trainer/fresh.py`: the trainer's own
+   processes, or rollout workers running ahead, whose late groups pass a staleness rule);
 2. reward: exact match, computed by agent_env per response;
 3. behaviour log-probs: every fresh token teacher-forced under the current weights
    (`gen_logprobs`), and the group advantages;
@@ -14,8 +15,9 @@ in GRPO", arXiv 2609.03941). One step, top to bottom (`train_step`; docs/design.
    default); fresh tokens optionally weighted by truncated importance sampling of the
    sampler/trainer gap (`grpo.tis_cap`);
 6. ingress: the step's fresh groups enter the FIFO buffer after the update;
-7. the step's record (metrics.jsonl, TensorBoard); around the steps, a periodic held-out
-   evaluation (eval.jsonl) and a checkpoint every `checkpoint.save_every` steps.
+7. the step's record (metrics.jsonl, TensorBoard). Around the steps (`trainer/train.py`): a
+   periodic held-out evaluation (eval.jsonl) and a checkpoint every `checkpoint.save_every`
+   steps.
 
 Precision: parameters, gradients and AdamW state are float32 (master weights); with
 `model.compute_dtype: bfloat16` every forward (rollout with the shared hf module, behaviour
@@ -32,8 +34,9 @@ during training is a small fixed subset (Mean@k, Best@k, greedy EM), the full ev
 groups dropped and refilled by extra fresh prompts, which count as fresh cost) with
 `arm: on_policy`.
 
-Setup, checkpoints and stop signals are `trainer/run.py`; the formulas are `trainer/grpo.py`
-and `trainer/replay.py`; several processes are `trainer/distributed.py`.
+The run around the steps is `trainer/train.py`; setup, checkpoints and stop signals are
+`trainer/run.py`; the fresh groups `trainer/fresh.py`; the formulas are `trainer/grpo.py` and
+`trainer/replay.py`; several processes are `trainer/distributed.py`.
 """
 
 from __future__ import annotations
@@ -41,20 +44,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from core.errors import UserError
-from core.progress import progress, say
 from trainer import distributed
-from trainer.async_rollout import RolloutWorkerLost, RolloutWorkers, add_stats, admit_late, on_time
-from trainer.checkpoint import list_checkpoints
-from trainer.config import TrainConfig
+from trainer.fresh import FreshBatch
 from trainer.grpo import (
     kl_k3,
     logprob_gap,
@@ -64,117 +62,23 @@ from trainer.grpo import (
     weighted_advantages,
 )
 from trainer.replay import Selection, StoredGroup, headroom, policy_drift
-from trainer.run import Run, StopSignals, save, save_final, setup_run
+from trainer.run import Run
 from trainer.scoring import (
     align,
     behaviour_groups,
     concat_left_padded,
+    distinct_tokens,
     forward_logprobs,
     left_pad,
 )
+from trainer.staleness import STALENESS_RULES, LateDecision, admit_late, on_time
 from trainer.telemetry import StepCost, StepRecord, quantiles
 
 if TYPE_CHECKING:
-    from agent_env.data import QAExample
     from agent_env.retrieval_client import ClientStats
-    from agent_env.rollout import RolloutResult, Trajectory
+    from agent_env.rollout import Trajectory
 
     Group = list[Trajectory]  # one prompt's G responses
-
-
-# --- the run -----------------------------------------------------------------------------
-
-
-def train(config: TrainConfig, resume: str | Path | None = None, force: bool = False) -> Path:
-    """Run (or continue) training; returns the run directory. Under torchrun every process
-    runs this; rank 0 alone logs and writes checkpoints. `force` starts a run with checkpoints
-    or a final model in `out_dir` over (`trainer.run.prepare_run_dir`).
-
-    SIGINT or SIGTERM (Ctrl-C, `kill`, a scheduler's preemption) stops the run after the
-    current step, with a checkpoint of that step (step 0 when it comes before the first), and
-    raises RunInterrupted saying how to continue; a second signal stops at once."""
-    with StopSignals() as stop:
-        run, start = setup_run(config, resume, force)
-        try:
-            if config.async_rollout.enabled:
-                run.workers = RolloutWorkers.start(run, start)
-            train_steps(run, start, stop)
-        finally:
-            if run.workers is not None:
-                run.workers.close()  # rollouts in flight are discarded (re-rolled on resume)
-            distributed.shutdown(run.dist)
-    return run.run_dir
-
-
-def train_steps(run: Run, start: int, stop: StopSignals) -> None:
-    """The steps from `start` with their evaluations and checkpoints, then `final/`."""
-    config = run.config
-    stop.check(run, start - 1)  # a signal while loading: stop before the first evaluation
-    if start == 1 and config.eval.every and config.eval.at_start:
-        log_heldout(run, 0)
-        stop.check(run, 0)
-    bar = progress(
-        range(start, config.steps + 1),
-        initial=start - 1,
-        total=config.steps,
-        desc=f"train {config.arm}",
-        unit="step",
-        enabled=config.log.progress and run.dist.is_main,
-    )
-    for step in bar:
-        record = step_or_stop(run, step)
-        run.logs.step(record.as_dict())
-        bar.set_postfix(reward=f"{record.reward_mean:.3f}", replay=record.replayed_groups)
-        if config.eval.every and step % config.eval.every == 0:
-            log_heldout(run, step)
-        saved = None
-        if config.checkpoint.save_every and step % config.checkpoint.save_every == 0:
-            saved = save(run, step)
-        stop.check(run, step, saved)
-    bar.close()
-    run.logs.groups_left(run.buffer.groups(), None)
-    save_final(run)
-    run.logs.close()
-
-
-def step_or_stop(run: Run, step: int) -> StepRecord:
-    """`train_step`; a retrieval outage longer than `retrieval.outage_grace_s` (the client has
-    paused and polled that long) stops the run with one line naming its last checkpoint,
-    which the stop leaves as it was."""
-    from agent_env.retrieval_client import RetrievalUnavailable
-
-    try:
-        return train_step(run, step)
-    except (RetrievalUnavailable, RolloutWorkerLost) as err:
-        run.logs.flush()
-        found = list_checkpoints(run.run_dir / "checkpoints")
-        where = (
-            f"last checkpoint: step {found[-1][0]}; continue with --resume {run.run_dir}"
-            if found
-            else "no checkpoint yet"
-        )
-        raise UserError(f"step {step} stopped: {err}; {where}") from None
-
-
-def log_heldout(run: Run, step: int) -> dict[str, Any] | None:
-    """The periodic held-out evaluation (every process evaluates its share of the questions):
-    logged to eval.jsonl and printed as one line by rank 0."""
-    from trainer.heldout import heldout_eval
-
-    cfg, main = run.config.eval, run.dist.is_main
-    if run.config.log.progress and main:
-        say(f"held-out evaluation at step {step}: {len(run.eval_examples)} questions, k={cfg.k}")
-    record = heldout_eval(run, step)
-    if record is None or not main:
-        return record
-    run.logs.eval(record)
-    k, greedy = record["k"], record["greedy_em"]
-    say(
-        f"step {step} held-out ({record['num_questions']} questions): Mean@{k}"
-        f" {record['mean_at_k']:.3f}, Best@{k} {record['best_at_k']:.3f}"
-        + (f", greedy EM {greedy:.3f}" if greedy is not None else "")
-    )
-    return record
 
 
 # --- the step ----------------------------------------------------------------------------
@@ -187,7 +91,7 @@ def train_step(run: Run, step: int) -> StepRecord:
     client_before = replace(run.client.stats)  # a copy of the counters
     # 1-2. rollout of b prompts x G responses, each rewarded by agent_env
     with run.phase("rollout"):
-        batch = rollout_fresh(run, step)
+        batch = run.fresh.collect(step)
     # 3. behaviour log-probs and advantages (each process scores its share); a vLLM engine in
     # sleep mode hands its GPU memory to the trainer until the weight sync wakes it
     with run.phase("scoring"):
@@ -196,7 +100,7 @@ def train_step(run: Run, step: int) -> StepRecord:
         sampled = sampler_logprobs(batch.groups, fresh)
         gap, tis = sampler_gap(*on_time(fresh, sampled, batch.lags), cfg.grpo.tis_cap)
         # late groups (asynchronous rollout) pass the staleness rule or go to the buffer
-        late = admit_late(run, fresh, sampled, batch.lags)
+        late = admit_late_groups(run, fresh, sampled, batch.lags)
         fresh = late.trained
     # 4. replay selection: one decision, the same on every process
     with run.phase("selection"):
@@ -216,10 +120,9 @@ def train_step(run: Run, step: int) -> StepRecord:
         update_batch = assemble_batch(trained, selection.groups, selection.weights, kept_tis)
         update = update_policy(run, update_batch, run.scan_graphs(selection))
         run.generator.sync_weights(run.model)  # wakes a sleeping engine
-        if run.workers is not None:
-            published = time.perf_counter()
-            run.workers.publish(run.model, step)  # version `step`, for the rollout workers
-            run.phase_seconds["publish"] = time.perf_counter() - published
+        published = time.perf_counter()
+        run.fresh.publish(run.model, step)  # version `step`, for rollout workers if any
+        run.phase_seconds["publish"] = time.perf_counter() - published
     # 6. ingress after the update
     # (late groups over the staleness rule, if any, are stored beside the fresh ones)
     evicted = run.replay.ingest([*fresh, *late.to_buffer])  # counts the replays, then stores
@@ -261,105 +164,6 @@ def worker_times(timing: list, seconds: dict[str, float]) -> dict[str, float]:
     }
 
 
-# --- 1-2. rollout --------------------------------------------------------------------------
-
-
-@dataclass
-class FreshBatch:
-    """The step's fresh groups for the update, and every rollout made to get them."""
-
-    groups: list[Group]  # kept groups (b, or fewer after dynamic sampling's filter)
-    rollouts: list[RolloutResult]  # the step's batch and each refill
-    passages: int  # documents the environment returned over all of them
-    lags: list[int] | None = None  # per group, updates late (rollout workers); None: on time
-    timing: list | None = None  # each delivering worker's WorkerTiming (rollout workers)
-
-    @property
-    def trajectories(self) -> list[Trajectory]:
-        """The trajectories rolled out this step (refills included, dropped groups not)."""
-        return [t for r in self.rollouts for g in r.groups for t in g]
-
-    @property
-    def spent(self) -> list[Trajectory]:
-        """Every trajectory that cost a rollout: refills and dropped groups included."""
-        return [t for r in self.rollouts for g in [*r.groups, *r.dropped] for t in g]
-
-
-def sample_prompts(examples: list[QAExample], seed: int, step: int, b: int) -> list[QAExample]:
-    """The `b` prompts of `step` (1-based): epochs of seeded permutations, read in order.
-    A pure function of (seed, step), so a resumed run draws what the original would."""
-    n = len(examples)
-    out = []
-    for j in range((step - 1) * b, step * b):
-        epoch, pos = divmod(j, n)
-        perm = np.random.default_rng([seed, epoch]).permutation(n)
-        out.append(examples[int(perm[pos])])
-    return out
-
-
-def refill_prompts(
-    examples: list[QAExample], seed: int, step: int, round_: int, n: int
-) -> list[QAExample]:
-    """`n` extra prompts for dynamic sampling's refill `round_` of `step`: distinct, drawn from
-    a stream of their own, a pure function of (seed, step, round)."""
-    rng = np.random.default_rng([seed, step, round_, 7_919])
-    picks = rng.choice(len(examples), size=min(n, len(examples)), replace=False)
-    return [examples[int(i)] for i in picks]
-
-
-def has_reward_variance(group: Group) -> bool:
-    """Whether a group's rewards differ (else every advantage is 0: no gradient)."""
-    return len({t.reward for t in group}) > 1
-
-
-def rollout_fresh(run: Run, step: int) -> FreshBatch:
-    """Roll out the step's `b` prompts. With `grpo.dynamic_sampling` (DAPO-style), groups
-    whose rewards are all equal are dropped and refilled with extra prompts, up to
-    `refill_rounds` times; the kept groups are capped at `b`. Across processes each rolls
-    out its shards of every batch and all of them receive every group (trainer/distributed.py),
-    so what follows is the same on every process."""
-    cfg = run.config
-    if run.workers is not None:
-        return collect_fresh(run, step)
-    b = cfg.grpo.batch_prompts
-    passages_before = run.client.stats.passages
-
-    def roll(examples: list[QAExample], round_: int) -> RolloutResult:
-        return distributed.rollout_sharded(run, examples, step, round_)
-
-    rollouts = [roll(sample_prompts(run.train_examples, cfg.seed, step, b), 0)]
-    kept = rollouts[0].groups
-    if cfg.grpo.dynamic_sampling:
-        kept = [g for g in kept if has_reward_variance(g)]
-        for round_ in range(1, cfg.grpo.refill_rounds + 1):
-            if len(kept) >= b:
-                break
-            extra = refill_prompts(run.train_examples, cfg.seed, step, round_, b - len(kept))
-            rollouts.append(roll(extra, round_))
-            kept += [g for g in rollouts[-1].groups if has_reward_variance(g)]
-        kept = kept[:b]
-    if not any(r.groups for r in rollouts):
-        raise UserError(
-            f"step {step}: every rollout failed to reach the retrieval server"
-            f" ({', '.join(cfg.retrieval.urls)}); is it running? (hdr serve --index DIR)"
-        )
-    passages = run.dist.sum({"passages": run.client.stats.passages - passages_before})
-    return FreshBatch(kept, rollouts, int(passages["passages"]))
-
-
-def collect_fresh(run: Run, step: int) -> FreshBatch:
-    """The step's rollout from the rollout workers (trainer/async_rollout.py), with each
-    group's lag; the workers' retrieval counters join the run's client's."""
-    result, lags, stats = run.workers.collect(step)
-    add_stats(run.client.stats, stats)
-    if not result.groups:
-        raise UserError(
-            f"step {step}: every rollout failed to reach the retrieval server"
-            f" ({', '.join(run.config.retrieval.urls)}); is it running? (hdr serve --index DIR)"
-        )
-    return FreshBatch(result.groups, [result], int(stats["passages"]), lags, stats["timing"])
-
-
 # --- 3. behaviour log-probs, and the sampler's beside them --------------------------------
 
 
@@ -388,6 +192,23 @@ def behaviour(run: Run, groups: list[Group], step: int) -> tuple[list[StoredGrou
     pairs = [p for part in run.dist.all_gather(list(zip(dealt, scored, strict=True))) for p in part]
     fresh = [g for _, g in sorted(pairs, key=lambda p: p[0])]
     return fresh, totals["entropy"] / max(totals["tokens"], 1.0)
+
+
+def admit_late_groups(
+    run: Run, fresh: list[StoredGroup], sampled: list[Tensor], lags: list[int] | None
+) -> LateDecision:
+    """The configured staleness rule over the step's fresh groups (`lags` None: the trainer
+    rolled them out itself, all on time); the late groups' teacher-forced tokens move from the
+    ledger's behaviour tokens to its gate tokens."""
+    if lags is None:
+        return LateDecision(list(fresh), [], 0, None)
+    a = run.config.async_rollout
+    gate_tokens = distinct_tokens([g for g, lag in zip(fresh, lags, strict=True) if lag > 0])
+    run.cost.gate_tf_tokens += gate_tokens
+    run.cost.behaviour_tf_tokens -= gate_tokens
+    rule, keep = STALENESS_RULES.get(a.rule), a.over_gate == "buffer"
+    norm = run.config.replay.drift_norm
+    return admit_late(rule, run.staleness_gate, fresh, sampled, lags, a.max_lag, norm, keep)
 
 
 def sampler_logprobs(groups: list[Group], fresh: list[StoredGroup]) -> list[Tensor]:

@@ -67,7 +67,7 @@ class GroupReplay:
         cls, capacity: int, rule: str, params, gate: Gate | None = None,
         store_zero_advantage: bool = False,
     ) -> GroupReplay:  # fmt: skip
-        """From a rule's params dataclass (`trainer.config.select_params`); the gate defaults
+        """From a rule's params dataclass (`trainer.selectors.select_params`); the gate defaults
         to `FixedGate(params.tau)`."""
         values = asdict(params)
         if gate is not None:

@@ -14,7 +14,7 @@ import contextlib
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from core.config import dump_config, load_config
+from core.config import build_config, dump_config, load_config, move_renamed, read_config_file
 from core.errors import RunInterrupted, UserError
 from core.paths import RUN, check_output, local_model
 from core.progress import say
 from trainer import distributed
-from trainer.async_rollout import LazyGenerator, make_gate
 from trainer.checkpoint import (
     Checkpoint,
     TrainState,
@@ -36,8 +35,9 @@ from trainer.checkpoint import (
     save_checkpoint,
     save_model,
 )
-from trainer.config import TrainConfig
-from trainer.gate import AdaptiveGate
+from trainer.config import RENAMED_KEYS, TrainConfig
+from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
+from trainer.gate import Gate
 from trainer.primitive import GroupReplay
 from trainer.replay import ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import distinct_tokens, score_groups
@@ -49,19 +49,6 @@ if TYPE_CHECKING:
     from agent_env.data import QAExample
     from agent_env.generation.base import Generator
     from agent_env.retrieval_client import RetrievalClient
-    from trainer.async_rollout import RolloutWorkers
-
-
-def make_replay_gate(replay) -> AdaptiveGate | None:
-    """The replay scan's drift gate the config names (`replay.gate`): an AdaptiveGate that
-    starts at `replay.tau`, or None for the fixed gate (GroupReplay then builds the paper's
-    `FixedGate(replay.tau)` itself, as it always has)."""
-    if replay.gate != "adaptive":
-        return None
-    return AdaptiveGate(
-        tau=replay.tau, target=replay.gate_target, kind=replay.gate_target_kind,
-        rate=replay.gate_rate,
-    )  # fmt: skip
 
 
 @dataclass
@@ -98,17 +85,32 @@ class Run:
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
     replay: GroupReplay | None = None  # the replay lifecycle: selector, gate, ingress; buffer
-    workers: RolloutWorkers | None = None  # asynchronous rollout (trainer/async_rollout.py)
-    staleness_gate: Any = None  # the staleness rule's tau (`async_rollout.make_gate`)
+    workers: FreshSource | None = None  # rollout workers (trainer/async_rollout.py), if any
+    staleness_gate: Gate | None = None  # the staleness rule's tau (`async_rollout.make_gate`)
 
     def __post_init__(self) -> None:
         if self.replay is None:
             self.replay = GroupReplay.from_params(
                 self.buffer.capacity, self.config.arm, self.config.select_params,
-                gate=make_replay_gate(self.config.replay),
+                gate=self.config.replay.make_gate(),
                 store_zero_advantage=self.config.replay.store_zero_advantage,
             )  # fmt: skip
         self.replay.buffer = self.buffer
+        if self.staleness_gate is None:
+            self.staleness_gate = self.config.async_rollout.make_gate()
+
+    @property
+    def rollout_context(self) -> RolloutContext:
+        """What this run's rollouts read (`trainer.fresh`), as the run holds it now."""
+        return RolloutContext(self.config, self.generator, self.client, self.tokenizer, self.dist)
+
+    @property
+    def fresh(self) -> FreshSource:
+        """Where the steps' fresh groups come from: the rollout workers, else this run's own
+        processes (with the generator and client it holds at the time)."""
+        if self.workers is not None:
+            return self.workers
+        return InProcessRollout(self.rollout_context, self.train_examples)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -359,7 +361,6 @@ def setup_run(
         ref_model=ref_model,
         dist=dist,
         policy=distributed.wrap_policy(model, dist),
-        staleness_gate=make_gate(config),
     )
     start = 1
     if ckpt is not None:
@@ -385,7 +386,15 @@ def load_train_config(path: str | None, overrides: list[str], resume: str | None
         return load_config(TrainConfig, path, overrides)
     if path is not None:
         raise UserError("--resume continues a run with its own config; drop --config")
-    return load_config(TrainConfig, open_checkpoint(resume).path / "config.yaml", overrides)
+    return read_run_config(open_checkpoint(resume).path / "config.yaml", overrides)
+
+
+def read_run_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config a run wrote (its `config.yaml`, a checkpoint's), with `overrides`. A run of
+    an earlier hdr wrote keys renamed since (`trainer.config.RENAMED_KEYS`): their values are
+    read under the new keys."""
+    written = read_config_file(path)
+    return build_config(TrainConfig, move_renamed(written, RENAMED_KEYS), overrides)
 
 
 # --- checkpoints and the final model ------------------------------------------------------

@@ -25,20 +25,26 @@ How it departs from the counting rules it is compared with: they decide by the l
 the drift rules pay one teacher-forced pass per late group for the decision (hdr's loop
 already runs that pass over every fresh group for the behaviour log-probs, so the pass costs
 nothing extra there; the ledger counts it as `cost_gate_tf_tokens`). The gates themselves
-(`FixedGate`, `AdaptiveGate`) are `trainer.gate`'s, shared with the replay lifecycle. Pure:
-imports torch, core.registry and trainer.gate only.
+(`FixedGate`, `AdaptiveGate`) are `trainer.gate`'s, shared with the replay lifecycle.
+
+`admit_late` applies a rule to a step's fresh groups: an admitted late group trains with the
+sampler's log-probs as its behaviour log-probs (the clipped ratio then corrects for the policy
+that really sampled it); a rejected one goes to the replay buffer with them, or is dropped.
+Pure: imports torch, core.registry and the replay primitive (`trainer.replay`) only.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from core.registry import Registry
+from trainer.replay import StoredGroup, policy_drift
 
 AdmitFn = Callable[[Tensor, Tensor, float, int], Tensor]
 """`admit(drifts [n], lags [n], tau, max_lag) -> admitted [n] bool`."""
@@ -107,3 +113,71 @@ def decide(rule: StalenessRule, gate, drifts: Tensor, lags: Tensor, max_lag: int
 def as_tensors(drifts: list[float], lags: list[int]) -> tuple[Tensor, Tensor]:
     """`[n]` float32 drifts and `[n]` int64 lags."""
     return torch.tensor(drifts, dtype=torch.float32), torch.tensor(lags, dtype=torch.long)
+
+
+@dataclass
+class LateDecision:
+    """The step's fresh groups after the staleness rule: those that train, those that go to
+    the buffer instead, and what the decision saw."""
+
+    trained: list[StoredGroup]
+    to_buffer: list[StoredGroup]
+    dropped: int
+    admission: Admission | None
+
+    def record(self) -> dict[str, Any] | None:
+        """The step's `async_*` metrics (None when nothing was measured: the sync loop)."""
+        a = self.admission
+        if a is None:
+            return None
+        late = a.late
+        return {
+            "rollout_lags": a.lags.tolist(),
+            "late_groups": int(late.sum()),
+            "late_admitted": int((a.admitted & late).sum()),
+            "late_to_buffer": len(self.to_buffer),
+            "late_dropped": self.dropped,
+            "late_drift": a.drifts[late].tolist(),
+            "late_admitted_drift": a.drifts[late & a.admitted].tolist(),
+            "late_admitted_share": a.late_admitted_share,
+            "staleness_tau": None if a.tau == float("inf") else a.tau,
+        }
+
+
+def admit_late(
+    rule: StalenessRule,
+    gate,
+    fresh: Sequence[StoredGroup],
+    sampled: Sequence[Tensor],
+    lags: list[int],
+    max_lag: int,
+    norm: str = "l2",
+    keep_rejected: bool = True,
+) -> LateDecision:
+    """Apply `rule` (with `gate`'s tau) to a step's fresh groups, each `lags[k]` updates late.
+    `fresh[k].gen_logprobs` are teacher-forced under the current weights, `sampled[k]` the
+    sampler's, aligned `[G, T_k]`; the drift between them (`norm`) is what a drift rule reads.
+    Late groups take the sampler's log-probs as behaviour log-probs, admitted or not; a
+    rejected one goes to the buffer with `keep_rejected`, else it is dropped (counted)."""
+    drifts = [
+        float(policy_drift(g.gen_logprobs, s, g.loss_mask, norm))
+        for g, s in zip(fresh, sampled, strict=True)
+    ]
+    admission = decide(rule, gate, *as_tensors(drifts, lags), max_lag)
+    trained, rejected = [], []
+    for g, s, lag, ok in zip(fresh, sampled, lags, admission.admitted.tolist(), strict=True):
+        if lag > 0:
+            g.gen_logprobs = s.float() * g.loss_mask  # the policy that sampled it
+        (trained if ok else rejected).append(g)
+    if keep_rejected:
+        return LateDecision(trained, rejected, 0, admission)
+    return LateDecision(trained, [], len(rejected), admission)
+
+
+def on_time(fresh: list, sampled: list, lags: list[int] | None) -> tuple[list, list]:
+    """The fresh groups sampled by the current weights (all of them when `lags` is None):
+    the sampler/trainer log-prob gap is measured on these, not on late groups' drift."""
+    if lags is None:
+        return fresh, sampled
+    pairs = [(g, s) for g, s, lag in zip(fresh, sampled, lags, strict=True) if lag == 0]
+    return [g for g, _ in pairs], [s for _, s in pairs]

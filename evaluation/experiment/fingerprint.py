@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from core.config import move_renamed
 from core.errors import UserError
 from core.fingerprint import differences, digest, summary
 from core.paths import write_json_atomic
@@ -86,12 +87,14 @@ def check_reuse(
     settings: Mapping[str, Any],
     what: str,
     fallback: Mapping[str, Any] | None = None,
+    renamed: dict[str, str] | None = None,
 ) -> None:
     """Nothing when `folder`'s stored hash is that of `settings`; otherwise one UserError line
     naming what differs. A folder without `config_hash.json` (one being made, or made before
     folders carried one) is compared through `fallback`, the settings read back from what it
     does hold (a run's own config.yaml); with neither, what it was made with cannot be told,
-    and it is refused too."""
+    and it is refused too. `renamed` (old dotted key -> new): keys renamed since the folder
+    was made, whose recorded values are compared under their new names."""
     path = Path(folder) / HASH_FILE
     remedy = "use another folder (--out / --data-dir) or remove it to rebuild it"
     if path.is_file():
@@ -104,6 +107,9 @@ def check_reuse(
             f"{what} {folder} has no {HASH_FILE}, so what it was made with cannot be checked;"
             f" {remedy}"
         )
+    if renamed:  # made by an earlier hdr: the same settings may stand under older names
+        recorded = move_renamed(dict(recorded), renamed)
+        sha = digest(recorded)
     if sha == digest(settings):
         return
     changed = summary(differences(recorded, settings)) or "its stored hash differs"

@@ -119,18 +119,24 @@ def run_arm(
     evaluate its final model on the held-out set."""
     from evaluation.plots import read_jsonl
     from trainer.checkpoint import list_checkpoints
-    from trainer.loop import train
+    from trainer.config import RENAMED_KEYS
+    from trainer.train import train
 
     run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"
     config = arm_train_config(cfg, arm, url, sft_dir, run_dir, seed)
     settings = run_settings(config, sft_dir, run_environment(cfg))
     done = (run_dir / "final" / "config.json").is_file() or carried(run_dir)
+
+    def check_made_with_these_settings() -> None:
+        written = settings_written(cfg, run_dir, sft_dir)
+        check_reuse(run_dir, settings, "run", written, renamed=RENAMED_KEYS)
+
     if done:  # reused only when it was trained with exactly this config
-        check_reuse(run_dir, settings, "run", settings_written(cfg, run_dir, sft_dir))
+        check_made_with_these_settings()
     else:
         print(f"experiment: training {arm.name} seed {seed}", file=sys.stderr, flush=True)
         if list_checkpoints(run_dir / "checkpoints"):  # stopped with a checkpoint: continue
-            check_reuse(run_dir, settings, "run", settings_written(cfg, run_dir, sft_dir))
+            check_made_with_these_settings()
             train(config, resume=run_dir)
         else:
             if run_dir.exists():  # stopped before any checkpoint: start it again
@@ -171,12 +177,11 @@ def settings_written(cfg: ExperimentConfig, run_dir: Path, sft_dir: Path) -> dic
     """A run's settings read back from the config.yaml training wrote at its start (None
     without one): what an unfinished run, or one finished before runs carried a hash, is
     checked against. Its SFT start's hash is the current one (the run never recorded it)."""
-    from core.config import load_config
-    from trainer.config import TrainConfig
+    from trainer.run import read_run_config
 
     if not (run_dir / "config.yaml").is_file():
         return None
-    config = load_config(TrainConfig, run_dir / "config.yaml", [])
+    config = read_run_config(run_dir / "config.yaml")
     return run_settings(config, sft_dir, run_environment(cfg))
 
 

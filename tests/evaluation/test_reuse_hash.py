@@ -141,3 +141,28 @@ def test_an_sft_start_made_with_other_settings_is_refused_not_reused(tmp_path):
     changed = r"SFT start .* \(rollout.max_tokens_per_turn 32 then, 9 now\)"
     with pytest.raises(UserError, match=changed):
         ensure_sft(now, URL, log)
+
+
+def test_a_run_recorded_before_the_gate_keys_were_renamed_is_reused(tmp_path):
+    """config_hash.json of a run an earlier hdr finished holds the gate's old key names: the
+    same settings under them are the same run; another value under them is not."""
+    from core.config import move_renamed
+    from trainer.config import RENAMED_KEYS
+
+    _, config, sft = _run_config(tmp_path)
+    now = run_settings(config, sft)
+    old_names = {new: old for old, new in RENAMED_KEYS.items()}
+    then = move_renamed(now, old_names)  # the settings as they were recorded then
+    for section in ("replay", "async_rollout"):
+        assert then[section].pop("adaptive_gate") == {}  # its keys moved out
+    assert "gate_target" in then["replay"] and "adaptive_gate" not in then["replay"]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write_hash(folder, then)
+    with pytest.raises(UserError, match="other settings"):
+        check_reuse(folder, now, "run")  # compared as written: the names differ
+    check_reuse(folder, now, "run", renamed=RENAMED_KEYS)
+    then["replay"]["gate_target"] = 0.25
+    write_hash(folder, then)
+    with pytest.raises(UserError, match=r"replay\.adaptive_gate\.target 0\.25 then, 0\.5 now"):
+        check_reuse(folder, now, "run", renamed=RENAMED_KEYS)

@@ -28,8 +28,8 @@ from core.config import load_config
 from core.errors import RunInterrupted, UserError
 from trainer.checkpoint import open_checkpoint
 from trainer.config import TrainConfig
-from trainer.loop import train
 from trainer.run import load_train_config
+from trainer.train import train
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -181,7 +181,7 @@ def test_resume_rolls_the_steps_in_flight_out_again_and_trains_no_group_twice(
     cfg = config(retrieval_url, sft_policy, small_qa, out, "steps=6",
                  "checkpoint.save_every=0", "async_rollout.workers=1",
                  "async_rollout.max_lag=1", "async_rollout.rule=adaptive_drift_gate",
-                 "async_rollout.tau=1e-3", "async_rollout.target=0.5")  # fmt: skip
+                 "async_rollout.tau=1e-3", "async_rollout.adaptive_gate.target=0.5")  # fmt: skip
     stopper = threading.Thread(target=stop_after_step, args=(out, 2))
     stopper.start()
     with pytest.raises(RunInterrupted):

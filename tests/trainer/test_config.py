@@ -7,7 +7,7 @@ import pytest
 from core.config import load_config
 from core.errors import UserError
 from trainer.config import TrainConfig
-from trainer.loop import sample_prompts
+from trainer.fresh import sample_prompts
 from trainer.run import lr_lambda
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -104,3 +104,56 @@ def test_prompt_sampler_is_a_pure_function_of_seed_and_step():
     assert first == [sample_prompts(examples, 0, step, 4) for step in (1, 2, 3)]
     assert sorted(first[0] + first[1] + first[2][:2]) == examples  # an epoch covers all
     assert sample_prompts(examples, 1, 1, 4) != first[0]
+
+
+RESULTS = CONFIGS.parent / "docs" / "results"
+WRITTEN_BEFORE_THE_RENAME = RESULTS / "pilot-base" / "runs" / "on_policy_b4" / "seed-1"
+
+
+@pytest.mark.parametrize(
+    ("setting", "new_key"),
+    [
+        ("replay.gate_target=0.3", "replay.adaptive_gate.target"),
+        ("async_rollout.adapt_rate=0.2", "async_rollout.adaptive_gate.rate"),
+    ],
+)
+def test_a_renamed_gate_key_is_answered_with_its_new_name_by_the_cli(setting, new_key, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "hdr.cli", "train", "--config", str(CONFIGS / "tiny-cpu.yaml"),
+         setting],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False,
+    )  # fmt: skip
+    old, value = setting.split("=")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"hdr: error: config: {old} is now {new_key}: write {new_key}={value}"
+    ]
+
+
+def test_every_renamed_key_is_refused_in_a_users_config_and_moved_in_one_hdr_wrote():
+    from core.config import build_config, move_renamed, read_config_file
+    from trainer.config import RENAMED_KEYS
+    from trainer.run import read_run_config
+
+    for old, new in RENAMED_KEYS.items():
+        value = "drift_budget" if old.endswith("kind") else 0.25
+        with pytest.raises(UserError, match=rf"^config: {old} is now {new}: write {new}="):
+            load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", [f"{old}={value}"])
+        section, _, key = old.partition(".")
+        written = {"model": {"path": "m"}, section: {key: value}}
+        moved = build_config(TrainConfig, move_renamed(written, RENAMED_KEYS))
+        assert getattr(getattr(moved, section).adaptive_gate, new.rpartition(".")[2]) == value
+    # a run's config.yaml that an earlier hdr wrote (every key, the old names among them)
+    path = WRITTEN_BEFORE_THE_RENAME / "config.yaml"
+    written = read_config_file(path)
+    assert written["replay"]["gate_target"] == 0.5 and "adaptive_gate" not in written["replay"]
+    with pytest.raises(UserError, match=r"replay\.gate_target is now replay\.adaptive_gate\."):
+        load_config(TrainConfig, path)
+    config = read_run_config(path, ["replay.adaptive_gate.rate=0.3"])
+    assert config.replay.adaptive_gate.target == written["replay"]["gate_target"]
+    assert config.replay.adaptive_gate.rate == 0.3  # overrides on top, as on resume
+    assert config.async_rollout.adaptive_gate.rate == written["async_rollout"]["adapt_rate"]
+    assert config.grpo.batch_prompts == written["grpo"]["batch_prompts"]

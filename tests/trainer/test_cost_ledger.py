@@ -18,9 +18,11 @@ from conftest import TINY_CPU, tiny_overrides
 
 from core.config import load_config
 from trainer.config import TrainConfig
-from trainer.loop import FreshBatch, record_cost, sample_prompts, train
+from trainer.fresh import FreshBatch, sample_prompts
+from trainer.loop import record_cost
 from trainer.replay import Selection, StoredGroup
 from trainer.telemetry import COST_KEYS, COUNT_KEYS, StepCost, cost_totals
+from trainer.train import train
 
 B, G, R = 2, 3, 2
 

@@ -20,7 +20,7 @@ from conftest import tiny_llama
 from servers import free_port
 
 from core.errors import UserError
-from trainer import distributed
+from trainer import distributed, fresh
 from trainer.checkpoint import Checkpoint, TrainState, capture_rng, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import assemble_batch, update_policy
@@ -264,12 +264,10 @@ def test_ranks_that_disagree_are_refused_in_one_line(two_and_one):
 
 
 def test_shards_are_contiguous_and_cover_the_step():
-    bounds = distributed.shard_bounds(10, 4)
+    bounds = fresh.shard_bounds(10, 4)
     assert [list(r) for r in bounds] == [[0, 1], [2, 3, 4], [5, 6], [7, 8, 9]]
-    assert distributed.shard_seed(0, 3, 0, 1) == distributed.shard_seed(0, 3, 0, 1)
-    seeds = {
-        distributed.shard_seed(0, s, r, k) for s in range(5) for r in range(2) for k in range(4)
-    }
+    assert fresh.shard_seed(0, 3, 0, 1) == fresh.shard_seed(0, 3, 0, 1)
+    seeds = {fresh.shard_seed(0, s, r, k) for s in range(5) for r in range(2) for k in range(4)}
     assert len(seeds) == 40
 
 

@@ -96,7 +96,7 @@ def test_bf16_autocast_run_moves_the_weights_at_lr_1e6(
     """Two real steps (rollout, scoring, update) with bf16 compute on fp32 master weights."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.loop import train
+    from trainer.train import train
 
     overrides = tiny_overrides(
         retrieval_url, sft_policy, small_qa, tmp_path / "run",

@@ -20,9 +20,8 @@ from core.errors import UserError
 from trainer.checkpoint import open_checkpoint
 from trainer.config import TrainConfig
 from trainer.gate import AdaptiveGate, FixedGate, adapt_tau
-from trainer.loop import train
 from trainer.primitive import GroupReplay
-from trainer.run import make_replay_gate
+from trainer.train import train
 
 
 def test_through_the_lifecycle_tau_settles_where_half_the_scanned_groups_pass():
@@ -49,18 +48,20 @@ def test_through_the_lifecycle_tau_settles_where_half_the_scanned_groups_pass():
 def test_the_config_names_the_gate_and_the_default_is_the_fixed_one(tmp_path):
     base = tiny_overrides("http://127.0.0.1:1", tmp_path, tmp_path / "qa", tmp_path / "o")
     default = load_config(TrainConfig, TINY_CPU, base)
-    assert default.replay.gate == "fixed" and make_replay_gate(default.replay) is None
+    assert default.replay.gate == "fixed"
+    assert default.replay.make_gate() == FixedGate(default.replay.tau)
     fixed = GroupReplay.from_params(6, default.arm, default.select_params)
     assert isinstance(fixed.gate, FixedGate) and fixed.gate.tau == default.replay.tau
     adaptive = load_config(
         TrainConfig, TINY_CPU,
-        [*base, "replay.gate=adaptive", "replay.gate_target=0.25", "replay.gate_rate=0.5"],
+        [*base, "replay.gate=adaptive", "replay.adaptive_gate.target=0.25",
+         "replay.adaptive_gate.rate=0.5"],
     )  # fmt: skip
-    gate = make_replay_gate(adaptive.replay)
+    gate = adaptive.replay.make_gate()
     assert isinstance(gate, AdaptiveGate)
     assert (gate.tau, gate.target, gate.kind, gate.rate) == (1.0, 0.25, "acceptance", 0.5)
     for bad, says in (
-        (["replay.gate=adaptive", "replay.gate_target=2"], "is an acceptance rate"),
+        (["replay.gate=adaptive", "replay.adaptive_gate.target=2"], "is an acceptance rate"),
         (["replay.gate=adaptive", "arm=replay_recency"], "has none"),
         (["replay.gate=adaptive", "replay.tau=0"], "outside the gate's range"),
     ):
@@ -82,8 +83,8 @@ def test_in_a_real_run_tau_moves_toward_the_target_each_step(
         TrainConfig, TINY_CPU,
         tiny_overrides(retrieval_url, sft_policy, small_qa, tmp_path / "run", "steps=3",
                        "eval.every=0", "checkpoint.save_every=3", "replay.tau=1e-6",
-                       "replay.gate=adaptive", "replay.gate_target=0.5",
-                       f"replay.gate_rate={rate}", "grpo.lr=1e-2"),
+                       "replay.gate=adaptive", "replay.adaptive_gate.target=0.5",
+                       f"replay.adaptive_gate.rate={rate}", "grpo.lr=1e-2"),
     )  # fmt: skip
     got = rows(train(cfg))
     assert got[0]["replay_tau"] == 1e-6 and got[0]["scanned_groups"] == 0

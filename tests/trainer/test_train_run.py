@@ -10,7 +10,7 @@ from conftest import TINY_CPU, tiny_overrides
 from core.config import load_config
 from trainer.checkpoint import list_checkpoints, open_checkpoint
 from trainer.config import TrainConfig
-from trainer.loop import train
+from trainer.train import train
 
 METRIC_KEYS = [
     "step",

@@ -27,21 +27,20 @@ from agent_env.data import QAExample, load_flashrag_jsonl
 from agent_env.prompts import PromptConfig
 from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
 from agent_env.rollout import RolloutConfig, rollout_groups
-from trainer.config import ReplayConfig, select_params
+from trainer.config import ReplayConfig
 from trainer.grpo import group_advantages, kl_k3, policy_loss
-from trainer.integrations.trl import (
-    ReplayGRPOTrainer,
+from trainer.integrations.trl import ReplayGRPOTrainer, TRLReplayConfig
+from trainer.integrations.trl_layout import rows_from_trl, trl_inputs
+from trainer.integrations.trl_rollout import (
     SearchR1Rollout,
-    TRLReplayConfig,
     ended,
     exact_match_reward,
     search_r1_dataset,
     search_r1_reward,
 )
-from trainer.integrations.trl_layout import rows_from_trl, trl_inputs
 from trainer.loop import assemble_batch
 from trainer.scoring import align, behaviour_groups, forward_logprobs, score_groups
-from trainer.selectors import SELECTORS
+from trainer.selectors import SELECTORS, select_params
 
 G = 4
 

@@ -20,12 +20,8 @@ from trl import GRPOConfig
 from agent_env.data import QAExample
 from agent_env.rollout import Trajectory
 from trainer.config import ReplayConfig
-from trainer.integrations.trl import (
-    TRLReplayConfig,
-    check_sampling_settings,
-    check_vllm_settings,
-    ended,
-)
+from trainer.integrations.trl import TRLReplayConfig
+from trainer.integrations.trl_rollout import check_sampling_settings, check_vllm_settings, ended
 
 
 def trajectory(ids: list[int], truncated: bool = False) -> Trajectory:

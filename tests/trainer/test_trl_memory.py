@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer import scoring
 from trainer.grpo import token_entropy
-from trainer.integrations.trl import search_r1_dataset
+from trainer.integrations.trl_rollout import search_r1_dataset
 
 
 class LargestActivation(TorchDispatchMode):

@@ -493,7 +493,7 @@ def test_generation_from_sharded_zero3_weights_is_refused(tmp_path):
     from transformers.integrations import HfDeepSpeedConfig
     from trl import GRPOConfig
 
-    from trainer.integrations.trl import check_generation_settings
+    from trainer.integrations.trl_rollout import check_generation_settings
 
     zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}})  # marks ZeRO-3 while alive
     base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])

@@ -27,7 +27,7 @@ from conftest import TINY_CPU, tiny_overrides
 from real_vllm import build_bed, build_chain_bed, device, real_engine
 from test_distributed import run_ranks
 
-from trainer import distributed
+from trainer import distributed, fresh
 
 STEPS = 3
 JOB_TIMEOUT_S = 900  # a hang guard for a loaded 2-core machine
@@ -216,8 +216,8 @@ def test_training_sleeps_the_engine_for_scoring_and_update_and_wakes_it_to_sync(
     from agent_env.rollout import turn_seed
     from core.config import load_config
     from trainer.config import TrainConfig
-    from trainer.loop import train_steps
     from trainer.run import StopSignals, setup_run
+    from trainer.train import train_steps
 
     steps = 2
     config = load_config(
@@ -271,12 +271,12 @@ def test_training_sleeps_the_engine_for_scoring_and_update_and_wakes_it_to_sync(
     first_step = kinds.index("sleep")
     calls = [e for e in fake_vllm.EVENTS[:first_step] if e[0] == "generate"]
     assert [c[1] for c in calls] == [16, 16]
-    bounds = distributed.shard_bounds(config.grpo.batch_prompts, 2)
+    bounds = fresh.shard_bounds(config.grpo.batch_prompts, 2)
     seeds = [
         turn_seed(seed, 0)  # turn 0 of each trajectory of shard 0, then of shard 1
         for shard, prompts in enumerate(bounds)
-        for seed in distributed.trajectory_seeds(
-            distributed.shard_seed(config.seed, 1, 0, shard), len(prompts) * 4
+        for seed in fresh.trajectory_seeds(
+            fresh.shard_seed(config.seed, 1, 0, shard), len(prompts) * 4
         )
     ]
     assert calls[0][2] == seeds and len(set(seeds)) == 16

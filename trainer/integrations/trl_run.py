@@ -68,8 +68,8 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
     from agent_env.data import load_task
     from agent_env.retrieval_client import connect
     from trainer.integrations.accelerate_cpu import allow_deepspeed_on_cpu_processes
-    from trainer.integrations.trl import (
-        ReplayGRPOTrainer,
+    from trainer.integrations.trl import ReplayGRPOTrainer
+    from trainer.integrations.trl_rollout import (
         SearchR1Rollout,
         check_sampling_settings,
         search_r1_dataset,

@@ -36,6 +36,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import Field
+
+from core.config import StrictModel
 from core.errors import UserError, warn
 
 WIKI_VITAL = "wiki-vital"
@@ -299,3 +302,42 @@ def load_task(spec: str, split: str = "test") -> list[QAExample]:
     raise UserError(
         f"unknown task {spec!r}; give {WIKI_VITAL}, {WIKI_BRIDGE}, a .jsonl or a .parquet file"
     )
+
+
+HELDOUT_SEED = 10_007  # mixed with the run's seed: the held-out subset's own stream
+
+
+def heldout_subset(examples: list[QAExample], seed: int, size: int) -> list[QAExample]:
+    """A fixed held-out subset: the first `size` of a seeded shuffle."""
+    import numpy as np
+
+    perm = np.random.default_rng([seed, HELDOUT_SEED]).permutation(len(examples))
+    return [examples[int(i)] for i in perm[:size]]
+
+
+class DataConfig(StrictModel):
+    """Where training and held-out questions come from (`load_task` specs)."""
+
+    train: str = Field("wiki-vital", description="Training task: `wiki-vital` or a data file.")
+    train_split: str = Field("train", description="Split of the training task.")
+    eval: str = Field("wiki-vital", description="Held-out task for the periodic evaluation.")
+    eval_split: str = Field("test", description="Split of the held-out task.")
+    train_questions: int | None = Field(
+        None,
+        ge=1,
+        description="RL pool size: train on only this many of the training questions, a fixed"
+        " subset that is the same for every run seed (`question_pool`); None: all."
+        " The pool-size diagnostic trains on 32 to ask whether distinct questions matter.",
+    )
+
+
+def load_questions(
+    data: DataConfig, seed: int, heldout: int
+) -> tuple[list[QAExample], list[QAExample]]:
+    """A run's training questions (its pool, `data.train_questions`) and the fixed held-out
+    subset of `heldout` questions, read (and checked) before any model is loaded: a missing
+    data file fails at once, not minutes in."""
+    train = question_pool(load_task(data.train, data.train_split), data.train_questions)
+    if not train:
+        raise UserError(f"training task {data.train!r} has no questions")
+    return train, heldout_subset(load_task(data.eval, data.eval_split), seed, heldout)

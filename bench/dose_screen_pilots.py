@@ -5,7 +5,7 @@ each bed's 1.5x step, and said "no pilot" where the gate said NO-GO?
 
 For every committed dose-response pilot (`docs/results/pilot-*`, recomputed from its per-run
 files as `hdr report --from` does) it takes b = 16 against b = 4 at equal updates, projects
-the 1.5x step by log-dose arithmetic (`evaluation.experiment.diagnostics.dose_screen`: each
+the 1.5x step by log-dose arithmetic (`experiment.diagnostics.dose_screen`: each
 doubling buys (b16 - b4) / 2, a 1.5x step log2(1.5) of that) and puts it beside the step the
 pilot measured (b12 - b8) and the gate's threshold. Counts, not times. Writes
 bench/results/dose_screen_pilots.json and prints a table.
@@ -20,8 +20,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from evaluation.experiment.diagnostics import DoseScreen, dose_screen
-from evaluation.experiment.recompute import read_config, read_runs
+from experiment.diagnostics import DoseScreen, dose_screen
+from experiment.recompute import read_config, read_runs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -69,6 +69,7 @@ COPY retrieval_server /tmp/src/retrieval_server
 COPY agent_env /tmp/src/agent_env
 COPY trainer /tmp/src/trainer
 COPY evaluation /tmp/src/evaluation
+COPY experiment /tmp/src/experiment
 COPY ${WHEELHOUSE}/ /tmp/wheelhouse/
 # 1. torch, the CUDA build, asked for by name (the wheelhouse's, else TORCH_INDEX_URL's), and
 #    checked: a CPU build here would make every later step look fine and the image useless.

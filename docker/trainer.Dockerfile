@@ -23,6 +23,7 @@ COPY retrieval_server /src/retrieval_server
 COPY agent_env /src/agent_env
 COPY trainer /src/trainer
 COPY evaluation /src/evaluation
+COPY experiment /src/experiment
 
 # ------------------------------------------------------- venv (build stage, not shipped)
 FROM ${BASE_IMAGE} AS venv

@@ -1,4 +1,5 @@
-"""`hdr eval`, `hdr plot` and `hdr experiment`: evaluation, charts and the replay experiment.
+"""`hdr eval` and `hdr plot`: held-out evaluation and charts (`hdr experiment` and its
+commands are `experiment/cli.py`).
 
 `hdr/cli.py` calls `register(app)`. Heavy imports (torch, transformers, matplotlib) happen
 inside the command bodies so `hdr --help` answers at once.
@@ -15,7 +16,6 @@ from core.options import (
     force_option,
     overrides_argument,
     register_config,
-    renamed,
     server_option,
     server_overrides,
     set_option,
@@ -33,25 +33,6 @@ model hdr writes) unless --train-config, --config or KEY=VALUE say otherwise.
 PLOT_EXAMPLE = """Example:
 
   hdr plot runs/tiny-cpu runs/recency --out runs/charts
-"""
-EXPERIMENT_EXAMPLES = """Examples:
-
-  hdr experiment --quick
-
-  hdr experiment --ablations seeds=[1,2,3] steps=80
-
-  hdr experiment --preset bridge seeds=[1]
-
-  hdr experiment --preset my-design.yaml --out runs/my-design
-
-  hdr experiment --preset powered --preset powered-ablations
-
-Presets: the YAML files of configs/experiments/, each read on main.yaml.
---bridge is --preset bridge; --ablations is --preset ablations.
-"""
-DEMO_EXAMPLE = """Example:
-
-  hdr demo --data-dir data --out runs/demo steps=20
 """
 
 
@@ -115,211 +96,8 @@ def plot_command(
         typer.echo(str(path))
 
 
-POWER_EXAMPLE = """Example (a pilot: on_policy and headroom_drift, 2 seeds, the design's settings):
-
-  hdr power --pilot runs/pilot --seeds 3,5,8 --questions 910 --k 8
-"""
-
-
-def power_command(
-    pilot: list[Path] = typer.Option(..., "--pilot", help="Pilot experiment out dir (repeatable)."),
-    seeds: str = typer.Option("3,5,8", "--seeds", help="Seed counts to size (comma-separated)."),
-    questions: str = typer.Option("910", "--questions", help="Held-out question counts."),
-    k: str = typer.Option("8", "--k", help="Samples per question (comma-separated)."),
-    pair: list[str] = typer.Option(
-        None,
-        "--pair",
-        help="ARM,REFERENCE[,METRIC] to size (repeatable; default: the pilot's contrasts).",
-    ),
-    alpha: float = typer.Option(0.05, "--alpha", min=1e-6, max=0.5, help="Two-sided level."),
-    power: float = typer.Option(0.8, "--power", min=0.05, max=0.999, help="Power to detect."),
-) -> None:
-    """The minimum detectable effect of each contrast for each design (seeds x questions x
-    k), from the variances measured on pilot runs; and each pilot run's gain over the SFT
-    start against three times the primary contrast's MDE (the go/no-go)."""
-    from core.errors import UserError
-    from evaluation.experiment.power import Design, power_table, print_power
-
-    def counts(text: str, what: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise UserError(f"--{what} takes comma-separated whole numbers, not {text!r}") from None
-        if not values or min(values) < 1:
-            raise UserError(f"--{what} needs positive whole numbers, not {text!r}")
-        return values
-
-    designs = [
-        Design(s, q, kk)
-        for s in counts(seeds, "seeds")
-        for q in counts(questions, "questions")
-        for kk in counts(k, "k")
-    ]
-    if min(d.seeds for d in designs) < 2:
-        raise UserError("--seeds: an interval over seeds needs at least 2")
-    pairs = None
-    if pair:
-        pairs = []
-        for text in pair:
-            parts = [p.strip() for p in text.split(",")]
-            if len(parts) not in (2, 3):
-                raise UserError(f"--pair takes ARM,REFERENCE[,METRIC], not {text!r}")
-            metric = parts[2] if len(parts) == 3 else "mean_at_k"
-            if metric not in ("mean_at_k", "best_at_k", "greedy_em"):
-                raise UserError("--pair metric must be mean_at_k, best_at_k or greedy_em")
-            pairs.append((parts[0], parts[1], metric, not pairs))
-    rows, notes = power_table(pilot, designs, pairs, alpha, power)
-    typer.echo(print_power(rows, notes, designs))
-
-
-def experiment_command(
-    data_dir: Path = typer.Option(
-        Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
-    ),
-    out: Path = typer.Option(None, "--out", help="Results dir (default runs/experiment)."),
-    ablations: bool = typer.Option(
-        False,
-        "--ablations",
-        help="headroom_only, drift_only, headroom_drift_l1 vs headroom_drift (preset ablations).",
-    ),
-    quick: bool = typer.Option(
-        False,
-        "--quick",
-        help="A few-minute version (pipeline check; preset quick or quick-bridge).",
-    ),
-    bridge: bool = typer.Option(
-        False,
-        "--bridge",
-        help="The multi-turn wiki-bridge task with an emulated search-API cost (preset bridge).",
-    ),
-    presets: list[str] = typer.Option(
-        None,
-        "--preset",
-        help="A preset by name (a file of configs/experiments/, e.g. bridge) or a YAML path;"
-        " read after main.yaml and before --bridge/--ablations/--quick. Repeat it to lay one"
-        " preset over another (--preset powered --preset powered-ablations).",
-    ),
-    base_config: Path = typer.Option(
-        Path("configs/tiny-cpu.yaml"), "--config", "-c", help="Base TrainConfig YAML."
-    ),
-    overrides: list[str] = overrides_argument("ExperimentConfig", "seeds=[1,2,3]"),
-    set_: list[str] = set_option(),
-) -> None:
-    """Train every arm with the same SFT start, seeds and held-out questions against a real
-    `hdr serve`; write results.json, results.md and charts."""
-    from evaluation.experiment import experiment_config, run_experiment
-
-    flags = [name for name, on in (("bridge", bridge), ("ablations", ablations)) if on]
-    presets = presets or []
-    if not presets:
-        default_out = ("bridge-" if bridge else "") + ("ablations" if ablations else "experiment")
-    else:  # runs/<last preset's name>, joined by the flags' presets: runs/my-design-ablations
-        default_out = "-".join([Path(presets[-1]).stem, *flags])
-    cfg = experiment_config(
-        *presets,
-        *flags,
-        quick=quick,
-        overrides=all_overrides(overrides, set_),
-        data_dir=data_dir,
-        out_dir=out or Path("runs") / default_out,
-        base_config=base_config,
-    )
-    out_dir = run_experiment(cfg)
-    typer.echo((out_dir / "results.md").read_text())
-    typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")
-    typer.echo(f"charts: {out_dir / 'charts'}")
-
-
-REPORT_EXAMPLE = """Example (the committed sample; a full experiment's out dir reads the same):
-
-  hdr report --from tests/evaluation/data/report-sample --out runs/report-sample
-"""
-
-
-def report_command(
-    source: Path = typer.Option(
-        ..., "--from", help="An experiment's files: experiment_config.json and runs/."
-    ),
-    out: Path = typer.Option(
-        None, "--out", help="Also write results.md, results.json and the charts here."
-    ),
-    export: Path = typer.Option(
-        None,
-        "--export",
-        help="Also copy the files this recompute reads (per-question evaluations gzipped, run"
-        " metrics, configs: a few MB) into this new folder, to commit beside the results.",
-    ),
-    force: bool = typer.Option(False, "--force", help="Replace an earlier --export folder."),
-) -> None:
-    """Recompute every table (contrasts, precondition, quality at matched and modelled cost,
-    the ledger) from an experiment's per-question, per-seed evaluation files and run metrics."""
-    from core.paths import EXPERIMENT, check_output, write_json_atomic, write_text_atomic
-    from evaluation.experiment.recompute import export_evidence, ignored_by_git, recompute
-
-    if out is not None:  # refused before any work, never over a file it did not write
-        out = check_output(out, EXPERIMENT, inputs=[source])
-    if export is not None:
-        export = check_output(export, EXPERIMENT, inputs=[source], option="--export", force=force)
-    summary, cfg, markdown = recompute(source, out / "charts" if out is not None else None)
-    typer.echo(markdown)
-    if out is not None:
-        write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})
-        write_text_atomic(out / "results.md", markdown)
-        typer.echo(f"wrote {out / 'results.md'} and {out / 'results.json'}")
-    if export is not None:
-        written = export_evidence(source, export)
-        size = sum((export / name).stat().st_size for name in written)
-        typer.echo(f"exported {len(written)} files ({size / 2**20:.1f} MiB) to {export}")
-        ignored = ignored_by_git(export, written)
-        if ignored:  # an export is made to be committed: say loudly what git would leave out
-            typer.echo(
-                f"warning: git ignores {len(ignored)} of the exported files, so `git add` skips"
-                f" them (first: {ignored[0]}); change the ignore rule or use `git add -f`",
-                err=True,
-            )
-
-
-def demo_command(
-    data_dir: Path = typer.Option(
-        Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
-    ),
-    out: Path = typer.Option(
-        Path("runs/demo"), "--out", help="Directory of the demo's run, results and charts."
-    ),
-    overrides: list[str] = overrides_argument("ExperimentConfig", "steps=20"),
-    set_: list[str] = set_option(),
-    runs: Path | None = typer.Option(
-        None, "--runs", hidden=True, help="Old: the folder above --out (--runs R is --out R/demo)."
-    ),
-) -> None:
-    """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
-    headroom_drift run and its held-out evaluation beside the SFT start."""
-    from evaluation.experiment import experiment_config, run_experiment
-
-    cfg = experiment_config(
-        "demo",
-        overrides=all_overrides(overrides, set_),
-        data_dir=data_dir,
-        out_dir=renamed(
-            "--runs", "--out", runs and runs / "demo", out, Path("runs/demo"),
-            note=f"--runs {runs} is now --out {runs and runs / 'demo'}, as in every subcommand",
-        ),
-    )  # fmt: skip
-    out_dir = run_experiment(cfg)
-    typer.echo((out_dir / "results.md").read_text())
-    typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")
-    typer.echo(f"charts: {out_dir / 'charts'}")
-    typer.echo(f"run (metrics.jsonl, eval.jsonl, TensorBoard tb/, final model): {out_dir / 'runs'}")
-
-
 def register(app: typer.Typer) -> None:
-    """Add `eval`, `plot`, `experiment` and `demo` to the root `hdr` app."""
+    """Add `eval` and `plot` to the root `hdr` app."""
     app.command("eval", epilog=EVAL_EXAMPLES)(eval_command)
     app.command("plot", epilog=PLOT_EXAMPLE)(plot_command)
-    app.command("experiment", epilog=EXPERIMENT_EXAMPLES)(experiment_command)
-    app.command("power", epilog=POWER_EXAMPLE)(power_command)
-    app.command("demo", epilog=DEMO_EXAMPLE)(demo_command)
-    app.command("report", epilog=REPORT_EXAMPLE)(report_command)
     register_config("eval", "evaluation.evaluate:EvalConfig")
-    for command in ("experiment", "demo"):
-        register_config(command, "evaluation.experiment.config:ExperimentConfig")

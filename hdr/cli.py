@@ -70,6 +70,7 @@ def _root(
 def _register_all() -> None:
     from agent_env.cli import register as register_agent_env
     from evaluation.cli import register as register_evaluation
+    from experiment.cli import register as register_experiment
     from models.cli import register as register_models
     from retrieval_server.cli import register as register_retrieval
     from trainer.cli import register as register_trainer
@@ -79,6 +80,7 @@ def _register_all() -> None:
     register_agent_env(app)
     register_trainer(app)
     register_evaluation(app)
+    register_experiment(app)
 
 
 def reflow(text: str | None) -> str | None:

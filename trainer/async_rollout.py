@@ -207,9 +207,10 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
     torch.set_num_threads(spec.threads)
     step = spec.start
     try:
+        from agent_env.data import load_questions
         from agent_env.generation import build_generator
         from agent_env.retrieval_client import connect
-        from trainer.run import load_examples, load_policy
+        from trainer.run import load_policy
 
         cfg, a = spec.config, spec.config.async_rollout
         model, tokenizer = load_policy(cfg.model.path, cfg)
@@ -222,7 +223,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
             prompt=cfg.rollout.prompt, model=None if engine else model,
         )  # fmt: skip
         client = connect(cfg.retrieval, seed=cfg.seed + 1 + spec.index)
-        train_examples, _ = load_examples(cfg)
+        train_examples, _ = load_questions(cfg.data, cfg.seed, cfg.eval.num_questions)
         context = RolloutContext(cfg, generator, client, tokenizer)
         shards = range(cfg.distributed.rollout_shards)
         if a.split == "shards":

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from agent_env.data import DataConfig
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
@@ -50,22 +51,6 @@ class ModelConfig(StrictModel):
                 " model.compute_dtype=bfloat16 for bf16 compute on fp32 master weights"
             )
         return v
-
-
-class DataConfig(StrictModel):
-    """Where training and held-out questions come from (agent_env.data.load_task specs)."""
-
-    train: str = Field("wiki-vital", description="Training task: `wiki-vital` or a data file.")
-    train_split: str = Field("train", description="Split of the training task.")
-    eval: str = Field("wiki-vital", description="Held-out task for the periodic evaluation.")
-    eval_split: str = Field("test", description="Split of the held-out task.")
-    train_questions: int | None = Field(
-        None,
-        ge=1,
-        description="RL pool size: train on only this many of the training questions, a fixed"
-        " subset that is the same for every run seed (agent_env.data.question_pool); None: all."
-        " The pool-size diagnostic trains on 32 to ask whether distinct questions matter.",
-    )
 
 
 class GRPOConfig(StrictModel):
@@ -410,7 +395,7 @@ EXPERIMENT_ONLY_ARMS = {
     "on_policy_filtered": "arm=on_policy grpo.dynamic_sampling=true (DAPO-style refill)",
 }
 """The experiment's arms that are settings of the `on_policy` selector, not selectors of their
-own (evaluation.experiment.arms defines them; the trainer cannot import it)."""
+own (experiment.arms defines them; the trainer cannot import it)."""
 
 
 RENAMED_KEYS = {

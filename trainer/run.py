@@ -184,12 +184,6 @@ def lr_lambda(config: TrainConfig):
     return factor
 
 
-def heldout_subset(examples: list, seed: int, size: int) -> list:
-    """A fixed held-out subset: the first `size` of a seeded shuffle."""
-    perm = np.random.default_rng([seed, 10_007]).permutation(len(examples))
-    return [examples[int(i)] for i in perm[:size]]
-
-
 def load_policy(model_dir: str | Path, config: TrainConfig, frozen: bool = False):
     """Model and tokenizer from a directory. Trained weights load in `model.dtype` (fp32
     master weights); a `frozen` one (the KL reference) in `model.compute_dtype`."""
@@ -275,27 +269,13 @@ def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = 
     return run_dir
 
 
-def load_examples(config: TrainConfig) -> tuple[list[QAExample], list[QAExample]]:
-    """The training questions and the fixed held-out subset, read (and checked) before any
-    model is loaded: a missing data file fails at once, not minutes in."""
-    from agent_env.data import load_task, question_pool
-
-    train_examples = load_task(config.data.train, config.data.train_split)
-    train_examples = question_pool(train_examples, config.data.train_questions)
-    if not train_examples:
-        raise UserError(f"training task {config.data.train!r} has no questions")
-    eval_examples = heldout_subset(
-        load_task(config.data.eval, config.data.eval_split), config.seed, config.eval.num_questions
-    )
-    return train_examples, eval_examples
-
-
 def setup_run(
     config: TrainConfig, resume: str | Path | None = None, force: bool = False
 ) -> tuple[Run, int]:
     """Build the run (fresh or from a checkpoint); returns it and the first step to run.
     Nothing is written, and no model loaded, before the model path, the output folder, the
     data and the server are checked."""
+    from agent_env.data import load_questions
     from agent_env.generation import build_generator
     from agent_env.retrieval_client import connect
 
@@ -309,7 +289,9 @@ def setup_run(
             " epochs of supervised warm start from sft.init_model)",
         )
         dist.on_main(lambda: check_run_dir(config, force))
-    train_examples, eval_examples = load_examples(config)
+    train_examples, eval_examples = load_questions(
+        config.data, config.seed, config.eval.num_questions
+    )
     client = connect(config.retrieval, seed=config.seed)  # no server: one line, at once
 
     def make_run_dir() -> Path:

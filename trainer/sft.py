@@ -282,9 +282,9 @@ def run_sft(config, force: bool = False) -> Path:
     empty, or a model replaced with `force` (checked before any work: `core.paths`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agent_env.data import load_task
+    from agent_env.data import heldout_subset, load_task
     from agent_env.retrieval_client import connect
-    from trainer.run import heldout_subset, seed_everything
+    from trainer.run import seed_everything
 
     sft, out = config.sft, Path(config.model.path)
     check_output(out, MODEL, force=force, inputs=[sft.init_model], option="model.path")

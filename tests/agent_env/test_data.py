@@ -118,14 +118,11 @@ def test_the_question_pool_is_a_fixed_subset_in_the_tasks_order() -> None:
     assert set(question_pool(rl, 8)) < set(pool)  # a smaller pool lies inside a larger one
 
 
-def test_training_reads_only_the_pool(tmp_path: Path) -> None:
-    from trainer.config import TrainConfig
-    from trainer.run import load_examples
+def test_training_reads_only_the_pool() -> None:
+    from agent_env.data import DataConfig, load_questions
 
-    config = TrainConfig.model_validate(
-        {"model": {"path": str(tmp_path)}, "data": {"train_split": "rl", "train_questions": 32}}
-    )
-    train, _ = load_examples(config)
+    data = DataConfig(train_split="rl", train_questions=32)
+    train, _ = load_questions(data, seed=0, heldout=8)
     assert len(train) == 32 and {ex.id for ex in train} <= {
         ex.id for ex in wiki_vital_examples("rl")
     }

@@ -15,11 +15,11 @@ from typing import Any
 
 from pydantic import Field
 
+from agent_env.data import DataConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
 from core.config import StrictModel
 from core.errors import UserError
-from trainer.config import DataConfig
 from trainer.integrations.trl import TRLReplayConfig
 
 # hdr's defaults for TRL's GRPOConfig where TRL's own would surprise on hdr's task (TRL 1.16

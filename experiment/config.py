@@ -19,11 +19,11 @@ from pydantic import Field, ValidationError
 from core.config import StrictModel, build_config, format_validation_error, read_config_file
 from core.errors import UserError
 from evaluation.costs import MEASURED_HERE, CostModel
-from evaluation.experiment.arms import ARMS, Arm
-from evaluation.experiment.precondition import Precondition
+from experiment.arms import ARMS, Arm
+from experiment.precondition import Precondition
 from models.tiny import TinyPolicyConfig
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 MAIN_PRESET = "main"
 
 
@@ -140,7 +140,7 @@ class ExperimentConfig(StrictModel):
     )
     precondition: Precondition | None = Field(
         None,
-        description="The dose-response gate (evaluation/experiment/precondition.py): does the"
+        description="The dose-response gate (experiment/precondition.py): does the"
         " 1.5x fresh step gain >= ratio x the planned comparison's MDE? Reported in"
         " results.json as `precondition`, beside the contrasts.",
     )

@@ -1,4 +1,4 @@
-"""The bed diagnostics (evaluation/experiment/diagnostics.py) on cases worked by hand: the
+"""The bed diagnostics (experiment/diagnostics.py) on cases worked by hand: the
 pool-size check's gains, their difference, the equivalence test and the three verdicts, and
 the dose screen's log-dose arithmetic."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from evaluation.experiment.diagnostics import DoseScreen, PoolCheck, dose_screen, pool_check
 from evaluation.statistics import crossed_interval
+from experiment.diagnostics import DoseScreen, PoolCheck, dose_screen, pool_check
 
 START = np.array([0.0, 0.5, 0.25, 1.0])
 FULL = np.array([[0.5, 0.75, 0.5, 1.0]])

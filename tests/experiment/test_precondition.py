@@ -1,4 +1,4 @@
-"""The dose-response gate (evaluation/experiment/precondition.py) on a hand case, and the
+"""The dose-response gate (experiment/precondition.py) on a hand case, and the
 pilot preset that declares it, through the summary into results.md."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 from test_experiment import _runs
 
 from core.errors import UserError
-from evaluation.experiment.config import experiment_config
-from evaluation.experiment.precondition import gate
-from evaluation.experiment.report import results_markdown
-from evaluation.experiment.summary import summarize
+from experiment.config import experiment_config
+from experiment.precondition import gate
+from experiment.report import results_markdown
+from experiment.summary import summarize
 
 # 2 seeds x 4 questions: seed and question means all 0.1, so MS_S = MS_Q = 0; the residuals
 # are 0, -0.1, 0.1, 0 and 0, 0.1, -0.1, 0: SS_E = 0.04 over 3 df, MS_E = 0.04 / 3

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core.errors import UserError
-from evaluation.experiment.arms import Arm
-from evaluation.experiment.config import ExperimentConfig
+from experiment.arms import Arm
+from experiment.config import ExperimentConfig
 
 
 def base_train_config(

@@ -17,13 +17,13 @@ from processes import alive, children
 
 from core.errors import UserError
 from evaluation.evaluate import DatasetResult, EvalReport
-from evaluation.experiment.arms import ARMS
-from evaluation.experiment.config import experiment_config, read_preset
-from evaluation.experiment.report import results_markdown
-from evaluation.experiment.runs import RunResult, run_order
-from evaluation.experiment.sft_start import ensure_policy, sft_prerequisite, sft_start_dir
-from evaluation.experiment.summary import run_costs, summarize
-from evaluation.experiment.train_configs import arm_train_config
+from experiment.arms import ARMS
+from experiment.config import experiment_config, read_preset
+from experiment.report import results_markdown
+from experiment.runs import RunResult, run_order
+from experiment.sft_start import ensure_policy, sft_prerequisite, sft_start_dir
+from experiment.summary import run_costs, summarize
+from experiment.train_configs import arm_train_config
 from trainer.telemetry import StepCost
 
 REPO = Path(__file__).resolve().parents[2]
@@ -471,8 +471,8 @@ def test_the_sft_start_of_another_split_gets_its_own_name(tmp_path):
 
 
 def test_power_from_a_pilot_dir_matches_the_components_formula(tmp_path):
-    from evaluation.experiment.power import Design, power_table
     from evaluation.statistics import minimum_detectable_effect
+    from experiment.power import Design, power_table
 
     for run in [*_runs(tmp_path, "on_policy", 0.05), *_runs(tmp_path, "headroom_drift", 0.08)]:
         (run.run_dir / "heldout").mkdir(parents=True)
@@ -501,7 +501,7 @@ def test_power_from_a_pilot_dir_matches_the_components_formula(tmp_path):
 
 
 def test_quality_at_matched_cost_reads_each_seed_off_its_curve(tmp_path):
-    from evaluation.experiment.summary import matched_cost
+    from experiment.summary import matched_cost
 
     cfg = experiment_config(
         arms=["on_policy", "headroom_drift"],

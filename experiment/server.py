@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from core.errors import UserError
-from evaluation.experiment.config import ExperimentConfig
+from experiment.config import ExperimentConfig
 
 
 def run_hdr_subcommand(*args: str, log: Path | None = None) -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from core.progress import say
-from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.fingerprint import check_reuse, sft_settings, stored_hash, write_hash
-from evaluation.experiment.train_configs import base_train_config
+from experiment.config import ExperimentConfig
+from experiment.fingerprint import check_reuse, sft_settings, stored_hash, write_hash
+from experiment.train_configs import base_train_config
 
 
 def short_hash(value: Any) -> str:

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import UserError
-from evaluation.experiment.summary import QUALITY_METRICS, correct_samples
 from evaluation.statistics import (
     Components,
     binomial_noise,
@@ -34,6 +33,7 @@ from evaluation.statistics import (
     minimum_detectable_effect,
     sampling_noise,
 )
+from experiment.summary import QUALITY_METRICS, correct_samples
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from evaluation.costs import modelled_cost_markdown
-from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.summary import CPU_KEYS, TIME_KEYS, BudgetRow, ExperimentSummary
 from evaluation.metrics import Spread, markdown_table
 from evaluation.statistics import Equivalence, Estimate
+from experiment.config import ExperimentConfig
+from experiment.summary import CPU_KEYS, TIME_KEYS, BudgetRow, ExperimentSummary
 
 SFT_START = "sft_start"
 

@@ -37,7 +37,7 @@ the command is run again with the same out dir, and only when its stored config 
 with other settings is refused in one line naming what differs, never silently reused.
 """
 
-from evaluation.experiment.config import ExperimentConfig, experiment_config
-from evaluation.experiment.pipeline import run_experiment
+from experiment.config import ExperimentConfig, experiment_config
+from experiment.pipeline import run_experiment
 
 __all__ = ["ExperimentConfig", "experiment_config", "run_experiment"]

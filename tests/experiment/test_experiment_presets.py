@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import UserError
-from evaluation.experiment.config import (
+from experiment.config import (
     PRESETS_DIR,
     ExperimentConfig,
     experiment_config,

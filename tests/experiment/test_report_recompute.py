@@ -1,5 +1,5 @@
 """`hdr report --from DIR` recomputes an experiment's tables from its committed per-question,
-per-seed evaluation files and run metrics (tests/evaluation/fixtures/report-sample)."""
+per-seed evaluation files and run metrics (tests/experiment/fixtures/report-sample)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "tests" / "evaluation" / "fixtures" / "report-sample"
+SAMPLE = REPO / "tests" / "experiment" / "fixtures" / "report-sample"
 
 
 def hdr(*args: str) -> subprocess.CompletedProcess:
@@ -104,7 +104,7 @@ def test_an_export_that_git_would_leave_out_says_so(tmp_path):
 @pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")
 def test_the_projects_own_ignore_rules_keep_exported_evidence(tmp_path):
     """docs/results/<experiment>/runs/... is committed evidence, not a run folder to ignore."""
-    from evaluation.experiment.recompute import ignored_by_git
+    from experiment.recompute import ignored_by_git
 
     names = [Path("pilot/runs/on_policy/seed-1/heldout/eval.json.gz")]
     assert ignored_by_git(REPO / "docs" / "results", names) == []

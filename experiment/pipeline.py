@@ -9,13 +9,13 @@ from pathlib import Path
 
 from core.errors import RunInterrupted
 from core.paths import EXPERIMENT, check_folder, check_output, write_json_atomic, write_text_atomic
-from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.report import results_markdown
-from evaluation.experiment.runs import RunResult, final_eval, heldout_set, run_all
-from evaluation.experiment.server import ensure_index, serve
-from evaluation.experiment.sft_start import ensure_sft
-from evaluation.experiment.summary import ExperimentResults, machine_info, summarize
-from evaluation.experiment.train_configs import base_train_config
+from experiment.config import ExperimentConfig
+from experiment.report import results_markdown
+from experiment.runs import RunResult, final_eval, heldout_set, run_all
+from experiment.server import ensure_index, serve
+from experiment.sft_start import ensure_sft
+from experiment.summary import ExperimentResults, machine_info, summarize
+from experiment.train_configs import base_train_config
 
 
 @contextmanager

@@ -24,11 +24,11 @@ from typing import Any
 
 from core.errors import UserError
 from evaluation.evaluate import GZIPPED, load_report, report_file
-from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.fingerprint import HASH_FILE
-from evaluation.experiment.report import results_markdown
-from evaluation.experiment.runs import RunResult
-from evaluation.experiment.summary import ExperimentSummary, summarize
+from experiment.config import ExperimentConfig
+from experiment.fingerprint import HASH_FILE
+from experiment.report import results_markdown
+from experiment.runs import RunResult
+from experiment.summary import ExperimentSummary, summarize
 
 # keys an older experiment_config.json may hold that no longer exist (dropped, not errors)
 RETIRED_KEYS = ("bootstrap_resamples",)

@@ -1,5 +1,5 @@
 """A run or an SFT start is reused only when its stored config hash is that of the config just
-built; otherwise one line names what differs (evaluation/experiment/fingerprint.py)."""
+built; otherwise one line names what differs (experiment/fingerprint.py)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import yaml
 
 from core.errors import UserError
 from core.fingerprint import digest
-from evaluation.experiment.config import experiment_config
-from evaluation.experiment.fingerprint import (
+from experiment.config import experiment_config
+from experiment.fingerprint import (
     HASH_FILE,
     check_reuse,
     run_settings,
     sft_settings,
     write_hash,
 )
-from evaluation.experiment.runs import run_arm, run_environment
-from evaluation.experiment.sft_start import ensure_sft, init_identity, sft_train_config
-from evaluation.experiment.train_configs import arm_train_config
+from experiment.runs import run_arm, run_environment
+from experiment.sft_start import ensure_sft, init_identity, sft_train_config
+from experiment.train_configs import arm_train_config
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "configs" / "tiny-cpu.yaml"
@@ -84,7 +84,7 @@ def test_a_finished_run_made_with_another_config_is_refused_before_any_work(tmp_
 def test_a_run_carried_by_its_exported_evidence_is_checked_like_a_finished_one(tmp_path):
     """No model, only what `hdr report --export` keeps (hash, metrics, gzipped held-out
     evaluation): it counts as finished, and is refused when the config built now differs."""
-    from evaluation.experiment.runs import carried
+    from experiment.runs import carried
 
     cfg, config, sft = _run_config(tmp_path, out_dir=str(tmp_path / "o"))
     run_dir = Path(config.out_dir)
@@ -127,7 +127,7 @@ def test_an_sft_start_made_with_other_settings_is_refused_not_reused(tmp_path):
         base_config=str(BASE),
         overrides=[*small, "train_overrides=[rollout.max_tokens_per_turn=9]"],
     )
-    from evaluation.experiment.sft_start import ensure_policy, sft_start_dir
+    from experiment.sft_start import ensure_policy, sft_start_dir
 
     init = ensure_policy(made)  # the real tiny policy: the start's identity starts from it
     start = sft_start_dir(made)

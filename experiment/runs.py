@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from core.fingerprint import digest
 from core.progress import say
-from evaluation.experiment.arms import Arm
-from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.fingerprint import HASH_FILE, check_reuse, run_settings, write_hash
-from evaluation.experiment.server import die_with_parent
-from evaluation.experiment.train_configs import arm_train_config
+from experiment.arms import Arm
+from experiment.config import ExperimentConfig
+from experiment.fingerprint import HASH_FILE, check_reuse, run_settings, write_hash
+from experiment.server import die_with_parent
+from experiment.train_configs import arm_train_config
 
 if TYPE_CHECKING:
     from evaluation.evaluate import EvalDataset, EvalReport
@@ -33,9 +33,8 @@ if TYPE_CHECKING:
 
 def heldout_set(cfg: ExperimentConfig) -> list[EvalDataset]:
     """The final evaluation's questions: the same for every arm and seed."""
-    from agent_env.data import load_task
+    from agent_env.data import heldout_subset, load_task
     from evaluation.evaluate import EvalDataset
-    from trainer.run import heldout_subset
 
     examples = load_task(cfg.task, "test")
     examples = heldout_subset(examples, 0, cfg.final_questions or len(examples))

@@ -4,7 +4,7 @@ with the reference arms, and the record of the run that `results.json` is writte
 Every section is a dataclass whose field names are the JSON keys (`write_json_atomic` writes
 them as they are), so a new section of results (pre-declared contrasts, power, quality at
 matched cost) is one more dataclass and one more field of `ExperimentSummary`, filled in
-`summarize` and drawn by `evaluation.experiment.report`.
+`summarize` and drawn by `experiment.report`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import numpy as np
 
 from core.errors import UserError
 from evaluation.costs import ModelledCostRow, matched_modelled_cost
-from evaluation.experiment.config import ExperimentConfig
-from evaluation.experiment.precondition import PreconditionResult, gate, precondition_line
 from evaluation.metrics import PairedDifference, Spread, mean_spread, paired_difference
 from evaluation.statistics import (
     Components,
@@ -38,11 +36,13 @@ from evaluation.statistics import (
     seed_t,
     verdict,
 )
+from experiment.config import ExperimentConfig
+from experiment.precondition import PreconditionResult, gate, precondition_line
 from trainer.telemetry import cost_totals
 
 if TYPE_CHECKING:
     from evaluation.evaluate import EvalReport
-    from evaluation.experiment.runs import RunResult
+    from experiment.runs import RunResult
 
 # The held-out metrics: the summary's name and `EvalReport.per_question`'s name of each.
 QUALITY_METRICS = (("mean_at_k", "mean"), ("best_at_k", "best"), ("greedy_em", "greedy"))

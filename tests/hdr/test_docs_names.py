@@ -22,8 +22,9 @@ FILE_SUFFIX = re.compile(
     r"\.(py|md|json|jsonl|yaml|yml|safetensors|npy|faiss|txt|gz|sh|png|bin|index|parquet"
     r"|lock|toml|csv|log|pt)$"
 )
-# veRL's own config keys (docs/integrations.md), whose first part is also an hdr package's name
-FOREIGN = ("trainer.use_v1", "trainer.v1.")
+# veRL's own config keys (docs/integrations.md) whose first part is also one of hdr's names (a
+# package, a config section): named as veRL's, not resolved in hdr
+FOREIGN = ("trainer.use_v1", "trainer.v1.", "data.tool_config_path")
 DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 PATH = re.compile(r"[\w.\-]+(?:/[\w.\-]*)+")
 

@@ -20,6 +20,7 @@ from core.config import StrictModel, build_config, format_validation_error, read
 from core.errors import UserError
 from evaluation.costs import MEASURED_HERE, CostModel
 from experiment.arms import ARMS, Arm
+from experiment.diagnostics import DoseScreen, PoolCheck
 from experiment.precondition import Precondition
 from models.tiny import TinyPolicyConfig
 
@@ -143,6 +144,18 @@ class ExperimentConfig(StrictModel):
         description="The dose-response gate (experiment/precondition.py): does the"
         " 1.5x fresh step gain >= ratio x the planned comparison's MDE? Reported in"
         " results.json as `precondition`, beside the contrasts.",
+    )
+    pool_check: PoolCheck | None = Field(
+        None,
+        description="The pool-size check of a candidate bed (experiment/diagnostics.py):"
+        " the gains of one arm on the whole RL pool and on a small one, and whether they match"
+        " within a declared margin. Reported in results.json as `pool_check`.",
+    )
+    dose_screen: DoseScreen | None = Field(
+        None,
+        description="The dose screen of a candidate bed: a low against a high number of fresh"
+        " prompts a step, projected to the pilot's 1.5x step by log-dose arithmetic. Reported"
+        " in results.json as `dose_screen`.",
     )
     pilot_bed: str | None = Field(
         None,
@@ -284,11 +297,15 @@ def experiment_config(
     missing = [r for r in cfg.references if r not in cfg.arms]
     if missing:
         raise UserError(f"reference arms {missing} are not among the arms {cfg.arms}")
-    if cfg.precondition is not None:
-        named = [cfg.precondition.arm, cfg.precondition.reference]
-        missing = [n for n in named if n not in cfg.arms]
+    declared = {
+        "precondition": cfg.precondition and [cfg.precondition.arm, cfg.precondition.reference],
+        "pool check": cfg.pool_check and [cfg.pool_check.arm, cfg.pool_check.pool_arm],
+        "dose screen": cfg.dose_screen and [cfg.dose_screen.arm, cfg.dose_screen.reference],
+    }
+    for what, named in declared.items():
+        missing = [n for n in named or [] if n not in cfg.arms]
         if missing:
-            raise UserError(f"the precondition names arms {missing} not among {cfg.arms}")
+            raise UserError(f"the {what} names arms {missing} not among {cfg.arms}")
     missing = [n for c in cfg.contrasts for n in (c.arm, c.reference) if n not in cfg.arms]
     if missing:
         raise UserError(f"contrasts name arms {missing} that are not among the arms {cfg.arms}")

@@ -67,9 +67,7 @@ class PoolCheckResult:
     """The pool-size check as measured: each run's gain over the SFT start and the gains'
     difference (full pool minus small pool), with intervals and the equivalence test."""
 
-    arm: str
-    pool_arm: str
-    metric: str
+    check: PoolCheck
     seeds: list[int]
     questions: int
     full_gain: Estimate
@@ -85,9 +83,7 @@ class DoseScreenResult:
     buys, what the pilot's step would buy by the log-dose arithmetic, and whether it reaches
     the threshold."""
 
-    arm: str
-    reference: str
-    metric: str
+    screen: DoseScreen
     seeds: list[int]
     questions: int
     gain: Estimate
@@ -138,8 +134,7 @@ def pool_check(
     else:
         verdict = "inconclusive: neither a difference nor a match within the margin"
     return PoolCheckResult(
-        arm=check.arm, pool_arm=check.pool_arm, metric=check.metric,
-        seeds=list(seeds), questions=int(full.shape[1]),
+        check=check, seeds=list(seeds), questions=int(full.shape[1]),
         full_gain=full_gain, pool_gain=pool_gain, difference=difference, equivalence=same,
         verdict=verdict,
     )  # fmt: skip
@@ -160,8 +155,7 @@ def dose_screen(
         f" step would buy {projected:+.4f} (needed {screen.needed:.4f})"
     )
     return DoseScreenResult(
-        arm=screen.arm, reference=screen.reference, metric=screen.metric,
-        seeds=list(seeds), questions=int(np.shape(high)[1]), gain=gain,
+        screen=screen, seeds=list(seeds), questions=int(np.shape(high)[1]), gain=gain,
         per_doubling=gain.estimate / doublings, projected_step=projected,
         projected_interval=(gain.low * per_step, gain.high * per_step), needed=screen.needed,
         passes=passes, verdict=verdict,

@@ -30,6 +30,30 @@ def format_interval(interval: Estimate | None) -> str:
     return f"{interval.estimate:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}]"
 
 
+def diagnostics_lines(summary: ExperimentSummary) -> list[str]:
+    """The bed's declared diagnostics, one paragraph each (none when not declared)."""
+    lines = []
+    if summary.pool_check is not None:
+        pc = summary.pool_check
+        lines.append(
+            f"**Pool-size check (declared before the runs): {pc.verdict}.** Gain over the SFT"
+            f" start, {pc.check.metric}: {pc.check.arm} {format_interval(pc.full_gain)},"
+            f" {pc.check.pool_arm}"
+            f" {format_interval(pc.pool_gain)}; difference {format_interval(pc.difference)}"
+            f" ({pc.difference.method}; {len(pc.seeds)} seed(s) x {pc.questions} questions;"
+            f" TOST at +-{pc.equivalence.margin:g}: p = {pc.equivalence.p:.3f}).\n"
+        )
+    if summary.dose_screen is not None:
+        ds = summary.dose_screen
+        low, high = ds.projected_interval
+        lines.append(
+            f"**Dose screen (declared before the runs): {ds.verdict}** (per doubling"
+            f" {ds.per_doubling:+.4f}; the projected step's interval [{low:+.4f}, {high:+.4f}];"
+            f" {ds.gain.method}, {len(ds.seeds)} seed(s) x {ds.questions} questions).\n"
+        )
+    return lines
+
+
 def format_seed_t(interval: Estimate | None) -> str:
     if interval is None or math.isnan(interval.low):
         return "seed t n/a"
@@ -53,6 +77,7 @@ def results_markdown(
             " from this pilot's variance components). Replay arms are compared only on a bed"
             " that says GO.\n"
         )
+    lines += diagnostics_lines(summary)
     lines += [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
     if summary.modelled_cost:
         lines.append("\n" + modelled_cost_markdown(summary.modelled_cost, cfg.cost_model))

@@ -37,6 +37,7 @@ from evaluation.statistics import (
     verdict,
 )
 from experiment.config import ExperimentConfig
+from experiment.diagnostics import DoseScreenResult, PoolCheckResult, dose_screen, pool_check
 from experiment.precondition import PreconditionResult, gate, precondition_line
 from trainer.telemetry import cost_totals
 
@@ -177,6 +178,10 @@ class ExperimentSummary:
     """Quality at matched modelled cost for each env-to-compute ratio (evaluation/costs.py)."""
     precondition: PreconditionResult | None = None
     """The dose-response gate, when the config declares one: GO / NO-GO with its numbers."""
+    pool_check: PoolCheckResult | None = None
+    """The pool-size check, when the config declares one: both gains and their difference."""
+    dose_screen: DoseScreenResult | None = None
+    """The dose screen, when the config declares one: the projected 1.5x step."""
 
 
 @dataclass(frozen=True)
@@ -492,7 +497,50 @@ def summarize(
         matched_cost=matched_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
         modelled_cost=modelled_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
         precondition=precondition_result(arms, cfg) if cfg is not None else None,
+        pool_check=pool_check_result(arms, sft_report, cfg) if cfg is not None else None,
+        dose_screen=dose_screen_result(arms, cfg) if cfg is not None else None,
     )
+
+
+def paired_tables(
+    arms: dict[str, list[RunResult]], arm: str, reference: str, metric: str
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Both arms' per-question scores `[S, Q]` on the seeds both ran, and those seeds."""
+    mine = {r.seed: r for r in arms.get(arm, [])}
+    theirs = {r.seed: r for r in arms.get(reference, [])}
+    seeds = sorted(set(mine) & set(theirs))
+    if not seeds:
+        return np.empty((0, 0)), np.empty((0, 0)), []
+    short = dict(QUALITY_METRICS)[metric]
+    a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
+    b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
+    return a, b, seeds
+
+
+def pool_check_result(
+    arms: dict[str, list[RunResult]], sft_report: EvalReport | None, cfg: ExperimentConfig
+) -> PoolCheckResult | None:
+    """The declared pool-size check over the seeds both arms ran (None without a declared
+    check, a common seed or the SFT start's evaluation, which the gains are measured from)."""
+    check = cfg.pool_check
+    if check is None or sft_report is None:
+        return None
+    full, pool, seeds = paired_tables(arms, check.arm, check.pool_arm, check.metric)
+    if not seeds:
+        return None
+    start = sft_report.per_question(dict(QUALITY_METRICS)[check.metric])
+    return pool_check(full, pool, start, seeds, check, cfg.alpha)
+
+
+def dose_screen_result(
+    arms: dict[str, list[RunResult]], cfg: ExperimentConfig
+) -> DoseScreenResult | None:
+    """The declared dose screen over the seeds both doses ran (None without one)."""
+    screen = cfg.dose_screen
+    if screen is None:
+        return None
+    high, low, seeds = paired_tables(arms, screen.arm, screen.reference, screen.metric)
+    return dose_screen(high, low, seeds, screen, cfg.alpha) if seeds else None
 
 
 def precondition_result(
@@ -503,14 +551,11 @@ def precondition_result(
     pre = cfg.precondition
     if pre is None:
         return None
-    mine = {r.seed: r for r in arms.get(pre.arm, [])}
-    theirs = {r.seed: r for r in arms.get(pre.reference, [])}
-    seeds = sorted(set(mine) & set(theirs))
+    a, b, seeds = paired_tables(arms, pre.arm, pre.reference, pre.metric)
     if len(seeds) < 2:
         return None
-    short = dict(QUALITY_METRICS)[pre.metric]
-    a = np.stack([mine[s].report.per_question(short) for s in seeds])  # (S, Q)
-    b = np.stack([theirs[s].report.per_question(short) for s in seeds])  # (S, Q)
+    mine = {r.seed: r for r in arms[pre.arm]}
+    theirs = {r.seed: r for r in arms[pre.reference]}
     noise = 0.0
     if pre.metric == "mean_at_k":
         noise = sampling_noise(

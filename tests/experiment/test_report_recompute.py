@@ -109,3 +109,49 @@ def test_the_projects_own_ignore_rules_keep_exported_evidence(tmp_path):
     names = [Path("pilot/runs/on_policy/seed-1/heldout/eval.json.gz")]
     assert ignored_by_git(REPO / "docs" / "results", names) == []
     assert ignored_by_git(REPO, [Path("runs/pilot/experiment_config.json")]) != []
+
+
+def test_the_pool_check_and_dose_screen_are_reported_from_the_runs_files(tmp_path):
+    """The pool-size diagnostic on a tiny case: the sample's runs (2 seeds x 16 questions),
+    declared after the fact as a pool check (`on_policy_larger` as the whole pool, `on_policy`
+    as the small one) and a dose screen (1.5x at equal updates). results.json carries both
+    gains and their difference, equal to the per-question files read directly."""
+    import shutil
+
+    import numpy as np
+
+    from evaluation.evaluate import load_report, report_file
+
+    sample = tmp_path / "sample"
+    shutil.copytree(SAMPLE, sample)
+    path = sample / "experiment_config.json"
+    config = json.loads(path.read_text())
+    config["pool_check"] = {"arm": "on_policy_larger", "pool_arm": "on_policy", "margin": 0.05}
+    config["dose_screen"] = {
+        "arm": "on_policy_larger", "reference": "on_policy", "dose_ratio": 1.5, "needed": 0.01
+    }  # fmt: skip
+    path.write_text(json.dumps(config))
+    done = hdr("report", "--from", str(sample), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads((tmp_path / "out" / "results.json").read_text())
+
+    def scores(arm: str) -> np.ndarray:  # (seeds, questions) Mean@k, read from the files
+        runs = [sample / "runs" / arm / f"seed-{s}" / "heldout" / "eval.json" for s in (1, 2)]
+        return np.stack([load_report(report_file(r)).per_question("mean") for r in runs])
+
+    start = load_report(report_file(sample / "sft_start" / "eval.json")).per_question("mean")
+    larger, plain = scores("on_policy_larger"), scores("on_policy")
+    check = got["pool_check"]
+    assert check["seeds"] == [1, 2] and check["questions"] == 16
+    assert check["full_gain"]["estimate"] == pytest.approx(float((larger - start).mean()))
+    assert check["pool_gain"]["estimate"] == pytest.approx(float((plain - start).mean()))
+    assert check["difference"]["estimate"] == pytest.approx(float((larger - plain).mean()))
+    assert (
+        check["difference"]["low"] < check["difference"]["estimate"] < check["difference"]["high"]
+    )
+    assert check["equivalence"]["margin"] == 0.05 and check["verdict"]
+    screen = got["dose_screen"]
+    assert screen["gain"]["estimate"] == pytest.approx(check["difference"]["estimate"])
+    assert screen["projected_step"] == pytest.approx(screen["gain"]["estimate"])  # 1.5x of 1.5x
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "**Pool-size check (declared before the runs):" in md and "**Dose screen" in md

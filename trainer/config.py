@@ -339,17 +339,19 @@ class SFTConfig(StrictModel):
         " data.train_split); `sft` keeps them apart from the `rl` questions RL then trains on.",
     )
     rollout_chunk: int = Field(512, ge=1, description="Questions per scripted rollout call.")
-    query: Literal["verbatim", "shuffled"] = Field(
+    query: Literal["verbatim", "shuffled", "subset"] = Field(
         "verbatim",
-        description="The scripted search: the question verbatim, or its words in a random order"
-        " (one order per trajectory), so the start learns the format without settling which"
-        " words come first; under `rollout.max_query_words` that choice is left to RL.",
+        description="The scripted search: the question verbatim, its words in a random order"
+        " (shuffled), or a random subset of its words in order, each kept with probability"
+        " 1/2 (subset); one draw per trajectory. The last two teach the format without"
+        " settling which words come first; under `rollout.max_query_words` that is left to RL.",
     )
     queries_per_question: int = Field(
         1,
         ge=1,
-        description="Scripted trajectories per question, each with its own order (`shuffled`"
-        " only): several random subsets of the question's words reach the retriever.",
+        description="Scripted trajectories per question, each with its own draw (`shuffled`"
+        " or `subset` only): several random subsets of the question's words reach the"
+        " retriever.",
     )
     length_batches: bool = Field(
         False,
@@ -376,7 +378,7 @@ class SFTConfig(StrictModel):
         if self.queries_per_question > 1 and self.query == "verbatim":
             raise ValueError(
                 "sft.queries_per_question > 1 repeats the same verbatim trajectory: add"
-                " sft.query=shuffled"
+                " sft.query=shuffled or sft.query=subset"
             )
         return self
 

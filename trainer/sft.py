@@ -6,8 +6,9 @@ plus the `sft` section) and:
 
 1. makes one trajectory per training question with agent_env's scripted generator in oracle
    mode, through the real rollout loop against the real retrieval server: the search (the
-   question verbatim, or with `sft.query=shuffled` its words in a random order, one order per
-   trajectory and `sft.queries_per_question` trajectories per question), then the gold title
+   question verbatim, or with `sft.query=shuffled` its words in a random order, with
+   `sft.query=subset` a random subset of them in order: one draw per trajectory,
+   `sft.queries_per_question` trajectories per question), then the gold title
    when it is among the retrieved documents, else Doc 1's title;
 2. trains on them with the RL loss mask (policy tokens only; prompt and observations are
    context), token-mean negative log-likelihood, AdamW, linear warmup then cosine decay;
@@ -45,8 +46,8 @@ from trainer.checkpoint import save_model
 
 def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], list[int]]]:
     """(ids, loss_mask) per trajectory: oracle scripted trajectories via the rollout loop, one
-    per question (verbatim), or `sft.queries_per_question` per question, each searching the
-    question's words in an order of its own (`sft.query=shuffled`)."""
+    per question (verbatim), or `sft.queries_per_question` per question, each searching its own
+    draw of the question's words (`sft.query`: shuffled, subset)."""
     from agent_env.generation.scripted import ScriptedGenerator
     from agent_env.rollout import rollout_groups
 
@@ -57,14 +58,14 @@ def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], 
         config.rollout.prompt,
         oracle=oracle,
         searches=max(1, config.rollout.max_turns),
-        shuffle_query=sft.query == "shuffled",
+        query_form=sft.query,
     )
     copies = sft.queries_per_question
     rows, chunk = [], sft.rollout_chunk
     for lo in range(0, len(examples), chunk):
         part = examples[lo : lo + chunk]
         seeds = None
-        if sft.query == "shuffled":  # a seed per trajectory: its order of the words
+        if sft.query != "verbatim":  # a seed per trajectory: its draw of the words
             seeds = [
                 query_seed(config.seed, lo + i, c) for i in range(len(part)) for c in range(copies)
             ]

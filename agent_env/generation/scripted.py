@@ -1,8 +1,9 @@
 """`scripted` backend: a deterministic policy for tests, reference figures and SFT targets.
 
-First turn: search the question text verbatim (or, with `shuffle_query`, its words in an
-order drawn from the trajectory's sampling seed: a format teacher that leaves which words
-come first open). With `searches=1` (default), after an
+First turn: search the question text verbatim, or another `query_form` of it drawn from the
+trajectory's seed (`QUERY_FORMS`: its words in a random order, or a random subset of them in
+order): a format teacher that leaves which words come first open. With `searches=1`
+(default), after an
 information block: answer the title of Doc 1. With `searches=n`, after each of the first
 n-1 blocks it searches Doc 1's title (the bridge hop of `wiki-bridge`), and after the n-th
 it answers the first title of that block that it has not searched. In oracle mode (given
@@ -23,7 +24,9 @@ the same Generator interface, with the same prompt config, as a real model.
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Callable
 
 from agent_env.generation.base import GENERATORS, Completion, SamplingParams
 from agent_env.prompts import (
@@ -79,14 +82,31 @@ def document_titles(context_text: str) -> list[str]:
     return [_strip_quotes(t) for t in _DOC.findall(block)]
 
 
-def shuffled_words(text: str, seed: int | None) -> str:
-    """`text`'s whitespace-separated words in an order drawn from `seed` (None: from the text
-    itself), so the scripted policy stays reproducible."""
-    import random
-
+def shuffled_words(text: str, rng: random.Random) -> str:
+    """`text`'s whitespace-separated words in a random order."""
     words = text.split()
-    random.Random(text if seed is None else seed).shuffle(words)
+    rng.shuffle(words)
     return " ".join(words)
+
+
+def subset_words(text: str, rng: random.Random) -> str:
+    """A random subset of `text`'s whitespace-separated words in their order: each kept with
+    probability 1/2, one at least (drawn again until one is)."""
+    words = text.split()
+    while words:
+        kept = [w for w in words if rng.random() < 0.5]
+        if kept:
+            return " ".join(kept)
+    return text
+
+
+QUERY_FORMS: dict[str, Callable[[str, random.Random], str]] = {
+    "verbatim": lambda text, rng: text,
+    "shuffled": shuffled_words,
+    "subset": subset_words,
+}
+"""The scripted first search, from the question and the trajectory's own random stream (its
+seed, or the question itself without one, so the scripted policy stays reproducible)."""
 
 
 class ScriptedGenerator:
@@ -99,10 +119,10 @@ class ScriptedGenerator:
         oracle: dict[str, list[str]] | None = None,
         searches: int = 1,
         after_close: str = "",
-        shuffle_query: bool = False,
+        query_form: str = "verbatim",
     ) -> None:
         self.tokenizer = tokenizer
-        self.shuffle_query = shuffle_query
+        self.query_form = QUERY_FORMS[query_form]
         self.prompt = prompt
         self.oracle = oracle
         self.searches = searches
@@ -133,7 +153,7 @@ class ScriptedGenerator:
         if not titles and not question:  # nothing to act on: end the sequence
             return Completion([self.tokenizer.eos_token_id], [0.0], "eos")
         if not titles:
-            query = shuffled_words(question, seed) if self.shuffle_query else question
+            query = self.query_form(question, random.Random(question if seed is None else seed))
             body, open_tag, close_tag = f" {query} ", SEARCH_OPEN, SEARCH_CLOSE
         elif blocks < self.searches:
             body, open_tag, close_tag = f" {titles[0]} ", SEARCH_OPEN, SEARCH_CLOSE

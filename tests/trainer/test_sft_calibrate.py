@@ -58,13 +58,20 @@ def policy_spans(tokenizer, ids, mask) -> list[str]:
     return [tokenizer.decode(s, skip_special_tokens=False) for s in spans]
 
 
-def test_shuffled_sft_queries_vary_the_words_that_reach_the_retriever(
-    tiny_policy, small_qa, retrieval_url, tmp_path
+def is_subsequence(words: list[str], of: list[str]) -> bool:
+    rest = iter(of)
+    return all(w in rest for w in words)
+
+
+@pytest.mark.parametrize("form", ["shuffled", "subset"])
+def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
+    form, tiny_policy, small_qa, retrieval_url, tmp_path
 ):
-    """`sft.query=shuffled`, 3 trajectories per question under a 2-word query budget: every
-    scripted search is the question's words in some order, the orders of a question differ,
-    the observation is the server's answer to the first two of them, and a rerun makes the
-    same rows (the orders come from the seed)."""
+    """`sft.query=shuffled|subset`, 3 trajectories per question under a 2-word query budget:
+    every scripted search is the question's words in some order (shuffled) or some of them in
+    their order (subset), the draws of a question differ, the observation is the server's
+    answer to the first two words, and a rerun makes the same rows (the draws come from the
+    seed)."""
     import httpx
     from transformers import AutoTokenizer
 
@@ -74,8 +81,7 @@ def test_shuffled_sft_queries_vary_the_words_that_reach_the_retriever(
     from trainer.sft import scripted_rows
 
     extra = ["rollout.max_tokens_per_turn=48", "rollout.max_query_words=2", "rollout.doc_words=8"]
-    extra += ["rollout.max_obs_tokens=400"]
-    extra += ["sft.query=shuffled", "sft.queries_per_question=3"]
+    extra += ["rollout.max_obs_tokens=400", f"sft.query={form}", "sft.queries_per_question=3"]
     overrides = tiny_overrides(retrieval_url, tmp_path / "m", small_qa, tmp_path / "r", *extra)
     cfg = load_config(TrainConfig, TINY_CPU, overrides)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_policy))
@@ -89,14 +95,17 @@ def test_shuffled_sft_queries_vary_the_words_that_reach_the_retriever(
         queries = []
         for ids, mask in rows[3 * n : 3 * n + 3]:
             query = policy_spans(tokenizer, ids, mask)[0].removesuffix("</search>").strip()
-            assert sorted(query.split()) == sorted(ex.question.split())
+            if form == "shuffled":
+                assert sorted(query.split()) == sorted(ex.question.split())
+            else:
+                assert query and is_subsequence(query.split(), ex.question.split())
             sent = " ".join(query.split()[:2])
             request = {"queries": [sent], "topk": 3, "retriever": cfg.retrieval.retriever}
             raw = httpx.post(f"{retrieval_url}/retrieve", json=request)
             docs = format_documents([d["contents"] for d in raw.json()["result"][0]], 8)
             assert docs in tokenizer.decode(ids, skip_special_tokens=False)
             queries.append(query)
-        assert len(set(queries)) > 1, queries  # 3 orders of 4+ words: not all the same
+        assert len(set(queries)) > 1, queries  # 3 draws of 4+ words: not all the same
 
 
 def test_copies_of_a_verbatim_query_are_refused():
@@ -104,7 +113,7 @@ def test_copies_of_a_verbatim_query_are_refused():
 
     from trainer.config import SFTConfig
 
-    with pytest.raises(ValidationError, match=r"sft\.query=shuffled"):
+    with pytest.raises(ValidationError, match=r"sft\.query=shuffled or sft\.query=subset"):
         SFTConfig(queries_per_question=2)
 
 

@@ -343,7 +343,7 @@ class SFTConfig(StrictModel):
         "verbatim",
         description="The scripted search: the question verbatim, its words in a random order"
         " (shuffled), or a random subset of its words in order, each kept with probability"
-        " 1/2 (subset); one draw per trajectory. The last two teach the format without"
+        " 1/2 (subset); one draw per trajectory and epoch. The last two teach the format without"
         " settling which words come first; under `rollout.max_query_words` that is left to RL.",
     )
     queries_per_question: int = Field(

@@ -7,9 +7,11 @@ plus the `sft` section) and:
 1. makes one trajectory per training question with agent_env's scripted generator in oracle
    mode, through the real rollout loop against the real retrieval server: the search (the
    question verbatim, or with `sft.query=shuffled` its words in a random order, with
-   `sft.query=subset` a random subset of them in order: one draw per trajectory,
+   `sft.query=subset` a random subset of them in order: one draw per trajectory and epoch,
    `sft.queries_per_question` trajectories per question), then the gold title
-   when it is among the retrieved documents, else Doc 1's title;
+   when it is among the retrieved documents, else Doc 1's title. Fresh draws every epoch,
+   since a tiny policy trained on fixed ones memorises each question's draw (its training
+   loss falls while the held-out loss stalls near 2.8) instead of learning to copy words;
 2. trains on them with the RL loss mask (policy tokens only; prompt and observations are
    context), token-mean negative log-likelihood, AdamW, linear warmup then cosine decay;
 3. after each epoch (optionally) logs the loss of the held-out questions' scripted
@@ -44,10 +46,13 @@ from core.progress import progress, say
 from trainer.checkpoint import save_model
 
 
-def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], list[int]]]:
+def scripted_rows(
+    config, tokenizer, client, examples, draw: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """(ids, loss_mask) per trajectory: oracle scripted trajectories via the rollout loop, one
     per question (verbatim), or `sft.queries_per_question` per question, each searching its own
-    draw of the question's words (`sft.query`: shuffled, subset)."""
+    draw of the question's words (`sft.query`: shuffled, subset); `draw` numbers the draws
+    (`run_sft` makes one for each epoch)."""
     from agent_env.generation.scripted import ScriptedGenerator
     from agent_env.rollout import rollout_groups
 
@@ -67,7 +72,9 @@ def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], 
         seeds = None
         if sft.query != "verbatim":  # a seed per trajectory: its draw of the words
             seeds = [
-                query_seed(config.seed, lo + i, c) for i in range(len(part)) for c in range(copies)
+                query_seed(config.seed, lo + i, c, draw)
+                for i in range(len(part))
+                for c in range(copies)
             ]
         result = rollout_groups(
             generator, client, tokenizer, part, copies, config.rollout, seeds=seeds
@@ -78,10 +85,11 @@ def scripted_rows(config, tokenizer, client, examples) -> list[tuple[list[int], 
     return rows
 
 
-def query_seed(seed: int, question: int, copy: int) -> int:
-    """The seed of one scripted trajectory's word order: a function of the run's seed, the
-    question's position and the copy, so the SFT data are the same on every rerun."""
-    return int(np.random.SeedSequence([seed, question, copy]).generate_state(1, np.uint32)[0])
+def query_seed(seed: int, question: int, copy: int, draw: int = 0) -> int:
+    """The seed of one scripted trajectory's draw of words: a function of the run's seed, the
+    question's position, the copy and the draw, so the SFT data are the same on every rerun."""
+    entropy = [seed, question, copy] + ([draw] if draw else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
 
 
 def _schedule(total: int, warmup_frac: float, decay: bool = True):
@@ -323,6 +331,8 @@ def run_sft(config, force: bool = False) -> Path:
     done = resume.restore(model, optimizer, scheduler, rng, best, log_path)
     with log_path.open("a" if done else "w") as log:
         for epoch in range(done + 1, sft.epochs + 1):
+            if sft.query != "verbatim" and epoch > 1:  # every epoch its own draws (below)
+                rows = scripted_rows(config, tokenizer, client, examples, draw=epoch - 1)
             model.train()
             losses = []
             batches = progress(

@@ -70,8 +70,8 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
     """`sft.query=shuffled|subset`, 3 trajectories per question under a 2-word query budget:
     every scripted search is the question's words in some order (shuffled) or some of them in
     their order (subset), the draws of a question differ, the observation is the server's
-    answer to the first two words, and a rerun makes the same rows (the draws come from the
-    seed)."""
+    answer to the first two words, a rerun makes the same rows (the draws come from the
+    seed) and the next epoch's draw makes others."""
     import httpx
     from transformers import AutoTokenizer
 
@@ -90,7 +90,9 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
     with RetrievalClient(cfg.retrieval) as client:
         rows = scripted_rows(cfg, tokenizer, client, examples)
         again = scripted_rows(cfg, tokenizer, client, examples)
+        next_epoch = scripted_rows(cfg, tokenizer, client, examples, draw=1)
     assert rows == again and len(rows) == 15
+    assert len(next_epoch) == 15 and next_epoch != rows  # each epoch draws its own words
     for n, ex in enumerate(examples):
         queries = []
         for ids, mask in rows[3 * n : 3 * n + 3]:

@@ -52,10 +52,13 @@ out together, each trajectory under its own seed, as the synchronous loop does w
 The trainer's own engine (held-out evaluation) is then built only when first used
 (`trainer.fresh.LazyGenerator`), so a run holds `workers` engines while it trains.
 
+Devices. `async_rollout.devices` maps each worker to a device (trainer/worker_devices.py):
+a worker on `cuda:N` sees that one GPU only, its engine (or hf module) runs there, a vllm
+worker's module stays on the CPU, and vLLM engines that share a GPU start one at a time.
+`hdr plan-memory` plans the same map, and the run refuses one that does not fit.
+
 Departures: one process group only (no torchrun); no dynamic sampling (a refill would be a
-rollout the queue did not plan); a vllm worker's module sits on `model.device` beside its
-engine (the board's copy and the weight check; on a GPU that is one more copy of the
-weights).
+rollout the queue did not plan).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ from trainer.fresh import (
     roll_shards,
     sample_prompts,
 )
+from trainer.memory_plan import check_worker_placement
+from trainer.worker_devices import place_worker, shared_vllm_gpus
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -212,7 +217,8 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
         from agent_env.retrieval_client import connect
         from trainer.run import load_policy
 
-        cfg, a = spec.config, spec.config.async_rollout
+        cfg = place_worker(spec.config, spec.index)
+        a = cfg.async_rollout
         model, tokenizer = load_policy(cfg.model.path, cfg)
         model.requires_grad_(False)
         # hf samples from this module; a vLLM engine holds its own weights, which every new
@@ -303,17 +309,24 @@ class RolloutWorkers:
     ended: set[int] = field(default_factory=set)
     pids: dict[int, int] = field(default_factory=dict)
     readers: list[threading.Thread] = field(default_factory=list)
+    spawned_at: dict[int, float] = field(default_factory=dict)  # monotonic seconds
+    ready_at: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def start(cls, run: Run, start: int) -> RolloutWorkers:
         """Spawn the workers with the run's current weights as version `start - 1` and wait
         until every one has loaded (a worker's setup failure is one line here)."""
         cfg = run.config
+        check_worker_placement(cfg)
+        one_at_a_time = shared_vllm_gpus(cfg)
         ctx = mp.get_context("spawn")
         board = WeightBoard(run.model, start - 1, ctx)
         stop = ctx.Event()
         workers = cls(cfg, board, [], stop, run.client.stats, start)
         for w in range(cfg.async_rollout.workers):
+            if one_at_a_time:
+                workers._wait_ready(cfg.async_rollout.start_timeout_s)
+            workers.spawned_at[w] = time.monotonic()
             receive, send = ctx.Pipe(duplex=False)
             threads = cfg.async_rollout.worker_threads or torch.get_num_threads()
             spec = WorkerSpec(cfg, w, start, threads)
@@ -351,6 +364,7 @@ class RolloutWorkers:
         kind, w = message[0], message[1]
         if kind == "ready":
             self.pids[w] = message[2]
+            self.ready_at[w] = time.monotonic()
         elif kind == "rollout":
             _, _, step, version, pieces, spent, stats, timing = message
             self.arrived.setdefault(step, {})[w] = Delivered(version, pieces, spent, stats, timing)

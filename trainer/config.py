@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -300,6 +301,22 @@ class AsyncConfig(StrictModel):
         " processes, OpenMP's waiting threads slow every process down: give workers 1 each"
         " on a small machine.",
     )
+    devices: list[str] = Field(
+        default_factory=list,
+        description="The device map: one device per worker (`cuda:N` among the GPUs this"
+        " process sees, or `cpu`), where its generator runs (its vLLM engine, or its hf copy"
+        " of the policy). Empty: every worker on `model.device`. `hdr plan-memory` counts each"
+        " worker on its device, the trainer's included, and the run refuses a map that does"
+        " not fit (docs/trainer.md, Asynchronous rollout).",
+    )
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_are_cuda_or_cpu(cls, v: list[str]) -> list[str]:
+        for device in v:
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+                raise ValueError(f"async_rollout.devices: {device!r} is not cpu, cuda or cuda:N")
+        return v
 
     @field_validator("rule")
     @classmethod
@@ -544,6 +561,10 @@ class TrainConfig(StrictModel):
             (
                 a.split == "shards" and self.distributed.rollout_shards % a.workers != 0,
                 f"distributed.rollout_shards a multiple of async_rollout.workers={a.workers}",
+            ),
+            (
+                bool(a.devices) and len(a.devices) != a.workers,
+                f"one async_rollout.devices entry per worker ({a.workers}), not {len(a.devices)}",
             ),
         ]
         for broken, fix in refuse:

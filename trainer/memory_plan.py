@@ -25,6 +25,14 @@ second copy. AdamW is fused on CUDA (no per-tensor temporaries). vLLM takes
 `gpu_memory_utilization` of the card while awake (its weights, KV cache and own activations
 live inside that share).
 
+Asynchronous rollout workers (`async_rollout.workers`) are planned on the GPUs the device map
+sends them to (`async_rollout.devices`, trainer/worker_devices.py), and are held in every
+phase, since they roll out while the trainer scores and updates: each its own CUDA context; a
+vllm worker its engine's `gpu_memory_utilization` of the card (its module stays on the CPU); an
+hf worker its fp32 copy of the policy (4P), autocast's bf16 copies while it generates (2P, bf16
+compute) and its KV cache. Workers on the trainer's GPU join the trainer's lines; every other
+GPU must hold its own workers (`other_gpus`).
+
 Estimates, stated so they can be checked against a measurement (none was made: no GPU was
 lent): a row is at most T tokens (`generation.max_model_len` with vLLM, else a 1,024-token
 prompt plus `rollout.longest_response`); with hidden size h, MLP size i, K/V width k (KV
@@ -41,12 +49,14 @@ and graphs inside its share as 2 GiB. 5% of the card is left for allocator fragm
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import UserError
 from trainer.config import TrainConfig
 from trainer.scoring import HEAD_SLICE
+from trainer.worker_devices import worker_device, worker_placement
 
 GIB = 2**30
 PHASES = ("rollout", "scoring", "update")
@@ -157,6 +167,8 @@ class MemoryPlan:
     lines: list[Line]
     kv_cache_gib: float | None  # vLLM's KV cache inside its share (None: no vLLM)
     sequences_at_full_length: int | None  # how many max_model_len sequences it holds
+    # GPUs other than the trainer's, by device, with the rollout workers mapped to them
+    other_gpus: dict[str, list[Line]] = field(default_factory=dict)
 
     def total(self, phase: str) -> float:
         return sum(line.gib for line in self.lines if phase in line.phases)
@@ -211,6 +223,9 @@ class MemoryPlan:
                 f"vLLM KV cache: {self.kv_cache_gib:.1f} GiB, {self.sequences_at_full_length}"
                 " sequences of max_model_len at once (shorter ones share it)"
             )
+        for device, lines in self.other_gpus.items():
+            parts = "; ".join(f"{x.component} {x.gib:.2f}" for x in lines)
+            tail.append(f"{device}: {sum(x.gib for x in lines):.1f} GiB in every phase ({parts})")
         return "\n".join([head, "", *rows, "", *tail])
 
     def refusal(self) -> str | None:
@@ -223,6 +238,14 @@ class MemoryPlan:
                 f"the {phase} phase needs {need:.1f} GiB per GPU, over the"
                 f" {self.usable_gib:.1f} GiB usable of {self.gpu_gib:g}"
             )
+            workers = [x for x in self.lines if x.component.startswith("rollout worker")]
+            if workers and need - sum(x.gib for x in workers) <= self.usable_gib:
+                return (
+                    f"{where}, with the {len({x.component.split(':')[0] for x in workers})}"
+                    " rollout worker(s) mapped to the"
+                    f" trainer's GPU taking {sum(x.gib for x in workers):.1f} GiB of it: give"
+                    f" them GPUs of their own, {workers[0].knob}"
+                )
             shrinkable = [x for x in self.lines if phase in x.phases and x.knob_in(phase)]
             fixed = need - sum(x.gib for x in shrinkable)
             if not shrinkable or fixed > self.usable_gib:
@@ -236,6 +259,14 @@ class MemoryPlan:
                 f"{where}; the largest part a setting shrinks is {largest.component}"
                 f" ({largest.gib:.1f} GiB): {largest.knob_in(phase)}"
             )
+        for device, lines in self.other_gpus.items():
+            need = sum(x.gib for x in lines)
+            if need > self.usable_gib:
+                return (
+                    f"{device} holds {need:.1f} GiB of rollout workers, over the"
+                    f" {self.usable_gib:.1f} GiB usable of {self.gpu_gib:g}: map fewer workers"
+                    " to it (async_rollout.devices) or lower generation.gpu_memory_utilization"
+                )
         if self.sequences_at_full_length is not None and self.sequences_at_full_length < 1:
             return (
                 f"vLLM's share leaves {self.kv_cache_gib:.1f} GiB of KV cache, less than one"
@@ -298,6 +329,46 @@ def activation_lines(config: TrainConfig, shape: ModelShape, gib) -> list[Line]:
             )
         )
     return lines
+
+
+def gpu_of(device: str) -> str | None:
+    """`cuda:N` of a torch device string (`cuda` is `cuda:0`); None for the CPU."""
+    return f"cuda:{device.partition(':')[2] or 0}" if device.startswith("cuda") else None
+
+
+def worker_lines(config: TrainConfig, shape: ModelShape, gpu_gib: float, gib) -> dict:
+    """GPU -> the lines of the rollout workers mapped to it (module docstring)."""
+    gen, a, P = config.generation, config.async_rollout, shape.parameters
+    elsewhere = [f"cuda:{k}" for k in range(1, a.workers + 1)]
+    knob = f"async_rollout.devices=[{','.join(elsewhere)}]"  # one GPU each, beside the trainer's
+    out: dict[str, list[Line]] = {}
+    for w in range(a.workers):
+        gpu = gpu_of(worker_device(config, w))
+        if gpu is None:
+            continue
+        held = [Line(f"rollout worker {w}: CUDA context", CONTEXT_GIB, PHASES, knob)]
+        if gen.backend == "vllm":
+            share = gen.gpu_memory_utilization
+            name = f"rollout worker {w}: vLLM engine, {share:g} of the GPU"
+            held.append(Line(name, share * gpu_gib, PHASES, knob, gpu_fraction=share))
+        else:
+            rows = gen.max_batch or -(-config.grpo.fresh_rows // a.workers)
+            kv = gib(rows * row_tokens(config, shape) * shape.kv_bytes_per_token)
+            copies = 2 * P if config.model.compute_dtype == "bfloat16" else 0
+            name = f"rollout worker {w}: fp32 policy copy, bf16 casts, KV cache of {rows} rows"
+            held.append(Line(name, gib(4 * P + copies) + kv, PHASES, knob))
+        out.setdefault(gpu, []).extend(held)
+    return out
+
+
+def placement_refusal(config: TrainConfig, shape: ModelShape, gpu_gib: float) -> str | None:
+    """Why the rollout workers do not fit where `async_rollout.devices` puts them, in one
+    line: the plan with them is refused where the trainer's alone fits (None otherwise; a
+    trainer that does not fit alone is `hdr plan-memory`'s to say)."""
+    alone = config.async_rollout.model_copy(update={"workers": 0, "devices": []})
+    if plan_memory(config.model_copy(update={"async_rollout": alone}), shape, gpu_gib).refusal():
+        return None
+    return plan_memory(config, shape, gpu_gib).refusal()
 
 
 def gradient_line(parameters: int, gpus: int, gib) -> Line:
@@ -372,4 +443,28 @@ def plan_memory(
                 "generation.max_batch",
             )
         )
-    return MemoryPlan(name, shape, gpu_gib, gpus, lines, kv_gib, sequences)
+    workers = worker_lines(config, shape, gpu_gib, gib) if config.async_rollout.enabled else {}
+    lines += workers.pop(gpu_of(config.model.device), [])
+    return MemoryPlan(name, shape, gpu_gib, gpus, lines, kv_gib, sequences, workers)
+
+
+def check_worker_placement(config: TrainConfig) -> None:
+    """Refuse, in one line, a device map this process cannot honour: a GPU it does not see,
+    or GPUs (the trainer's included) that cannot hold the workers mapped to them by
+    `hdr plan-memory`'s arithmetic, with the cards' real size."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = set()
+    for w in range(config.async_rollout.workers):
+        physical, _ = worker_placement(config, w, visible)
+        if physical is not None:
+            gpus.add(int(worker_device(config, w).partition(":")[2] or 0))
+    import torch
+
+    if not gpus or not torch.cuda.is_available():  # no card to size: nothing to plan
+        return
+    if config.model.device.startswith("cuda"):
+        gpus.add(torch.device(config.model.device).index or 0)
+    card = min(torch.cuda.get_device_properties(k).total_memory for k in gpus) / GIB
+    refusal = placement_refusal(config, model_shape(config.model.path), card)
+    if refusal:
+        raise UserError(f"async_rollout.devices: {refusal}")

@@ -227,3 +227,67 @@ def test_the_trl_8gpu_config_on_40_gb_is_refused_in_one_line_naming_the_micro_ba
     assert line.startswith("hdr: error: ") and "the update phase needs 57.1 GiB" in line
     assert line.endswith("trl.per_device_train_batch_size=8")
     assert "| **total** |" in done.stdout and "| update (forward + backward) | 192 |" in done.stdout
+
+
+def test_rollout_workers_are_planned_on_the_gpus_the_device_map_names():
+    """Asynchronous rollout: each vLLM worker's CUDA context and engine share (0.3 of an 80 GiB
+    card) in every phase, on the trainer's GPU when the map is empty; on GPUs of their own they
+    leave the trainer's plan as it was and each GPU is checked alone."""
+    on_gpu = CONFIG.model_copy(
+        update={"model": CONFIG.model.model_copy(update={"device": "cuda:0"})}
+    )
+    shared = on_gpu.model_copy(update={"async_rollout": on_gpu.async_rollout.model_copy(
+        update={"workers": 2, "max_lag": 1})})  # fmt: skip
+    alone, beside = plan_memory(on_gpu, SHAPE, 80), plan_memory(shared, SHAPE, 80)
+    for phase in ("rollout", "scoring", "update"):
+        assert beside.total(phase) == pytest.approx(alone.total(phase) + 2 * (1 + 0.3 * 80))
+    assert beside.refusal() == (
+        "the rollout phase needs 88.0 GiB per GPU, over the 76.0 GiB usable of 80, with the 2"
+        " rollout worker(s) mapped to the trainer's GPU taking 50.0 GiB of it: give them GPUs"
+        " of their own, async_rollout.devices=[cuda:1,cuda:2]"
+    )
+    mapped = shared.model_copy(update={"async_rollout": shared.async_rollout.model_copy(
+        update={"devices": ["cuda:1", "cuda:2"]})})  # fmt: skip
+    apart = plan_memory(mapped, SHAPE, 80)
+    assert [apart.total(p) for p in PHASES] == [alone.total(p) for p in PHASES]
+    assert {gpu: sum(x.gib for x in lines) for gpu, lines in apart.other_gpus.items()} == {
+        "cuda:1": pytest.approx(25.0), "cuda:2": pytest.approx(25.0)
+    }  # fmt: skip
+    assert apart.refusal() is None and "cuda:1: 25.0 GiB in every phase" in apart.table()
+    # hf workers: the fp32 copy 4e9 + bf16 casts 2e9 bytes and a KV cache each; 13 on one GPU
+    # overflow it
+    crowded = mapped.model_copy(update={
+        "generation": mapped.generation.model_copy(update={"backend": "hf", "max_batch": 4}),
+        "async_rollout": mapped.async_rollout.model_copy(
+            update={"workers": 13, "devices": ["cuda:1"] * 13}),
+    })  # fmt: skip
+    refused = plan_memory(crowded, SHAPE, 80).refusal()
+    assert (
+        refused.startswith("cuda:1 holds ") and "of rollout workers, over the 76.0 GiB" in refused
+    )
+
+
+def test_the_3b_config_with_two_engine_workers_on_its_gpu_is_refused_in_one_line(tmp_path):
+    """`hdr plan-memory`, and the same arithmetic at `hdr train`'s start (`placement_refusal`
+    before any worker is spawned): two vLLM workers beside the trainer on one 80 GB GPU do not
+    fit; a GPU each does."""
+    from trainer.memory_plan import placement_refusal
+
+    args = ["async_rollout.workers=2", "async_rollout.max_lag=1", "grpo.tis_cap=null"]
+    config = load_config(TrainConfig, REPO / "configs/search-r1-qwen2.5-3b.yaml", args)
+    shape = model_shape(config.model.path)
+    line = placement_refusal(config, shape, 80)
+    assert line.endswith("give them GPUs of their own, async_rollout.devices=[cuda:1,cuda:2]")
+    apart = load_config(TrainConfig, REPO / "configs/search-r1-qwen2.5-3b.yaml",
+                        [*args, "async_rollout.devices=[cuda:1,cuda:2]"])  # fmt: skip
+    assert placement_refusal(apart, shape, 80) is None
+    done = subprocess.run(
+        [sys.executable, "-m", "hdr.cli", "plan-memory", "--config",
+         str(REPO / "configs/search-r1-qwen2.5-3b.yaml"), "--gpu-gb", "80", *args],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2
+    (refusal,) = done.stderr.strip().splitlines()
+    assert refusal.startswith("hdr: error: ") and refusal.endswith(line)
+    # a trainer that does not fit alone is plan-memory's to say, not the placement's
+    assert placement_refusal(config, shape, 40) is None

@@ -172,7 +172,10 @@ class LLM:
             "kwargs": kwargs,
             "device": device,
             "in_process": in_process,
-            "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+            "env": {
+                k: os.environ.get(k)
+                for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES")
+            },
             "torch_world": dist.get_world_size() if dist.is_initialized() else 1,
         }
         self.model = FakeModel(model)

@@ -452,14 +452,14 @@ def check_worker_placement(config: TrainConfig) -> None:
     """Refuse, in one line, a device map this process cannot honour: a GPU it does not see,
     or GPUs (the trainer's included) that cannot hold the workers mapped to them by
     `hdr plan-memory`'s arithmetic, with the cards' real size."""
+    import torch
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = set()
     for w in range(config.async_rollout.workers):
         physical, _ = worker_placement(config, w, visible)
         if physical is not None:
             gpus.add(int(worker_device(config, w).partition(":")[2] or 0))
-    import torch
-
     if not gpus or not torch.cuda.is_available():  # no card to size: nothing to plan
         return
     if config.model.device.startswith("cuda"):

@@ -154,6 +154,7 @@ def test_the_scoring_check_passes_on_the_cpu(qwen_policy_dir, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # two short runs of hdr's loop on the CPU: about 10 minutes here
 def test_the_train_and_memory_checks_pass_on_the_cpu(qwen_policy_dir, retrieval_url, tmp_path):
     """`hdr train` (hf backend, bf16 autocast, the 3B config shrunk) to a PASS, and hdr's loop
     under the memory check's instrumentation: every phase of the second step is seen (nothing

@@ -35,9 +35,9 @@ Everything is resumable: a finished run (its `final/` and held-out `eval.json`) 
 the command is run again with the same out dir, and only when its stored config hash
 (`config_hash.json`, `fingerprint`) is that of the config just built; a run or SFT start made
 with other settings is refused in one line naming what differs, never silently reused.
+
+The package imports nothing here: `hdr` registers `experiment/cli.py` at start-up, and the
+retrieval image runs `hdr` without torch (or scipy's view of it), so the experiment's modules
+load only inside its commands (`experiment.config.experiment_config`,
+`experiment.pipeline.run_experiment`).
 """
-
-from experiment.config import ExperimentConfig, experiment_config
-from experiment.pipeline import run_experiment
-
-__all__ = ["ExperimentConfig", "experiment_config", "run_experiment"]

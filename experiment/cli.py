@@ -132,7 +132,8 @@ def experiment_command(
 ) -> None:
     """Train every arm with the same SFT start, seeds and held-out questions against a real
     `hdr serve`; write results.json, results.md and charts."""
-    from experiment import experiment_config, run_experiment
+    from experiment.config import experiment_config
+    from experiment.pipeline import run_experiment
 
     flags = [name for name, on in (("bridge", bridge), ("ablations", ablations)) if on]
     presets = presets or []
@@ -219,7 +220,8 @@ def demo_command(
 ) -> None:
     """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
     headroom_drift run and its held-out evaluation beside the SFT start."""
-    from experiment import experiment_config, run_experiment
+    from experiment.config import experiment_config
+    from experiment.pipeline import run_experiment
 
     cfg = experiment_config(
         "demo",

@@ -6,10 +6,14 @@ Wire format (Search-R1 compatible, see docs/retrieval.md):
     response  {"result": [[{"document": {"id", "contents", ...}, "score": float}, ...], ...]}
               or, without scores, {"result": [[{"id", "contents", ...}, ...], ...]}
 
-`retriever` is hdr's addition (null: the server's default). `RetrieveRequest` is the wire shape
-a client sends; a server validates with `profile_request_model(...)`, derived from its profile
-and limits. hdr's server always returns `id`; `Document.id` is optional so that clients also read
-servers whose documents carry none (Search-R1's BM25 index).
+`retriever` is hdr's addition (null: the server's default). Two response headers, also hdr's,
+tell a client what its request cost without touching the body: `X-HDR-Billed-Queries` (queries
+computed for it: by the index, or forwarded to an upstream) and `X-HDR-Cached-Queries` (queries
+answered without a computation: from the cache, or by an identical query in flight).
+`RetrieveRequest` is the wire shape a client sends; a server validates with
+`profile_request_model(...)`, derived from its profile and limits. hdr's server always returns
+`id`; `Document.id` is optional so that clients also read servers whose documents carry none
+(Search-R1's BM25 index).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from pydantic import (
 )
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+BILLED_HEADER = "x-hdr-billed-queries"
+CACHED_HEADER = "x-hdr-cached-queries"
 
 
 def without_lone_surrogates(text: str) -> str:
@@ -90,15 +96,49 @@ class EmulatedCostReport(BaseModel):
     seconds_waited: float
 
 
+class CacheReport(BaseModel):
+    """`/health`'s account of the result cache (queries since start; see docs/retrieval.md)."""
+
+    enabled: bool
+    hits: int  # queries answered from the cache
+    misses: int  # queries computed: the billed ones
+    coalesced: int  # queries answered by a computation in flight (or a duplicate in a request)
+    entries: int
+    bytes: int
+    max_bytes: int
+    evictions: int
+    expired: int
+    loaded: int  # entries read from persist_path at start
+    ttl_s: float | None
+    fingerprint: str  # of the index and the settings that decide answers (part of every key)
+
+
+class UpstreamReport(BaseModel):
+    """`/health`'s account of proxy mode: what was forwarded and what it cost."""
+
+    url: str
+    requests: int  # HTTP requests the upstream answered
+    calls: int  # queries forwarded and answered: the billed calls
+    retries: int
+    failures: int  # forwards that failed after their retries (answered 502/504)
+    refused_over_budget: int  # requests answered 429
+    price_per_call: float
+    spent: float
+    max_calls: int | None
+    max_spend: float | None
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok", "unhealthy"]
     reason: str | None = None  # why unhealthy, one line; None when ok
-    documents: int
-    encoder: str
-    index_type: str | None  # None: no dense index (BM25 only)
+    documents: int | None  # None: a proxy whose upstream does not say
+    encoder: str | None
+    index_type: str | None  # None: no dense index (BM25 only), or not known (proxy)
     retrievers: list[str]
-    default_retriever: str
+    default_retriever: str | None  # None: a proxy leaves it to its upstream
     emulated_cost: EmulatedCostReport
+    cache: CacheReport
+    upstream: UpstreamReport | None = None  # proxy mode only
 
 
 class ErrorResponse(BaseModel):

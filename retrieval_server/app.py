@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -44,7 +43,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.errors import UserError
+from retrieval_server.answers import (
+    Answered,
+    Answers,
+    BatcherBackend,
+    Passage,
+    join_answers,
+)
 from retrieval_server.api import (
+    BILLED_HEADER,
+    CACHED_HEADER,
+    CacheReport,
     ErrorResponse,
     HealthResponse,
     PlainResponse,
@@ -52,16 +61,22 @@ from retrieval_server.api import (
     profile_request_model,
 )
 from retrieval_server.batching import MicroBatcher, Overloaded, SearchFailed
+from retrieval_server.cache import ResultCache, answer_fingerprint, open_persisted
 from retrieval_server.config import ServerConfig
+from retrieval_server.connections import ARRIVAL
 from retrieval_server.emulated_cost import CostEmulator
-from retrieval_server.index import DocumentStore, LoadedIndex, load_index
+from retrieval_server.index import DocumentStore, IndexManifest, LoadedIndex, load_index
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
+from retrieval_server.upstream import BudgetSpent, UpstreamBackend, UpstreamError
 
 KNOWN_PATHS = {"/retrieve", "/health", "/metrics"}
 UNLIMITED_PATHS = {"/health", "/metrics"}  # answered even at the concurrency limit
 OPEN_PATHS = {"/health"}  # no token needed (orchestrator health checks)
 MAX_LOC_CHARS = 64  # a validation error names the field, cut to this; input is never echoed
 CLIENT_GONE = 499  # recorded in metrics for a client that left; nobody receives it
+# about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.0025, 0.004, 0.006, 0.01, 0.015, 0.025, 0.04,
+                     0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 1, 1.5, 2.5, 4, 6, 10, 15, 30)  # fmt: skip
 
 
 class ServerMetrics:
@@ -83,9 +98,9 @@ class ServerMetrics:
         )
         self.latency = Histogram(
             "hdr_retrieval_request_seconds",
-            "Request latency by endpoint.",
+            "The server's latency by endpoint: from a request's arrival to its response sent.",
             ["endpoint"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self.queries = Counter(
@@ -146,6 +161,26 @@ class ServerMetrics:
             "Queries cut to max_query_chars (search-r1 profile).",
             registry=self.registry,
         )
+        self.connections = Gauge(
+            "hdr_retrieval_connections", "HTTP connections held open.", registry=self.registry
+        )
+        self.connections_cut = Counter(
+            "hdr_retrieval_connections_cut",
+            "Connections the server closed: head_timeout (no request head within "
+            "head_timeout_s), evicted_stalled / evicted_idle (to make room past "
+            "max_connections), refused (past max_connections, every connection busy).",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def connection_event(self, event: str) -> None:
+        """What the guarded protocol reports (retrieval_server.connections)."""
+        if event == "opened":
+            self.connections.inc()
+        elif event == "closed":
+            self.connections.dec()
+        else:
+            self.connections_cut.labels(event).inc()
 
     def observe_batch(self, retriever: str, queries: int) -> None:
         self.queries.labels(retriever).inc(queries)
@@ -154,11 +189,19 @@ class ServerMetrics:
 
 @dataclass
 class ServingState:
-    """What the lifespan loads and the handlers use."""
+    """What the lifespan loads and the handlers use: an index searched through the batcher,
+    or (proxy mode) an upstream, with the answers' cache in front of either."""
 
-    index: LoadedIndex
-    retrievers: dict[str, Retriever]
-    batcher: MicroBatcher
+    answers: Answers
+    fingerprint: str
+    index: LoadedIndex | None = None
+    retrievers: dict[str, Retriever] | None = None
+    batcher: MicroBatcher | None = None
+    upstream: UpstreamBackend | None = None
+    upstream_health: dict[str, Any] | None = None  # the upstream's /health at start
+
+    def unhealthy_reason(self) -> str | None:
+        return None if self.batcher is None else self.batcher.unhealthy_reason()
 
 
 class BatcherCollector:
@@ -169,7 +212,7 @@ class BatcherCollector:
 
     def collect(self) -> Iterator[Any]:
         state: ServingState | None = getattr(self.app.state, "serving", None)
-        if state is None:
+        if state is None or state.batcher is None:
             return
         batcher = state.batcher
         yield GaugeMetricFamily(
@@ -204,33 +247,81 @@ class BatcherCollector:
         )
 
 
-Passage = tuple[bytes, float]  # a hit's document as response JSON, and its score
+class CacheCollector:
+    """Reads the result cache's and the upstream's counts when /metrics is scraped."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Any]:
+        state: ServingState | None = getattr(self.app.state, "serving", None)
+        if state is None:
+            return
+        cache = state.answers.cache
+        if cache is not None:
+            stats = cache.stats
+            queries = CounterMetricFamily(
+                "hdr_retrieval_cache_queries",
+                "Queries by how they were answered: hit (the cache), coalesced (a computation "
+                "in flight, or a duplicate in the request), miss (computed: billed).",
+                labels=["outcome"],
+            )
+            outcomes = {"hit": stats.hits, "miss": stats.misses, "coalesced": stats.coalesced}
+            for outcome, count in outcomes.items():
+                queries.add_metric([outcome], count)
+            yield queries
+            yield CounterMetricFamily(
+                "hdr_retrieval_cache_evictions",
+                "Entries evicted to stay within max_bytes.",
+                value=stats.evictions,
+            )
+            yield GaugeMetricFamily(
+                "hdr_retrieval_cache_bytes", "Bytes the cache holds.", value=cache.bytes
+            )
+            yield GaugeMetricFamily(
+                "hdr_retrieval_cache_max_bytes",
+                "The cache's bound in bytes.",
+                value=cache.max_bytes,
+            )
+            yield GaugeMetricFamily(
+                "hdr_retrieval_cache_entries", "Answers cached.", value=len(cache)
+            )
+        if state.upstream is not None:
+            counts = state.upstream.counts
+            yield CounterMetricFamily(
+                "hdr_retrieval_upstream_calls",
+                "Queries forwarded to the upstream and answered: the billed calls.",
+                value=counts.calls,
+            )
+            yield CounterMetricFamily(
+                "hdr_retrieval_upstream_requests",
+                "HTTP requests the upstream answered.",
+                value=counts.requests,
+            )
+            yield CounterMetricFamily(
+                "hdr_retrieval_upstream_retries", "Forwards retried.", value=counts.retries
+            )
+            yield CounterMetricFamily(
+                "hdr_retrieval_upstream_failures",
+                "Forwards that failed after their retries (answered 502 or 504).",
+                value=counts.failures,
+            )
+            yield CounterMetricFamily(
+                "hdr_retrieval_upstream_over_budget",
+                "Requests answered 429: the spend budget had run out.",
+                value=counts.refused_over_budget,
+            )
+            yield GaugeMetricFamily(
+                "hdr_retrieval_upstream_spent",
+                "Billed calls x price_per_call.",
+                value=state.upstream.budget.spent,
+            )
 
 
 def fetch_passages(store: DocumentStore, hits: list[list[Hit]]) -> list[list[Passage]]:
     """The hit rows' documents as response JSON (the corpus line's own bytes where its id is a
     string): result[query][rank]. Runs in the search thread, after the search."""
     return [[(store.get_json(row), score) for row, score in query_hits] for query_hits in hits]
-
-
-def score_json(score: float) -> bytes:
-    return repr(score).encode() if math.isfinite(score) else b"null"
-
-
-def render_result(passages: list[list[Passage]], with_scores: bool) -> bytes:
-    """`{"result": [[...], ...]}` from pre-encoded documents, without parsing them again:
-    `{"document": ..., "score": ...}` items with scores, the documents alone without."""
-    queries = []
-    for query in passages:
-        if with_scores:
-            items = b",".join(
-                b'{"document":%s,"score":%s}' % (document, score_json(score))
-                for document, score in query
-            )
-        else:
-            items = b",".join(document for document, _ in query)
-        queries.append(b"[" + items + b"]")
-    return b'{"result":[' + b",".join(queries) + b"]}"
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -466,7 +557,11 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 class RequestMetricsMiddleware:
     """Pure ASGI middleware (cheaper than `@app.middleware`): counts every HTTP request and its
-    latency by endpoint and status; unknown paths are counted as "other"."""
+    latency by endpoint and status; unknown paths are counted as "other". The latency is the
+    server's own: from the request's arrival (its first byte parsed, as the guarded protocol
+    records it; else from when the app first ran it) to its last byte handed to the socket;
+    each response also says its time to the response's start in a `Server-Timing` header
+    (`total;dur=MILLISECONDS`), so a client can put the server's view beside its own."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -477,13 +572,15 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         endpoint = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
-        started = time.perf_counter()
+        started = scope.get("extensions", {}).get(ARRIVAL) or time.perf_counter()
         status = 500  # if the app fails before answering
 
         async def send_and_record(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                took = b"total;dur=%.3f" % (1000 * (time.perf_counter() - started))
+                message["headers"] = [*message.get("headers", ()), (b"server-timing", took)]
             await send(message)
 
         try:
@@ -499,7 +596,9 @@ class RequestMetricsMiddleware:
 
 
 def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingState:
-    """Load the index and every retriever it supports; the default must be among them."""
+    """Load the index and every retriever it supports (the default must be among them), and
+    the answers' cache in front of the batcher."""
+    assert config.index_dir is not None
     wanted = config.retrievers
     index = load_index(
         config.index_dir,
@@ -530,7 +629,62 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         on_batch=metrics.observe_batch,
         fetch=lambda hits: fetch_passages(index.documents, hits),
     )
-    return ServingState(index=index, retrievers=retrievers, batcher=batcher)
+    fingerprint = index_fingerprint(index.manifest, config)
+    answers = make_answers(BatcherBackend(batcher), config, fingerprint)
+    return ServingState(
+        answers=answers,
+        fingerprint=fingerprint,
+        index=index,
+        retrievers=retrievers,
+        batcher=batcher,
+    )
+
+
+def index_fingerprint(manifest: IndexManifest, config: ServerConfig) -> str:
+    """What, besides a query's key, decides its answer: the index as built (its manifest, but
+    not where its corpus lies) and the serving settings that change results."""
+    dense = config.dense
+    return answer_fingerprint(
+        {
+            "manifest": manifest.model_dump(mode="json", exclude={"corpus_path"}),
+            "query_prefix": config.query_prefix,
+            "encoder": config.encoder.model_dump(include={"backend", "device", "fp16"}),
+            "dense": dense.model_dump(
+                include={"nprobe", "ef_search", "refine_k_factor", "exact_k_factor"}
+            ),
+            "gpu": dense.gpus is not None,  # float16 vectors
+        }
+    )
+
+
+def make_answers(backend, config: ServerConfig, fingerprint: str) -> Answers:
+    """The cache (persisted answers of the same fingerprint loaded) in front of `backend`."""
+    settings = config.cache
+    cache = None
+    if settings.enabled:
+        cache = ResultCache(settings.max_bytes, fingerprint, settings.ttl_s)
+        open_persisted(cache, settings.persist_path)
+    return Answers(backend, cache, CostEmulator(config.emulated_cost))
+
+
+async def open_upstream_state(config: ServerConfig) -> ServingState:
+    """Proxy mode: the upstream (asked for its /health, so its index's fingerprint becomes
+    part of ours) with the answers' cache in front."""
+    assert config.upstream is not None
+    upstream = UpstreamBackend(config.upstream)
+    try:
+        health = await upstream.describe()
+    except BaseException:
+        await upstream.close()
+        raise
+    served = health.get("cache") if isinstance(health.get("cache"), dict) else {}
+    fingerprint = answer_fingerprint(
+        {"upstream": config.upstream.url, "fingerprint": served.get("fingerprint")}
+    )
+    answers = await asyncio.to_thread(make_answers, upstream, config, fingerprint)
+    return ServingState(
+        answers=answers, fingerprint=fingerprint, upstream=upstream, upstream_health=health
+    )
 
 
 async def client_gone(request: Request) -> None:
@@ -539,13 +693,18 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-async def search_or_give_up(
-    state: ServingState, config: ServerConfig, metrics: ServerMetrics, request: Request, args
-) -> list[list[Passage]] | Response:
-    """The batcher's passages, or the response for a request that could not be searched: 503
-    when refused, failed or past its deadline; a response nobody reads when the client left."""
+async def answer_or_give_up(
+    state: ServingState,
+    config: ServerConfig,
+    metrics: ServerMetrics,
+    request: Request,
+    args: tuple[list[str], int, str, bool],
+) -> Answered | Response:
+    """The request's answers, or the response for a request that could not be answered: 503
+    when refused, failed or past its deadline; 429 past the upstream's budget; 502/504 when
+    the upstream failed; a response nobody reads when the client left."""
     retry = {"Retry-After": str(config.retry_after_s)}
-    search = asyncio.ensure_future(state.batcher.search(*args))
+    search = asyncio.ensure_future(state.answers.get(*args))
     gone = asyncio.ensure_future(client_gone(request))
     try:
         await asyncio.wait(
@@ -570,47 +729,59 @@ async def search_or_give_up(
         return error_response(503, f"server {err.reason}; retry later", retry)
     except SearchFailed as err:
         return error_response(503, f"{err}; retry", retry)
+    except BudgetSpent as err:
+        return error_response(429, str(err))
+    except UpstreamError as err:
+        return error_response(err.status, err.detail)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
-    """The retrieval service for one index; resources load when the app starts."""
+    """The retrieval service for one index (or one upstream); resources load when the app
+    starts."""
     metrics = ServerMetrics()
-    emulator = CostEmulator(config.emulated_cost)
     RetrieveBody = profile_request_model(
         config.profile, config.query_limit, config.max_query_chars, config.max_topk
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = await asyncio.to_thread(load_serving_state, config, metrics)
-        state.batcher.start()
+        if config.upstream is not None:
+            state = await open_upstream_state(config)
+        else:
+            state = await asyncio.to_thread(load_serving_state, config, metrics)
+        if state.batcher is not None:
+            state.batcher.start()
         app.state.serving = state
         try:
             yield
         finally:
-            await state.batcher.stop()
-            state.index.close()
+            await close_serving_state(state, config)
 
     app = FastAPI(title="hdr retrieval server", version="1", lifespan=lifespan)
+    app.state.metrics = metrics  # the server's connection guard reports into them
     install_error_handlers(app)
     metrics.registry.register(BatcherCollector(app))
-    error_responses = {code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 422, 503)}
+    metrics.registry.register(CacheCollector(app))
+    error_responses = {
+        code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 422, 429, 502, 503, 504)
+    }
 
     app.add_middleware(RequestGuard, config=config, metrics=metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts all
 
     @app.post("/retrieve", response_model=ScoredResponse | PlainResponse, responses=error_responses)
     async def retrieve(body: RetrieveBody, request: Request) -> Response:
-        """Top-k passages per query: Search-R1's request and response format."""
+        """Top-k passages per query: Search-R1's request and response format. The headers
+        `X-HDR-Billed-Queries` and `X-HDR-Cached-Queries` say how many of the queries were
+        computed for this request and how many were answered without a computation."""
         state: ServingState = app.state.serving
         name = body.retriever or config.default_retriever
-        if name not in state.retrievers:
+        if state.retrievers is not None and name not in state.retrievers:
             raise HTTPException(
                 400, f"unknown retriever; available: {', '.join(sorted(state.retrievers))}"
             )
-        await emulator.charge(len(body.queries))
-        if not body.queries:
-            return Response(b'{"result":[]}', media_type="application/json")
+        if state.upstream is not None:
+            name = body.retriever or ""  # "": the upstream's own default
         queries = body.queries
         if config.profile == "search-r1":
             cut = config.max_query_chars
@@ -619,31 +790,34 @@ def create_app(config: ServerConfig) -> FastAPI:
                 metrics.truncated.inc(long)
                 queries = [query[:cut] for query in queries]
         topk = body.topk or config.default_topk
-        passages = await search_or_give_up(state, config, metrics, request, (queries, topk, name))
-        if isinstance(passages, Response):
-            return passages
-        # the documents are JSON already (read in the search thread): joined, not re-encoded
-        content = render_result(passages, body.return_scores)
-        return Response(content, media_type="application/json")
+        answered = Answered([], billed=0)
+        if queries:
+            args = (queries, topk, name, body.return_scores)
+            outcome = await answer_or_give_up(state, config, metrics, request, args)
+            if isinstance(outcome, Response):
+                return outcome
+            answered = outcome
+        # the answers are JSON already (encoded once, when computed): joined, not re-encoded
+        headers = {BILLED_HEADER: str(answered.billed), CACHED_HEADER: str(answered.cached)}
+        return Response(join_answers(answered.answers), media_type="application/json",
+                        headers=headers)  # fmt: skip
 
     @app.get("/health", responses={503: {"model": HealthResponse}})
     async def health(response: Response) -> HealthResponse:
-        """Liveness plus what is served; 503 with a reason once the batch worker gave up or a
-        search has run past `search_stall_s`. Open even when a token is configured."""
+        """Liveness plus what is served and what the cache saved; 503 with a reason once the
+        batch worker gave up or a search has run past `search_stall_s`. Open even when a token
+        is configured."""
         state: ServingState = app.state.serving
-        manifest = state.index.manifest
-        reason = state.batcher.unhealthy_reason()
+        reason = state.unhealthy_reason()
         if reason is not None:
             response.status_code = 503
         return HealthResponse(
             status="ok" if reason is None else "unhealthy",
             reason=reason,
-            documents=manifest.documents,
-            encoder=manifest.encoder.name,
-            index_type=manifest.index_factory,
-            retrievers=sorted(state.retrievers),
-            default_retriever=config.default_retriever,
-            emulated_cost=emulator.report(),
+            **served_index(state, config),
+            emulated_cost=state.answers.emulator.report(),
+            cache=cache_report(state, config),
+            upstream=None if state.upstream is None else state.upstream.report(),
         )
 
     @app.get("/metrics", response_class=Response)
@@ -652,3 +826,61 @@ def create_app(config: ServerConfig) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def close_serving_state(state: ServingState, config: ServerConfig) -> None:
+    """Stop the batcher (or the upstream's client), close the index, save the cache if it
+    persists."""
+    if state.batcher is not None:
+        await state.batcher.stop()
+    if state.upstream is not None:
+        await state.upstream.close()
+    if state.index is not None:
+        state.index.close()
+    cache, path = state.answers.cache, config.cache.persist_path
+    if cache is not None and path is not None:
+        await asyncio.to_thread(cache.save, path)
+
+
+def served_index(state: ServingState, config: ServerConfig) -> dict[str, Any]:
+    """/health's description of the index: the loaded one, or what the upstream reports."""
+    if state.index is not None:
+        manifest = state.index.manifest
+        return {
+            "documents": manifest.documents,
+            "encoder": manifest.encoder.name,
+            "index_type": manifest.index_factory,
+            "retrievers": sorted(state.retrievers or {}),
+            "default_retriever": config.default_retriever,
+        }
+    upstream = state.upstream_health or {}
+    return {
+        "documents": upstream.get("documents"),
+        "encoder": upstream.get("encoder"),
+        "index_type": upstream.get("index_type"),
+        "retrievers": upstream.get("retrievers") or [],
+        "default_retriever": upstream.get("default_retriever"),
+    }
+
+
+def cache_report(state: ServingState, config: ServerConfig) -> CacheReport:
+    cache = state.answers.cache
+    if cache is None:
+        return CacheReport(enabled=False, hits=0, misses=0, coalesced=0, entries=0, bytes=0,
+                           max_bytes=0, evictions=0, expired=0, loaded=0, ttl_s=None,
+                           fingerprint=state.fingerprint)  # fmt: skip
+    stats = cache.stats
+    return CacheReport(
+        enabled=True,
+        hits=stats.hits,
+        misses=stats.misses,
+        coalesced=stats.coalesced,
+        entries=len(cache),
+        bytes=cache.bytes,
+        max_bytes=cache.max_bytes,
+        evictions=stats.evictions,
+        expired=stats.expired,
+        loaded=stats.loaded,
+        ttl_s=cache.ttl_s,
+        fingerprint=state.fingerprint,
+    )

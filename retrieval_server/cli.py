@@ -51,6 +51,11 @@ SERVE_EXAMPLES = """Examples:
   hdr serve --index data/index
 
   hdr serve --index data/index --port 8001 --retriever bm25 max_topk=20
+
+  hdr serve --index data/index cache.max_bytes=1073741824 cache.persist_path=data/cache.bin
+
+  hdr serve --upstream http://search.example:8000 --port 8001 \
+      upstream.price_per_call=0.015 upstream.max_spend=50 cache.ttl_s=86400
 """
 
 index_app = typer.Typer(
@@ -329,7 +334,15 @@ def export_encoder_command(
 
 
 def serve_command(
-    index: Path = typer.Option(..., "--index", help="Index directory from `hdr index build`."),
+    index: Path | None = typer.Option(
+        None, "--index", help="Index directory from `hdr index build` (or give --upstream)."
+    ),
+    upstream: str | None = typer.Option(
+        None,
+        "--upstream",
+        help="Proxy mode: forward what the cache cannot answer to this Search-R1-compatible "
+        "server (URL) instead of searching an index; limits and budget: upstream.* settings.",
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port."),
     retriever: str | None = typer.Option(
@@ -363,16 +376,17 @@ def serve_command(
         None, "--mmap/--no-mmap", help="Memory-map flat vectors (default) or read them in."
     ),
 ) -> None:
-    """Serve an index over HTTP (Search-R1 compatible POST /retrieve). Token: $HDR_API_TOKEN.
+    """Serve an index over HTTP (Search-R1 compatible POST /retrieve), or proxy an upstream
+    server (--upstream), with a result cache in front. Token: $HDR_API_TOKEN.
 
     The port is taken before the index loads, so a busy port fails at once; a problem found
     while loading (an index that does not match its manifest) is one line and exit code 2."""
     from core.errors import UserError, warn
     from retrieval_server.config import API_TOKEN_ENV
-    from retrieval_server.index import validate_index
-    from retrieval_server.retrievers import RETRIEVERS
     from retrieval_server.serving import bind_port, run_server
 
+    if (index is None) == (upstream is None):
+        raise UserError("give --index DIR (serve an index) or --upstream URL (proxy), one of them")
     served_names = None
     if retrievers is not None:
         served_names = [name.strip() for name in retrievers.split(",") if name.strip()]
@@ -387,20 +401,11 @@ def serve_command(
         "encoder": {"backend": backend, "device": device},
         "dense": {"nprobe": nprobe, "ef_search": ef_search, "mmap": mmap},
     }
+    if upstream is not None:
+        options["upstream"] = {"url": upstream}
     server_config = server_config_from(config, options, all_overrides(overrides, set_))
-    RETRIEVERS.get(server_config.default_retriever)  # unknown name: one line listing valid ones
-    for name in server_config.retrievers or []:
-        RETRIEVERS.get(name)
-    files = validate_index(server_config.index_dir, server_config.corpus)  # cheap: no loading
-    served = server_config.retrievers or RETRIEVERS.names()
-    if server_config.default_retriever not in served:
-        raise UserError(
-            f"--retriever {server_config.default_retriever} is not among --retrievers {retrievers}"
-        )
-    if "bm25" in (server_config.retrievers or [server_config.default_retriever]) and not (
-        files.manifest.bm25
-    ):
-        raise UserError(f"index {index} was built without BM25; cannot serve bm25")
+    if server_config.index_dir is not None:
+        check_served_index(server_config, retrievers)
     token = os.environ.get(API_TOKEN_ENV)
     if token:
         server_config.api_token = token
@@ -411,6 +416,31 @@ def serve_command(
         run_server(server_config, sock, f"http://{host}:{sock.getsockname()[1]}", access_log)
     finally:
         sock.close()
+
+
+def check_served_index(server_config, retrievers: str | None) -> None:
+    """The index and retrievers `hdr serve` was asked for, checked cheaply before the port is
+    taken (nothing loaded): unknown retriever names, a missing or mismatched index, BM25 asked
+    of an index without it."""
+    from core.errors import UserError
+    from retrieval_server.index import validate_index
+    from retrieval_server.retrievers import RETRIEVERS
+
+    RETRIEVERS.get(server_config.default_retriever)  # unknown name: one line listing valid ones
+    for name in server_config.retrievers or []:
+        RETRIEVERS.get(name)
+    files = validate_index(server_config.index_dir, server_config.corpus)
+    served = server_config.retrievers or RETRIEVERS.names()
+    if server_config.default_retriever not in served:
+        raise UserError(
+            f"--retriever {server_config.default_retriever} is not among --retrievers {retrievers}"
+        )
+    if "bm25" in (server_config.retrievers or [server_config.default_retriever]) and not (
+        files.manifest.bm25
+    ):
+        raise UserError(
+            f"index {server_config.index_dir} was built without BM25; cannot serve bm25"
+        )
 
 
 def server_config_from(config_file: Path | None, options: dict[str, Any], overrides: list[str]):

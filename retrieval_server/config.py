@@ -14,7 +14,9 @@ from typing import Literal
 from pydantic import Field, NonNegativeInt, SecretStr, field_validator
 
 from core.config import StrictModel
+from retrieval_server.cache import CacheConfig
 from retrieval_server.emulated_cost import EmulatedCostConfig
+from retrieval_server.upstream import UpstreamConfig
 
 
 class EncoderConfig(StrictModel):
@@ -117,9 +119,22 @@ class DenseSearchConfig(StrictModel):
 
 
 class ServerConfig(StrictModel):
-    """What `create_app` needs: where the index is, how requests are limited and batched."""
+    """What `create_app` needs: where the index is (or the upstream, in proxy mode), how
+    requests are limited, batched and cached."""
 
-    index_dir: Path = Field(description="Index directory written by `hdr index build`.")
+    index_dir: Path | None = Field(
+        default=None,
+        description="Index directory written by `hdr index build`; None in proxy mode.",
+    )
+    upstream: UpstreamConfig | None = Field(
+        default=None,
+        description="Proxy mode (`hdr serve --upstream URL`): misses are forwarded to this "
+        "Search-R1-compatible server instead of searched in an index.",
+    )
+    cache: CacheConfig = Field(
+        default_factory=CacheConfig,
+        description="The result cache and the coalescing of identical queries (on by default).",
+    )
     corpus: Path | None = Field(
         default=None,
         description="Corpus JSONL; None means the path recorded in the index manifest.",
@@ -222,6 +237,21 @@ class ServerConfig(StrictModel):
         description="Batch-worker crashes tolerated within a minute; one more turns /health "
         "and /retrieve to 503 so an orchestrator restarts the server.",
     )
+    head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds a connection may take to send a request's head (its request line "
+        "and headers), from its first byte (or from the connection's opening); past them the "
+        "connection is closed. A stalled head otherwise holds its socket for ever.",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=16,
+        description="Most connections held open; a new one past it closes the oldest connection "
+        "still waiting for a request head (then the longest idle one), so stalled connections "
+        "can never keep a client out. None: the open-file limit (raised to its hard limit at "
+        "start) less 256 for the index, logs and the listening socket.",
+    )
     keep_alive_s: float = Field(
         default=20.0,
         gt=0,
@@ -261,6 +291,8 @@ class ServerConfig(StrictModel):
     )
 
     def model_post_init(self, _context: object) -> None:
+        if (self.index_dir is None) == (self.upstream is None):
+            raise ValueError("give exactly one of index_dir (an index) and upstream (proxy mode)")
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
         if self.max_buffered_body_bytes < self.max_body_bytes:

@@ -4,7 +4,8 @@
 happens after: `bind_port` takes the port before the index loads, so a busy port fails at once
 rather than after minutes of loading, and `run_server` starts uvicorn on that socket with a
 lifespan wrapper that turns a `UserError` raised while loading into hdr's one line (uvicorn
-alone would print a traceback and exit 3).
+alone would print a traceback and exit 3). `uvicorn_config` is how every hdr server (tests'
+included) runs: guarded connections (`retrieval_server.connections`) and its keep-alive.
 """
 
 from __future__ import annotations
@@ -17,8 +18,14 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from core.errors import UserError
+from retrieval_server.connections import (
+    default_max_connections,
+    guarded_protocol,
+    raise_open_file_limit,
+)
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
 
     from retrieval_server.config import ServerConfig
@@ -53,6 +60,40 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(
+    app: FastAPI, config: ServerConfig, access_log: bool, log_level: str
+) -> uvicorn.Config:
+    """How uvicorn runs hdr's app: its keep-alive, and connections guarded by a request-head
+    deadline and a bound on their number (`retrieval_server.connections`)."""
+    import uvicorn
+
+    max_connections = config.max_connections or default_max_connections()
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="on",
+        timeout_keep_alive=config.keep_alive_s,
+        http=guarded_protocol(
+            config.head_timeout_s, max_connections, app.state.metrics.connection_event
+        ),
+    )
+
+
+def describe(app: FastAPI, config: ServerConfig) -> str:
+    """What a started server serves, for its ready line."""
+    state = app.state.serving
+    if state.index is not None:
+        served = f"{len(state.index.documents)} passages"
+    else:
+        served = f"proxy of {config.upstream.url}"
+    cache = state.answers.cache
+    if cache is None:
+        return f"{served}, no cache"
+    loaded = f", {cache.stats.loaded} answers loaded" if cache.stats.loaded else ""
+    return f"{served}, cache of {cache.max_bytes / 2**20:g} MiB{loaded}"
+
+
 def run_server(config: ServerConfig, sock: socket.socket, url: str, access_log: bool) -> None:
     """uvicorn on the bound socket until it stops. A UserError raised while the app starts
     (loading the index) stops the server quietly and is re-raised here, so `hdr` reports it in
@@ -76,26 +117,15 @@ def run_server(config: ServerConfig, sock: socket.socket, url: str, access_log: 
             yield
             return
         uvicorn_log.setLevel(logging.INFO)  # from here on: uvicorn's own lines, requests
-        uvicorn_log.info(
-            "hdr serve: %s ready, %d passages (Ctrl-C stops)",
-            url,
-            len(app_.state.serving.index.documents),
-        )
+        uvicorn_log.info("hdr serve: %s ready, %s (Ctrl-C stops)", url, describe(app_, config))
         try:
             yield
         finally:
             await context.__aexit__(None, None, None)
 
     app.router.lifespan_context = lifespan
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level="info",
-            access_log=access_log,
-            lifespan="on",
-            timeout_keep_alive=config.keep_alive_s,
-        )
-    )
+    raise_open_file_limit()  # before the connection bound is derived from it
+    server = uvicorn.Server(uvicorn_config(app, config, access_log=access_log, log_level="info"))
     # until the index has loaded, say nothing: a failure is then hdr's one line alone
     uvicorn_log.setLevel(logging.WARNING)
     server.run(sockets=[sock])

@@ -59,26 +59,21 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(
-    index_dir: Path, port: int = 0, **server_config_overrides: Any
+    index_dir: Path | None, port: int = 0, **server_config_overrides: Any
 ) -> Iterator[RunningServer]:
     """Serve `index_dir` with `ServerConfig(index_dir=..., **overrides)` until the block ends,
-    on a free port (or `port`)."""
+    on a free port (or `port`); `index_dir` None with `upstream={...}` is a proxy."""
     import uvicorn
 
     from retrieval_server.app import create_app
     from retrieval_server.config import ServerConfig
+    from retrieval_server.serving import uvicorn_config
 
     config = ServerConfig(index_dir=index_dir, **server_config_overrides)
     sock = bind_loopback(port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config),
-            log_level="warning",
-            lifespan="on",
-            access_log=False,
-            timeout_keep_alive=config.keep_alive_s,
-        )
+        uvicorn_config(create_app(config), config, access_log=False, log_level="warning")
     )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
@@ -89,7 +84,8 @@ def running_server(
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
             sock.close()
-            raise RuntimeError(f"retrieval server for {index_dir} did not start (see log above)")
+            served = index_dir or server_config_overrides.get("upstream")
+            raise RuntimeError(f"retrieval server for {served} did not start (see log above)")
         time.sleep(0.05)
     running = RunningServer(server, thread, f"http://127.0.0.1:{port}")
     try:

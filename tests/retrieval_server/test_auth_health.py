@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +46,14 @@ def test_retrieve_and_metrics_with_the_token(protected_url: str) -> None:
 def test_health_is_open_and_describes_the_index(protected_url: str, small_corpus: Path) -> None:
     response = httpx.get(f"{protected_url}/health")
     assert response.status_code == 200
-    assert response.json() == {
+    health = response.json()
+    cache = health.pop("cache")
+    assert cache["enabled"] is True and cache["max_bytes"] == 256 * 2**20
+    assert cache["bytes"] <= cache["max_bytes"] and re.fullmatch(
+        "[0-9a-f]{16}", cache["fingerprint"]
+    )
+    assert health.pop("upstream") is None
+    assert health == {
         "status": "ok",
         "reason": None,
         "documents": len(small_corpus.read_text().splitlines()),

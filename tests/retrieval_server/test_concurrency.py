@@ -43,8 +43,10 @@ def batch_stats(metrics_text: str, retriever: str) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def batching_url(small_index: Path) -> Iterator[str]:
-    """A server whose first request waits up to 100 ms for company before searching."""
-    with running_server(small_index, batch_wait_ms=100) as server:
+    """A server whose first request waits up to 100 ms for company before searching; without
+    the result cache, so every request is searched (tests/retrieval_server/test_search_cache.py
+    tests the cache)."""
+    with running_server(small_index, batch_wait_ms=100, cache={"enabled": False}) as server:
         yield server.url
 
 

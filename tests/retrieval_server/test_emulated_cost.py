@@ -1,4 +1,5 @@
-"""Emulated remote-API cost: the configured latency and rate limit show up in measured time.
+"""Emulated remote-API cost: the configured latency and rate limit show up in measured time,
+and only queries that are computed (billed) are charged: a cache hit costs nothing.
 
 The assertions are lower bounds the server enforces (a request cannot answer before its
 emulated delay), not speed targets.
@@ -27,14 +28,17 @@ def test_latency_per_request_and_per_query_is_charged_and_reported(small_index: 
     cost = {"request_latency_ms": 150.0, "query_latency_ms": 40.0}
     with running_server(small_index, default_retriever="bm25", emulated_cost=cost) as server:
         one = timed_post(server.url, ["Batman"])
-        five = timed_post(server.url, ["Batman", "Accordion", "Paris", "Rome", "Jazz"])
+        five = timed_post(server.url, ["Anime", "Accordion", "Paris", "Rome", "Jazz"])
+        mixed = timed_post(server.url, ["Batman", "Anime", "Dada"])  # one billed query
+        timed_post(server.url, ["Batman", "Paris"])  # nothing billed: no call, no charge
         health = httpx.get(f"{server.url}/health").json()["emulated_cost"]
     assert one >= 0.150 + 0.040
     assert five >= 0.150 + 5 * 0.040
+    assert mixed >= 0.150 + 0.040
     assert health["enabled"] is True
     assert health["request_latency_ms"] == 150.0 and health["query_latency_ms"] == 40.0
-    assert health["requests_charged"] == 2
-    assert health["seconds_waited"] >= 0.150 * 2 + 0.040 * 6
+    assert health["requests_charged"] == 3  # of four requests: the cached one made no call
+    assert health["seconds_waited"] >= 0.150 * 3 + 0.040 * 7
 
 
 def test_rate_limit_spaces_requests(small_index: Path) -> None:
@@ -42,8 +46,8 @@ def test_rate_limit_spaces_requests(small_index: Path) -> None:
         small_index, default_retriever="bm25", emulated_cost={"rate_limit_rps": 10.0}
     ) as server:
         started = time.perf_counter()
-        for _ in range(6):
-            timed_post(server.url, ["Batman"])
+        for query in ["Batman", "Anime", "Paris", "Rome", "Jazz", "Dada"]:
+            timed_post(server.url, [query])
         elapsed = time.perf_counter() - started
         health = httpx.get(f"{server.url}/health").json()["emulated_cost"]
     # six requests at 10 per second: the last may start no earlier than 0.5 s after the first

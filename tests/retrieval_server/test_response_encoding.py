@@ -1,5 +1,6 @@
-"""The /retrieve body is joined from pre-encoded passage JSON (`render_result`): it must parse
-to exactly what encoding the parsed documents would give, for every kind of corpus line."""
+"""The /retrieve body is joined from pre-encoded passage JSON (`render_query`, `join_answers`):
+it must parse to exactly what encoding the parsed documents would give, for every kind of
+corpus line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval_server.app import fetch_passages, render_result
+from retrieval_server.answers import Passage, join_answers, render_query
+from retrieval_server.app import fetch_passages
 from retrieval_server.index import DocumentStore
 
 LINES = [
@@ -25,6 +27,10 @@ def store_for(tmp_path: Path) -> DocumentStore:
     corpus.write_text("".join(line + "\n" for line in LINES), encoding="utf-8")
     sizes = [len((line + "\n").encode()) for line in LINES]
     return DocumentStore(corpus, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+
+
+def render_result(passages: list[list[Passage]], with_scores: bool) -> bytes:
+    return join_answers([render_query(query, with_scores) for query in passages])
 
 
 def expected_document(line: str) -> dict:

@@ -91,9 +91,12 @@ def test_a_crashed_worker_restarts_then_gives_up_and_turns_unhealthy(flaky_url: 
         assert response.status_code == 503
     health = httpx.get(f"{flaky_url}/health")
     assert health.status_code == 503 and health.json()["status"] == "unhealthy"
-    refused = httpx.post(f"{flaky_url}/retrieve", json={"queries": ["Batman"]}, timeout=30)
+    refused = httpx.post(f"{flaky_url}/retrieve", json={"queries": ["Accordion"]}, timeout=30)
     assert refused.status_code == 503
     assert refused.json()["detail"] == "server unhealthy; retry later"
+    # an answer already cached needs no search: still served
+    cached = httpx.post(f"{flaky_url}/retrieve", json={"queries": ["Batman"]}, timeout=30)
+    assert cached.status_code == 200 and cached.headers["x-hdr-cached-queries"] == "1"
     metrics = httpx.get(f"{flaky_url}/metrics").text
     assert "hdr_retrieval_healthy 0.0" in metrics
     assert 'hdr_retrieval_rejected_total{reason="unhealthy"} 1.0' in metrics

@@ -1,0 +1,191 @@
+"""A request's answers, each paid for once: from the cache, from a computation in flight, or
+computed by the backend (the local batcher, or an upstream server behind `--upstream`).
+
+`Answers.get(queries, topk, retriever, return_scores)` returns each query's answer as the
+encoded JSON list that goes into the response (`render_query`), and how many of the queries
+were billed (computed by this request) and how many were not (a cache hit, another request's
+computation in flight, or a duplicate inside this request). For every distinct key of a
+request that is neither cached nor in flight, the request becomes its leader: it registers a
+future for the key, computes all its led keys in one backend call, stores them in the cache
+and resolves the futures; a request that finds a key in flight waits on that future instead
+(coalescing), so N concurrent identical queries make one computation, and a micro-batch never
+holds the same key twice. A leader that stops (its client left, its deadline passed) hands
+its keys back: their waiters look them up again and one of them leads. A leader's error
+(503, 502, 504, 429) is its waiters' error too, except a failed search, which each waiter
+retries as a leader of its own keys.
+
+With the cache disabled every query goes to the backend as it came (no lookup, no
+coalescing): every query billed, as before the cache existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from retrieval_server.batching import MicroBatcher, SearchFailed
+from retrieval_server.cache import CacheKey, ResultCache
+from retrieval_server.emulated_cost import CostEmulator
+
+Passage = tuple[bytes, float]  # a hit's document as response JSON, and its score
+
+
+class Backend(Protocol):
+    """What computes answers for the queries the cache cannot answer."""
+
+    async def compute(
+        self, queries: list[str], topk: int, retriever: str, return_scores: bool
+    ) -> list[bytes]:
+        """Each query's answer as an encoded JSON list (see `render_query`), in order."""
+        ...
+
+
+def score_json(score: float) -> bytes:
+    return repr(score).encode() if math.isfinite(score) else b"null"
+
+
+def render_query(passages: Sequence[Passage], with_scores: bool) -> bytes:
+    """One query's answer from pre-encoded documents, without parsing them again: a list of
+    `{"document": ..., "score": ...}` with scores, of the documents alone without."""
+    if with_scores:
+        items = b",".join(
+            b'{"document":%s,"score":%s}' % (document, score_json(score))
+            for document, score in passages
+        )
+    else:
+        items = b",".join(document for document, _ in passages)
+    return b"[" + items + b"]"
+
+
+def join_answers(answers: Sequence[bytes]) -> bytes:
+    """The response body `{"result": [answer, ...]}` from encoded answers."""
+    return b'{"result":[' + b",".join(answers) + b"]}"
+
+
+class BatcherBackend:
+    """The local index: queries searched through the micro-batcher (passages read in its
+    search thread) and rendered."""
+
+    def __init__(self, batcher: MicroBatcher) -> None:
+        self.batcher = batcher
+
+    async def compute(
+        self, queries: list[str], topk: int, retriever: str, return_scores: bool
+    ) -> list[bytes]:
+        passages = await self.batcher.search(queries, topk, retriever)
+        return [render_query(query, return_scores) for query in passages]
+
+
+@dataclass
+class Answered:
+    """A request's answers in order, and how many of its queries were computed for it."""
+
+    answers: list[bytes]
+    billed: int
+
+    @property
+    def cached(self) -> int:
+        return len(self.answers) - self.billed
+
+
+class LeaderGone(Exception):
+    """The request computing a key stopped before it had the answer; look the key up again."""
+
+
+RETRY_AFTER_LEADER = (LeaderGone, SearchFailed)  # a waiter leads its own keys after these
+
+
+class Answers:
+    """The cache, the computations in flight and the backend, as one `get`."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        cache: ResultCache | None,
+        emulator: CostEmulator | None = None,
+    ) -> None:
+        self.backend = backend
+        self.cache = cache
+        self.emulator = emulator
+        self.in_flight: dict[CacheKey, asyncio.Future[bytes]] = {}
+
+    async def get(
+        self, queries: list[str], topk: int, retriever: str, return_scores: bool
+    ) -> Answered:
+        if self.cache is None:
+            answers = await self._compute(list(queries), topk, retriever, return_scores)
+            return Answered(answers, billed=len(queries))
+        keys = [(retriever, topk, return_scores, query) for query in queries]
+        found: dict[CacheKey, bytes] = {}
+        billed = hits = 0
+        unresolved = list(dict.fromkeys(keys))  # distinct keys, in order
+        while unresolved:
+            led, waits, cached = self._claim(unresolved, found)
+            hits += cached
+            unresolved = []
+            if led:
+                answers = await self._lead(led)
+                found.update(zip(led, answers, strict=True))
+                billed += len(led)
+            for key, future in waits.items():
+                try:
+                    found[key] = await asyncio.shield(future)  # never cancel another's work
+                except RETRY_AFTER_LEADER:
+                    unresolved.append(key)
+        self.cache.stats.hits += hits
+        # the rest was not computed for this request: in flight elsewhere, or a duplicate
+        self.cache.stats.coalesced += len(keys) - billed - hits
+        return Answered([found[key] for key in keys], billed)
+
+    def _claim(
+        self, keys: list[CacheKey], found: dict[CacheKey, bytes]
+    ) -> tuple[list[CacheKey], dict[CacheKey, asyncio.Future[bytes]], int]:
+        """Split `keys`: answered from the cache (into `found`; their count returned), in
+        flight elsewhere (their futures), and led by this request (futures registered now)."""
+        assert self.cache is not None
+        led: list[CacheKey] = []
+        waits: dict[CacheKey, asyncio.Future[bytes]] = {}
+        loop = asyncio.get_running_loop()
+        hits = 0
+        for key in keys:
+            cached = self.cache.get(key)
+            if cached is not None:
+                found[key] = cached
+                hits += 1
+            elif key in self.in_flight:
+                waits[key] = self.in_flight[key]
+            else:
+                led.append(key)
+                self.in_flight[key] = loop.create_future()
+        return led, waits, hits
+
+    async def _lead(self, keys: list[CacheKey]) -> list[bytes]:
+        """Compute the keys this request leads; store and publish their answers, or hand the
+        keys back (LeaderGone) or pass the error on to their waiters."""
+        assert self.cache is not None
+        retriever, topk, return_scores, _ = keys[0]
+        try:
+            answers = await self._compute([key[3] for key in keys], topk, retriever, return_scores)
+        except BaseException as err:
+            shared = err if isinstance(err, Exception) else LeaderGone()
+            for key in keys:
+                future = self.in_flight.pop(key)
+                future.set_exception(shared)
+                future.exception()  # retrieved: nobody may be waiting
+            raise
+        self.cache.stats.misses += len(keys)
+        for key, answer in zip(keys, answers, strict=True):
+            self.cache.put(key, answer)
+            self.in_flight.pop(key).set_result(answer)
+        return answers
+
+    async def _compute(
+        self, queries: list[str], topk: int, retriever: str, return_scores: bool
+    ) -> list[bytes]:
+        """The backend's answers, after the emulated cost of a billed call (if configured)."""
+        if self.emulator is not None:
+            await self.emulator.charge(len(queries))
+        return await self.backend.compute(queries, topk, retriever, return_scores)

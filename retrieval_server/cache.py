@@ -1,0 +1,227 @@
+"""The result cache: answers already computed, as the response JSON they were sent as.
+
+A search against a static index is a pure function of (retriever, the query as the retriever
+sees it, topk, return_scores) and of the index with the settings that decide its answers, so
+a repeated query needs no second computation: `ResultCache` holds each query's answer as the
+encoded JSON list that went into a response (`[{"document":...,"score":...},...]`), and a
+hit is joined into the next response unchanged, byte for byte what the first computation
+sent. Entries are bounded in bytes (least recently used out first) and may expire after
+`ttl_s` (for a backend that is not static: a live web API behind `--upstream`).
+
+Every key carries the index's fingerprint (`answer_fingerprint`): one server serves one index
+for its lifetime, so in memory the fingerprint is the cache's own; a cache persisted across
+restarts (`persist_path`) is loaded only by a server whose fingerprint is the same, so a
+rebuilt, reloaded or different index never serves old answers.
+
+The byte count is an estimate of the Python objects an entry holds (its query, its answer and
+a fixed overhead for the key tuple, the entry and the dict's slot); `bench/search_cache.py`
+measures it against tracemalloc.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+from pydantic import Field
+
+from core.config import StrictModel
+from core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+CacheKey = tuple[str, int, bool, str]  # (retriever, topk, return_scores, query as searched)
+ENTRY_OVERHEAD = 232  # bytes: the key tuple, the entry tuple, its float, the dict slot
+FILE_MAGIC = b"hdr-search-cache 1\n"
+RECORD = struct.Struct("<IId")  # key length, answer length, stored at (unix seconds)
+
+
+class CacheConfig(StrictModel):
+    """The result cache in front of the retriever (or the upstream): exact for a static index."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Serve repeated queries from the cache and let concurrent identical "
+        "queries wait on one computation; false: every query is computed (and billed).",
+    )
+    max_bytes: int = Field(
+        default=256 * 2**20,
+        ge=0,
+        description="Most bytes the cached answers may hold (least recently used out first); "
+        "0 stores nothing but still computes identical concurrent queries once.",
+    )
+    ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds an answer stays valid; None: until evicted. Set it when the "
+        "backend's answers change over time (a live web search behind --upstream).",
+    )
+    persist_path: Path | None = Field(
+        default=None,
+        description="File the cache is saved to when the server stops and loaded from when it "
+        "starts (only answers of the same index fingerprint); None: memory only.",
+    )
+
+
+@dataclass
+class CacheStats:
+    """Queries since start: `hits` answered from the cache, `coalesced` by another request's
+    computation in flight (or a duplicate in the same request), `misses` computed."""
+
+    hits: int = 0
+    misses: int = 0
+    coalesced: int = 0
+    evictions: int = 0
+    expired: int = 0
+    loaded: int = 0  # entries read from persist_path at start
+
+
+def answer_fingerprint(parts: dict[str, object]) -> str:
+    """A short stable hash of everything (besides the key) that decides an answer."""
+    return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def entry_bytes(key: CacheKey, value: bytes) -> int:
+    """What one entry is counted as: its query's and answer's objects plus a fixed overhead."""
+    return sys.getsizeof(key[3]) + sys.getsizeof(value) + ENTRY_OVERHEAD
+
+
+class ResultCache:
+    """LRU of encoded answers, bounded in bytes, optionally expiring; not thread-safe (the
+    event loop is its only user)."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        fingerprint: str,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.fingerprint = fingerprint
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.stats = CacheStats()
+        self.bytes = 0
+        self._entries: OrderedDict[CacheKey, tuple[bytes, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: CacheKey) -> bytes | None:
+        """The answer stored for `key` (now the most recently used), or None."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        value, stored_at = entry
+        if self.ttl_s is not None and self.clock() - stored_at > self.ttl_s:
+            self._drop(key)
+            self.stats.expired += 1
+            return None
+        self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: CacheKey, value: bytes, stored_at: float | None = None) -> None:
+        """Store `value`, evicting the least recently used entries past `max_bytes`; an
+        answer larger than the whole bound is not stored."""
+        size = entry_bytes(key, value)
+        if size > self.max_bytes:
+            return
+        if key in self._entries:
+            self._drop(key)
+        self._entries[key] = (value, self.clock() if stored_at is None else stored_at)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            oldest = next(iter(self._entries))
+            self._drop(oldest)
+            self.stats.evictions += 1
+
+    def _drop(self, key: CacheKey) -> None:
+        value, _ = self._entries.pop(key)
+        self.bytes -= entry_bytes(key, value)
+
+    def items(self) -> Iterator[tuple[CacheKey, bytes, float]]:
+        """Entries from least to most recently used."""
+        for key, (value, stored_at) in self._entries.items():
+            yield key, value, stored_at
+
+    # --- persistence -------------------------------------------------------------------------
+
+    def save(self, path: Path) -> int:
+        """Write every entry to `path` (a temp file beside it, renamed over it when whole, so
+        the file is never half-written); returns the entries written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(FILE_MAGIC)
+                file.write(orjson.dumps({"fingerprint": self.fingerprint}) + b"\n")
+                for key, value, stored_at in self.items():  # LRU order: reloads in that order
+                    key_json = orjson.dumps(list(key))
+                    file.write(RECORD.pack(len(key_json), len(value), stored_at))
+                    file.write(key_json)
+                    file.write(value)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return len(self._entries)
+
+    def load(self, path: Path) -> int:
+        """Read the entries saved at `path` if they were made with this cache's fingerprint
+        (and have not expired); returns how many were loaded (0 for another index's file)."""
+        with Path(path).open("rb") as file:
+            check_cache_file(path, file.read(len(FILE_MAGIC)))
+            header = orjson.loads(file.readline())
+            if header.get("fingerprint") != self.fingerprint:
+                log.warning(
+                    "cache file %s holds answers of another index or settings (fingerprint "
+                    "%s, this server's %s); starting with an empty cache",
+                    path,
+                    header.get("fingerprint"),
+                    self.fingerprint,
+                )
+                return 0
+            before = len(self._entries)
+            while head := file.read(RECORD.size):
+                key_length, value_length, stored_at = RECORD.unpack(head)
+                retriever, topk, scores, query = orjson.loads(file.read(key_length))
+                value = file.read(value_length)
+                if self.ttl_s is None or self.clock() - stored_at <= self.ttl_s:
+                    self.put((retriever, topk, scores, query), value, stored_at)
+        self.stats.loaded = len(self._entries) - before
+        return self.stats.loaded
+
+
+def check_cache_file(path: Path, start: bytes) -> None:
+    """Refuse (one line) a `persist_path` that exists but is not a cache file hdr wrote: it
+    would be overwritten when the server stops."""
+    if start != FILE_MAGIC:
+        raise UserError(
+            f"cache.persist_path {path} exists and is not an hdr search cache; hdr writes its "
+            "cache only to a new file or over a cache file of its own: choose another path"
+        )
+
+
+def open_persisted(cache: ResultCache, path: Path | None) -> None:
+    """Fill `cache` from `path` when it exists (a file of another kind is refused at start,
+    before it could be overwritten at the end)."""
+    if path is None or not Path(path).exists():
+        return
+    if Path(path).is_dir():
+        raise UserError(f"cache.persist_path {path} is a folder; it takes a file")
+    loaded = cache.load(path)
+    log.info("cache: %d answers loaded from %s", loaded, path)

@@ -1,0 +1,223 @@
+"""The result cache of a real server: a repeated query is a hit with the identical bytes; what
+decides an answer (topk, retriever, return_scores, the index and its answer-deciding settings)
+is part of the key; the byte bound holds; identical queries (in one request, or concurrent)
+are computed once; a persisted cache is loaded only by a server of the same index."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import running_server
+
+from retrieval_server.cache import FILE_MAGIC, ResultCache, entry_bytes
+
+
+def post(url: str, queries: list[str], **extra: object) -> httpx.Response:
+    body = {"queries": queries, "return_scores": True, **extra}
+    response = httpx.post(f"{url}/retrieve", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def ledger(response: httpx.Response) -> tuple[int, int]:
+    """(billed, cached) queries, from the response's headers."""
+    headers = response.headers
+    return int(headers["x-hdr-billed-queries"]), int(headers["x-hdr-cached-queries"])
+
+
+def cache_health(url: str) -> dict:
+    return httpx.get(f"{url}/health").json()["cache"]
+
+
+def searched_queries(url: str, retriever: str = "dense") -> float:
+    """Queries the batcher has searched (its batch-size histogram's sum)."""
+    text = httpx.get(f"{url}/metrics").text
+    pattern = rf'hdr_retrieval_batch_queries_sum{{retriever="{retriever}"}} (\S+)'
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture(scope="module")
+def cached_url(small_index: Path) -> Iterator[str]:
+    with running_server(small_index) as server:
+        yield server.url
+
+
+def test_a_repeated_query_is_a_hit_with_the_identical_bytes(
+    cached_url: str, small_index: Path
+) -> None:
+    first = post(cached_url, ["Japanese poetry form with 17 syllables"])
+    again = post(cached_url, ["Japanese poetry form with 17 syllables"])
+    assert ledger(first) == (1, 0)
+    assert ledger(again) == (0, 1)
+    assert again.content == first.content
+    # and it is what a server without a cache computes for the same query
+    with running_server(small_index, cache={"enabled": False}) as uncached:
+        computed = post(uncached.url, ["Japanese poetry form with 17 syllables"])
+        assert ledger(computed) == (1, 0)
+        assert cache_health(uncached.url)["enabled"] is False
+    assert computed.content == first.content
+
+
+def test_topk_retriever_return_scores_are_part_of_the_key(cached_url: str) -> None:
+    query = ["Bat-themed comic book superhero"]
+    base = post(cached_url, query, topk=3)
+    assert ledger(base) == (1, 0)
+    assert ledger(post(cached_url, query, topk=3)) == (0, 1)
+    assert ledger(post(cached_url, query, topk=5)) == (1, 0)
+    assert ledger(post(cached_url, query, topk=3, retriever="bm25")) == (1, 0)
+    plain = post(cached_url, query, topk=3, return_scores=False)
+    assert ledger(plain) == (1, 0)
+    assert plain.json()["result"][0] == [hit["document"] for hit in base.json()["result"][0]]
+
+
+def test_the_key_is_the_query_as_searched_after_truncation(cached_url: str) -> None:
+    """The search-r1 profile cuts queries to max_query_chars (2,048): two queries that differ
+    only past it are one search."""
+    head = "Ancient Greek citadel above Athens " * 60  # 2,100 characters
+    first = post(cached_url, [head[:2048] + "one tail"])
+    second = post(cached_url, [head[:2048] + "another tail"])
+    assert ledger(first) == (1, 0) and ledger(second) == (0, 1)
+    assert second.content == first.content
+
+
+def test_duplicates_inside_one_request_are_computed_once(cached_url: str) -> None:
+    before = searched_queries(cached_url)
+    queries = ["Wooden stringed instrument", "Circus", "Wooden stringed instrument", "Circus"]
+    response = post(cached_url, queries)
+    assert ledger(response) == (2, 2)
+    assert searched_queries(cached_url) - before == 2
+    result = response.json()["result"]
+    assert result[0] == result[2] and result[1] == result[3] and result[0] != result[1]
+
+
+def test_concurrent_identical_requests_make_one_computation(small_index: Path) -> None:
+    """Twelve clients send the same query at once while its computation (with an emulated API
+    latency of 400 ms) is in flight: one computes, eleven wait on it."""
+    clients = 12
+    cost = {"request_latency_ms": 400.0}
+    with running_server(small_index, emulated_cost=cost) as server:
+
+        async def one_client(client: httpx.AsyncClient) -> httpx.Response:
+            return await client.post("/retrieve", json={"queries": ["Flamenco"], "topk": 3})
+
+        async def all_at_once() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                return await asyncio.gather(*(one_client(client) for _ in range(clients)))
+
+        responses = asyncio.run(all_at_once())
+        health = httpx.get(f"{server.url}/health").json()
+        searched = searched_queries(server.url)
+    assert all(response.status_code == 200 for response in responses)
+    assert len({response.content for response in responses}) == 1
+    assert sorted(ledger(response) for response in responses) == [(0, 1)] * 11 + [(1, 0)]
+    assert health["cache"]["misses"] == 1 and health["cache"]["coalesced"] == clients - 1
+    assert searched == 1
+    assert health["emulated_cost"]["requests_charged"] == 1  # hits and waiters pay nothing
+
+
+def test_the_cache_stays_within_its_byte_bound(small_index: Path) -> None:
+    bound = 24_000  # a handful of answers of three passages
+    titles = [f"Music of the century number {i}" for i in range(40)]
+    with running_server(small_index, default_retriever="bm25", cache={"max_bytes": bound}) as s:
+        for title in titles:
+            post(s.url, [title])
+            assert cache_health(s.url)["bytes"] <= bound
+        health = cache_health(s.url)
+        assert ledger(post(s.url, [titles[-1]])) == (0, 1)  # the newest is still held
+        assert ledger(post(s.url, [titles[0]])) == (1, 0)  # the oldest was evicted
+    assert 0 < health["entries"] < len(titles)
+    assert health["evictions"] == len(titles) - health["entries"]
+    assert health["max_bytes"] == bound and health["bytes"] > bound // 2
+
+
+def test_a_persisted_cache_is_loaded_by_the_same_index_only(
+    small_index: Path, tmp_path: Path
+) -> None:
+    from retrieval_server.index_build import build_index
+
+    saved = tmp_path / "answers.cache"
+    query = ["Epic poem by Dante"]
+    with running_server(small_index, cache={"persist_path": saved}) as server:
+        computed = post(server.url, query)
+    assert saved.read_bytes().startswith(FILE_MAGIC)
+    with running_server(small_index, cache={"persist_path": saved}) as server:
+        assert cache_health(server.url)["loaded"] == 1
+        again = post(server.url, query)
+    assert ledger(again) == (0, 1) and again.content == computed.content
+    # a setting that changes answers (the query prefix) is another fingerprint: not loaded
+    with running_server(small_index, query_prefix="query: ", cache={"persist_path": saved}) as s:
+        assert cache_health(s.url)["loaded"] == 0
+        assert ledger(post(s.url, query)) == (1, 0)
+    # another index (here a BM25 index of ten passages) never serves the saved answers
+    corpus = tmp_path / "ten.jsonl"
+    corpus.write_text(
+        "".join(
+            f'{{"id": "{i}", "contents": "\\"Dante {i}\\"\\nEpic poem number {i}"}}\n'
+            for i in range(10)
+        )
+    )
+    other = tmp_path / "other-index"
+    build_index(corpus, other, dense=False, bm25=True, show_progress=False)
+    with running_server(other, cache={"persist_path": saved}) as server:
+        assert cache_health(server.url)["loaded"] == 0
+        fresh = post(server.url, query)
+    assert ledger(fresh) == (1, 0) and fresh.content != computed.content
+
+
+def test_a_persist_path_that_is_not_a_cache_file_is_refused_and_kept(
+    small_index: Path, tmp_path: Path
+) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "hdr.cli", "serve", "--index", str(small_index), "--port", "0",
+         f"cache.persist_path={notes}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("hdr: error:")]
+    assert len(lines) == 1 and "is not an hdr search cache" in lines[0], result.stderr
+    assert notes.read_text() == "my notes\n"
+
+
+# --- the cache itself (no server) ------------------------------------------------------------
+
+
+def test_least_recently_used_answers_leave_first() -> None:
+    def key(i: int) -> tuple[str, int, bool, str]:
+        return ("dense", 3, True, f"query {i}")
+
+    value = b'[{"document":{"id":"1","contents":"x"},"score":0.5}]'
+    cache = ResultCache(max_bytes=3 * entry_bytes(key(0), value), fingerprint="f")
+    for i in range(3):
+        cache.put(key(i), value)
+    assert cache.get(key(0)) == value  # now the most recently used
+    cache.put(key(3), value)
+    assert cache.get(key(1)) is None and cache.get(key(0)) == value
+    assert len(cache) == 3 and cache.stats.evictions == 1
+    assert cache.bytes == 3 * entry_bytes(key(0), value)
+    huge = b"[" + b"0," * 10_000 + b"0]"
+    cache.put(key(9), huge)  # larger than the whole bound: not stored, nothing evicted
+    assert cache.get(key(9)) is None and len(cache) == 3
+
+
+def test_answers_expire_after_their_time_to_live(tmp_path: Path) -> None:
+    now = [1000.0]
+    cache = ResultCache(max_bytes=10_000, fingerprint="f", ttl_s=60, clock=lambda: now[0])
+    cache.put(("web", 3, True, "news today"), b"[]")
+    now[0] += 59
+    assert cache.get(("web", 3, True, "news today")) == b"[]"
+    cache.save(tmp_path / "c")
+    now[0] += 2
+    assert cache.get(("web", 3, True, "news today")) is None and cache.stats.expired == 1
+    assert cache.bytes == 0
+    reloaded = ResultCache(max_bytes=10_000, fingerprint="f", ttl_s=60, clock=lambda: now[0])
+    assert reloaded.load(tmp_path / "c") == 0  # expired on disk too: the time is kept

@@ -51,7 +51,14 @@ from pydantic import Field, ValidationError, field_validator
 
 from core.config import StrictModel
 from core.errors import UserError
-from retrieval_server.api import Document, PlainResponse, RetrieveRequest, ScoredResponse
+from retrieval_server.api import (
+    BILLED_HEADER,
+    CACHED_HEADER,
+    Document,
+    PlainResponse,
+    RetrieveRequest,
+    ScoredResponse,
+)
 
 log = logging.getLogger(__name__)
 FATAL_STATUSES = (401, 403, 404)
@@ -165,6 +172,12 @@ class ClientStats:
     retries: int = 0
     failures: int = 0  # chunks whose retries ran out while a server was up
     queries: int = 0
+    # of the queries answered: computed for us (by the index, or an upstream's paid call) and
+    # answered without a computation (the server's cache, or an identical query in flight),
+    # as hdr serve's X-HDR-Billed-Queries / X-HDR-Cached-Queries say; a server without those
+    # headers (Search-R1's) computed every query, so all count as billed
+    billed_queries: int = 0
+    cached_queries: int = 0
     passages: int = 0  # documents returned over all queries
     failed_queries: int = 0  # queries answered None (refused, retries out, bad response)
     truncated_queries: int = 0  # cut to max_query_chars before sending
@@ -366,6 +379,9 @@ class RetrievalClient:
                 return [None] * len(queries)  # type: ignore[list-item]
             self.stats.requests += 1
             self.stats.request_latencies.append(time.perf_counter() - sent)
+            billed, cached = _ledger(response, len(queries))
+            self.stats.billed_queries += billed
+            self.stats.cached_queries += cached
             return result
         raise _Unreachable(f"after {c.max_retries + 1} attempts: {last_error}")
 
@@ -522,6 +538,19 @@ def _parse_result(response: httpx.Response, expected: int) -> list[list[Document
         except ValidationError:
             return None
     return result if len(result) == expected else None
+
+
+def _ledger(response: httpx.Response, queries: int) -> tuple[int, int]:
+    """(billed, cached) queries of an answered request, from hdr serve's headers; all billed
+    when the server sends none (or nonsense)."""
+    try:
+        billed = int(response.headers[BILLED_HEADER])
+        cached = int(response.headers[CACHED_HEADER])
+    except (KeyError, ValueError):
+        return queries, 0
+    if billed < 0 or cached < 0 or billed + cached != queries:
+        return queries, 0
+    return billed, cached
 
 
 def _error_body(response: httpx.Response) -> dict:

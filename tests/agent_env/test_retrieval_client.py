@@ -47,6 +47,21 @@ def test_bm25_and_dense_are_selectable(retrieval_url: str) -> None:
     assert all(r.startswith('"Evan Morris"') for r in results.values())
 
 
+def test_billed_and_cached_queries_are_counted_from_the_servers_ledger(
+    retrieval_url: str,
+) -> None:
+    # queries no other test sends, so the session server's cache has not seen them
+    first = ["ledger: bowed string instrument", "ledger: dance of Andalusia"]
+    config = RetrievalConfig(urls=[retrieval_url], topk=2, max_batch_queries=2)
+    with RetrievalClient(config) as client:
+        client.search([first[0], first[1], first[0]])  # two chunks: [a, b], [a]
+        assert client.stats.queries == 3
+        assert client.stats.billed_queries + client.stats.cached_queries == 3
+        assert client.stats.billed_queries == 2  # `a` is computed once, wherever it went
+        client.search([first[1], "ledger: a third question"])
+        assert (client.stats.billed_queries, client.stats.cached_queries) == (3, 2)
+
+
 def test_dead_server_retries_then_waits_out_the_grace_then_stops(small_index) -> None:
     from servers import running_server
 
@@ -193,6 +208,8 @@ def test_client_works_against_a_search_r1_contract_server(search_r1_url: str) ->
     ]
     assert all(doc.id is None for docs in results for doc in docs)
     assert results[0][0].model_extra == {"title": "Lima", "text": "Lima is the capital of Peru."}
+    # a server without hdr's ledger headers computed every query: all billed
+    assert (client.stats.billed_queries, client.stats.cached_queries) == (2, 0)
 
 
 def test_one_failing_chunk_does_not_discard_the_others(search_r1_url: str) -> None:

@@ -66,6 +66,7 @@ from retrieval_server.config import ServerConfig
 from retrieval_server.connections import ARRIVAL
 from retrieval_server.emulated_cost import CostEmulator
 from retrieval_server.index import DocumentStore, IndexManifest, LoadedIndex, load_index
+from retrieval_server.query_log import QueryLog
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
 from retrieval_server.upstream import BudgetSpent, UpstreamBackend, UpstreamError
 
@@ -199,6 +200,7 @@ class ServingState:
     batcher: MicroBatcher | None = None
     upstream: UpstreamBackend | None = None
     upstream_health: dict[str, Any] | None = None  # the upstream's /health at start
+    query_log: QueryLog | None = None
 
     def unhealthy_reason(self) -> str | None:
         return None if self.batcher is None else self.batcher.unhealthy_reason()
@@ -749,6 +751,12 @@ def create_app(config: ServerConfig) -> FastAPI:
             state = await open_upstream_state(config)
         else:
             state = await asyncio.to_thread(load_serving_state, config, metrics)
+        if config.query_log is not None:
+            try:
+                state.query_log = QueryLog(config.query_log)
+            except BaseException:
+                await close_serving_state(state, config)
+                raise
         if state.batcher is not None:
             state.batcher.start()
         app.state.serving = state
@@ -797,6 +805,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             if isinstance(outcome, Response):
                 return outcome
             answered = outcome
+            if state.query_log is not None:
+                state.query_log.write(*args, answered.billed, answered.cached)
         # the answers are JSON already (encoded once, when computed): joined, not re-encoded
         headers = {BILLED_HEADER: str(answered.billed), CACHED_HEADER: str(answered.cached)}
         return Response(join_answers(answered.answers), media_type="application/json",
@@ -837,6 +847,8 @@ async def close_serving_state(state: ServingState, config: ServerConfig) -> None
         await state.upstream.close()
     if state.index is not None:
         state.index.close()
+    if state.query_log is not None:
+        state.query_log.close()
     cache, path = state.answers.cache, config.cache.persist_path
     if cache is not None and path is not None:
         await asyncio.to_thread(cache.save, path)

@@ -406,6 +406,7 @@ def serve_command(
     server_config = server_config_from(config, options, all_overrides(overrides, set_))
     if server_config.index_dir is not None:
         check_served_index(server_config, retrievers)
+    check_written_files(server_config)
     token = os.environ.get(API_TOKEN_ENV)
     if token:
         server_config.api_token = token
@@ -441,6 +442,23 @@ def check_served_index(server_config, retrievers: str | None) -> None:
         raise UserError(
             f"index {server_config.index_dir} was built without BM25; cannot serve bm25"
         )
+
+
+def check_written_files(server_config) -> None:
+    """The files `hdr serve` would write, checked before anything loads: a query log must be
+    new, a cache file must be one hdr wrote (it is replaced when the server stops)."""
+    from core.errors import UserError
+    from retrieval_server.cache import FILE_MAGIC, check_cache_file
+
+    if server_config.query_log is not None and server_config.query_log.exists():
+        raise UserError(
+            f"query_log {server_config.query_log} exists; hdr writes a query log only to a new"
+            " file: move it or choose another path"
+        )
+    path = server_config.cache.persist_path
+    if path is not None and path.is_file():
+        with path.open("rb") as file:
+            check_cache_file(path, file.read(len(FILE_MAGIC)))
 
 
 def server_config_from(config_file: Path | None, options: dict[str, Any], overrides: list[str]):

@@ -284,6 +284,12 @@ class ServerConfig(StrictModel):
         description="Emulated remote-API cost per /retrieve request (off by default), e.g. "
         "`hdr serve ... emulated_cost.request_latency_ms=200`.",
     )
+    query_log: Path | None = Field(
+        default=None,
+        description="A new file to write each answered /retrieve request's queries and "
+        "billed/cached counts to, one JSON line a request (what repeats; bench/search_cache.py "
+        "reads it); None: no log.",
+    )
     api_token: SecretStr | None = Field(
         default=None,
         description="Bearer token required on /retrieve and /metrics; None means open. "

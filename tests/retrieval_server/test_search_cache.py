@@ -6,6 +6,7 @@ are computed once; a persisted cache is loaded only by a server of the same inde
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -177,15 +178,39 @@ def test_a_persist_path_that_is_not_a_cache_file_is_refused_and_kept(
 ) -> None:
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
+    line = serve_and_fail(small_index, f"cache.persist_path={notes}")
+    assert "is not an hdr search cache" in line
+    assert notes.read_text() == "my notes\n"
+
+
+def test_the_query_log_holds_each_request_and_its_ledger(small_index: Path, tmp_path: Path) -> None:
+    log = tmp_path / "queries.jsonl"
+    with running_server(small_index, default_retriever="bm25", query_log=log) as server:
+        post(server.url, ["Guitar", "Flamenco", "Guitar"], topk=2)
+        post(server.url, ["Flamenco"], topk=2)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["queries"], r["billed"], r["cached"]) for r in lines] == [
+        (["Guitar", "Flamenco", "Guitar"], 2, 1),
+        (["Flamenco"], 0, 1),
+    ]
+    assert all(r["retriever"] == "bm25" and r["topk"] == 2 and r["return_scores"] for r in lines)
+    # an existing file is never written to: `hdr serve` stops in one line
+    line = serve_and_fail(small_index, f"query_log={log}")
+    assert "query_log" in line and "exists" in line, line
+    assert len(log.read_text().splitlines()) == 2
+
+
+def serve_and_fail(index: Path, *settings: str) -> str:
+    """`hdr serve` with `settings` that must fail at start: its one `hdr: error:` line."""
     result = subprocess.run(
-        [sys.executable, "-m", "hdr.cli", "serve", "--index", str(small_index), "--port", "0",
-         f"cache.persist_path={notes}"],
+        [sys.executable, "-m", "hdr.cli", "serve", "--index", str(index), "--port", "0",
+         *settings],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("hdr: error:")]
-    assert len(lines) == 1 and "is not an hdr search cache" in lines[0], result.stderr
-    assert notes.read_text() == "my notes\n"
+    assert len(lines) == 1, result.stderr
+    return lines[0]
 
 
 # --- the cache itself (no server) ------------------------------------------------------------

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.errors import UserError
+from core.fingerprint import digest
 from retrieval_server.answers import (
     Answered,
     Answers,
@@ -61,7 +62,7 @@ from retrieval_server.api import (
     profile_request_model,
 )
 from retrieval_server.batching import MicroBatcher, Overloaded, SearchFailed
-from retrieval_server.cache import ResultCache, answer_fingerprint, open_persisted
+from retrieval_server.cache import ResultCache, open_persisted
 from retrieval_server.config import ServerConfig
 from retrieval_server.connections import ARRIVAL
 from retrieval_server.emulated_cost import CostEmulator
@@ -75,6 +76,7 @@ UNLIMITED_PATHS = {"/health", "/metrics"}  # answered even at the concurrency li
 OPEN_PATHS = {"/health"}  # no token needed (orchestrator health checks)
 MAX_LOC_CHARS = 64  # a validation error names the field, cut to this; input is never echoed
 CLIENT_GONE = 499  # recorded in metrics for a client that left; nobody receives it
+FINGERPRINT_DIGITS = 16  # of the answers' fingerprint (hex): part of every cache key
 # about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.0025, 0.004, 0.006, 0.01, 0.015, 0.025, 0.04,
                      0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 1, 1.5, 2.5, 4, 6, 10, 15, 30)  # fmt: skip
@@ -646,7 +648,7 @@ def index_fingerprint(manifest: IndexManifest, config: ServerConfig) -> str:
     """What, besides a query's key, decides its answer: the index as built (its manifest, but
     not where its corpus lies) and the serving settings that change results."""
     dense = config.dense
-    return answer_fingerprint(
+    return digest(
         {
             "manifest": manifest.model_dump(mode="json", exclude={"corpus_path"}),
             "query_prefix": config.query_prefix,
@@ -655,7 +657,8 @@ def index_fingerprint(manifest: IndexManifest, config: ServerConfig) -> str:
                 include={"nprobe", "ef_search", "refine_k_factor", "exact_k_factor"}
             ),
             "gpu": dense.gpus is not None,  # float16 vectors
-        }
+        },
+        length=FINGERPRINT_DIGITS,
     )
 
 
@@ -680,8 +683,9 @@ async def open_upstream_state(config: ServerConfig) -> ServingState:
         await upstream.close()
         raise
     served = health.get("cache") if isinstance(health.get("cache"), dict) else {}
-    fingerprint = answer_fingerprint(
-        {"upstream": config.upstream.url, "fingerprint": served.get("fingerprint")}
+    fingerprint = digest(
+        {"upstream": config.upstream.url, "fingerprint": served.get("fingerprint")},
+        length=FINGERPRINT_DIGITS,
     )
     answers = await asyncio.to_thread(make_answers, upstream, config, fingerprint)
     return ServingState(

@@ -8,7 +8,7 @@ hit is joined into the next response unchanged, byte for byte what the first com
 sent. Entries are bounded in bytes (least recently used out first) and may expire after
 `ttl_s` (for a backend that is not static: a live web API behind `--upstream`).
 
-Every key carries the index's fingerprint (`answer_fingerprint`): one server serves one index
+Every key carries the index's fingerprint (`app.index_fingerprint`): one server serves one index
 for its lifetime, so in memory the fingerprint is the cache's own; a cache persisted across
 restarts (`persist_path`) is loaded only by a server whose fingerprint is the same, so a
 rebuilt, reloaded or different index never serves old answers.
@@ -20,7 +20,6 @@ measures it against tracemalloc.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import struct
@@ -84,11 +83,6 @@ class CacheStats:
     evictions: int = 0
     expired: int = 0
     loaded: int = 0  # entries read from persist_path at start
-
-
-def answer_fingerprint(parts: dict[str, object]) -> str:
-    """A short stable hash of everything (besides the key) that decides an answer."""
-    return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
 def entry_bytes(key: CacheKey, value: bytes) -> int:

@@ -1,9 +1,11 @@
 """The FastAPI app: `POST /retrieve` (Search-R1 compatible), `GET /health`, `GET /metrics`.
 
 `create_app(config)` builds an app whose heavy resources (FAISS index, BM25, encoder, corpus
-offsets) are loaded in its lifespan, never at import. Searches go through a `MicroBatcher`, which
-runs them in a worker thread; documents are read from disk in a thread too, so the event loop only
-parses, validates and batches.
+offsets) are loaded in its lifespan, never at import. A request's queries go to the result cache
+first (`retrieval_server.answers`: hits, computations in flight, billed misses); misses go through
+a `MicroBatcher`, which runs them in a worker thread, documents read from disk in that thread too,
+so the event loop only parses, validates and batches; in proxy mode (`config.upstream`) they are
+forwarded to the upstream instead (`retrieval_server.upstream`).
 
 It degrades instead of dying: `RequestGuard` (outside FastAPI) enforces the concurrency limit,
 the bearer token and the body cap before a body is read or parsed; the batcher's queue is bounded
@@ -21,7 +23,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -32,13 +34,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -67,6 +64,7 @@ from retrieval_server.config import ServerConfig
 from retrieval_server.connections import ARRIVAL
 from retrieval_server.emulated_cost import CostEmulator
 from retrieval_server.index import DocumentStore, IndexManifest, LoadedIndex, load_index
+from retrieval_server.metrics import BatcherCollector, CacheCollector, ServerMetrics
 from retrieval_server.query_log import QueryLog
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
 from retrieval_server.upstream import BudgetSpent, UpstreamBackend, UpstreamError
@@ -77,117 +75,6 @@ OPEN_PATHS = {"/health"}  # no token needed (orchestrator health checks)
 MAX_LOC_CHARS = 64  # a validation error names the field, cut to this; input is never echoed
 CLIENT_GONE = 499  # recorded in metrics for a client that left; nobody receives it
 FINGERPRINT_DIGITS = 16  # of the answers' fingerprint (hex): part of every cache key
-# about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.0025, 0.004, 0.006, 0.01, 0.015, 0.025, 0.04,
-                     0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 1, 1.5, 2.5, 4, 6, 10, 15, 30)  # fmt: skip
-
-
-class ServerMetrics:
-    """The app's Prometheus collectors, in a registry of its own."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "hdr_retrieval_requests",
-            "HTTP requests by endpoint and status code.",
-            ["endpoint", "status"],
-            registry=self.registry,
-        )
-        self.errors = Counter(
-            "hdr_retrieval_errors",
-            "HTTP requests answered with a 4xx or 5xx.",
-            ["endpoint", "status"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "hdr_retrieval_request_seconds",
-            "The server's latency by endpoint: from a request's arrival to its response sent.",
-            ["endpoint"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        )
-        self.queries = Counter(
-            "hdr_retrieval_queries",
-            "Queries searched, by retriever.",
-            ["retriever"],
-            registry=self.registry,
-        )
-        self.batch_queries = Histogram(
-            "hdr_retrieval_batch_queries",
-            "Queries per micro-batch search, by retriever.",
-            ["retriever"],
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-            registry=self.registry,
-        )
-        self.rejected = Counter(
-            "hdr_retrieval_rejected",
-            "Requests answered 503 before any search, by reason "
-            "(queue_full, concurrency, body_bytes, unhealthy).",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.expired = Counter(
-            "hdr_retrieval_expired",
-            "Requests answered 503 because their deadline passed (unsearched queries dropped).",
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "hdr_retrieval_requests_in_flight",
-            "Requests inside the app (bodies received), of max_concurrent_requests.",
-            registry=self.registry,
-        )
-        self.receiving = Gauge(
-            "hdr_retrieval_bodies_receiving",
-            "Requests whose body is arriving.",
-            registry=self.registry,
-        )
-        self.buffered_bytes = Gauge(
-            "hdr_retrieval_body_bytes_buffered",
-            "Request body bytes held in memory (arriving or being served), of "
-            "max_buffered_body_bytes.",
-            registry=self.registry,
-        )
-        self.slow_bodies = Counter(
-            "hdr_retrieval_slow_bodies",
-            "Requests answered 408 because their body stalled (idle: body_idle_timeout_s) or "
-            "did not arrive whole in time (deadline: body_read_timeout_s).",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.disconnected = Counter(
-            "hdr_retrieval_disconnected",
-            "Requests whose client went away before the answer (unsearched queries dropped).",
-            registry=self.registry,
-        )
-        self.truncated = Counter(
-            "hdr_retrieval_truncated_queries",
-            "Queries cut to max_query_chars (search-r1 profile).",
-            registry=self.registry,
-        )
-        self.connections = Gauge(
-            "hdr_retrieval_connections", "HTTP connections held open.", registry=self.registry
-        )
-        self.connections_cut = Counter(
-            "hdr_retrieval_connections_cut",
-            "Connections the server closed: head_timeout (no request head within "
-            "head_timeout_s), evicted_stalled / evicted_idle (to make room past "
-            "max_connections), refused (past max_connections, every connection busy).",
-            ["reason"],
-            registry=self.registry,
-        )
-
-    def connection_event(self, event: str) -> None:
-        """What the guarded protocol reports (retrieval_server.connections)."""
-        if event == "opened":
-            self.connections.inc()
-        elif event == "closed":
-            self.connections.dec()
-        else:
-            self.connections_cut.labels(event).inc()
-
-    def observe_batch(self, retriever: str, queries: int) -> None:
-        self.queries.labels(retriever).inc(queries)
-        self.batch_queries.labels(retriever).observe(queries)
 
 
 @dataclass
@@ -206,120 +93,6 @@ class ServingState:
 
     def unhealthy_reason(self) -> str | None:
         return None if self.batcher is None else self.batcher.unhealthy_reason()
-
-
-class BatcherCollector:
-    """Reads the batcher's queue and supervision state when /metrics is scraped."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
-
-    def collect(self) -> Iterator[Any]:
-        state: ServingState | None = getattr(self.app.state, "serving", None)
-        if state is None or state.batcher is None:
-            return
-        batcher = state.batcher
-        yield GaugeMetricFamily(
-            "hdr_retrieval_queue_queries",
-            "Queries queued or being searched.",
-            value=batcher.queued_queries,
-        )
-        yield GaugeMetricFamily(
-            "hdr_retrieval_queue_requests",
-            "Requests with queries still waiting for a batch.",
-            value=batcher.waiting_requests,
-        )
-        yield GaugeMetricFamily(
-            "hdr_retrieval_healthy",
-            "1 while /health answers ok (the worker serves, no search is stalled).",
-            value=batcher.unhealthy_reason() is None,
-        )
-        yield GaugeMetricFamily(
-            "hdr_retrieval_search_running_seconds",
-            "How long the running batch search has taken so far (0: none runs).",
-            value=batcher.search_running_s,
-        )
-        yield CounterMetricFamily(
-            "hdr_retrieval_worker_restarts",
-            "Batch-worker crashes survived by a restart.",
-            value=batcher.counts.worker_restarts,
-        )
-        yield CounterMetricFamily(
-            "hdr_retrieval_failed_searches",
-            "Requests whose search raised (each retried alone first); answered 503.",
-            value=batcher.counts.failed_requests,
-        )
-
-
-class CacheCollector:
-    """Reads the result cache's and the upstream's counts when /metrics is scraped."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
-
-    def collect(self) -> Iterator[Any]:
-        state: ServingState | None = getattr(self.app.state, "serving", None)
-        if state is None:
-            return
-        cache = state.answers.cache
-        if cache is not None:
-            stats = cache.stats
-            queries = CounterMetricFamily(
-                "hdr_retrieval_cache_queries",
-                "Queries by how they were answered: hit (the cache), coalesced (a computation "
-                "in flight, or a duplicate in the request), miss (computed: billed).",
-                labels=["outcome"],
-            )
-            outcomes = {"hit": stats.hits, "miss": stats.misses, "coalesced": stats.coalesced}
-            for outcome, count in outcomes.items():
-                queries.add_metric([outcome], count)
-            yield queries
-            yield CounterMetricFamily(
-                "hdr_retrieval_cache_evictions",
-                "Entries evicted to stay within max_bytes.",
-                value=stats.evictions,
-            )
-            yield GaugeMetricFamily(
-                "hdr_retrieval_cache_bytes", "Bytes the cache holds.", value=cache.bytes
-            )
-            yield GaugeMetricFamily(
-                "hdr_retrieval_cache_max_bytes",
-                "The cache's bound in bytes.",
-                value=cache.max_bytes,
-            )
-            yield GaugeMetricFamily(
-                "hdr_retrieval_cache_entries", "Answers cached.", value=len(cache)
-            )
-        if state.upstream is not None:
-            counts = state.upstream.counts
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_calls",
-                "Queries forwarded to the upstream and answered: the billed calls.",
-                value=counts.calls,
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_requests",
-                "HTTP requests the upstream answered.",
-                value=counts.requests,
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_retries", "Forwards retried.", value=counts.retries
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_failures",
-                "Forwards that failed after their retries (answered 502 or 504).",
-                value=counts.failures,
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_over_budget",
-                "Requests answered 429: the spend budget had run out.",
-                value=counts.refused_over_budget,
-            )
-            yield GaugeMetricFamily(
-                "hdr_retrieval_upstream_spent",
-                "Billed calls x price_per_call.",
-                value=state.upstream.budget.spent,
-            )
 
 
 def fetch_passages(store: DocumentStore, hits: list[list[Hit]]) -> list[list[Passage]]:

@@ -185,8 +185,9 @@ def test_serving_a_retriever_the_index_lacks_is_refused(small_index: Path, tmp_p
     manifest["bm25"] = False
     manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("bm25/")}
     (out / MANIFEST).write_text(json.dumps(manifest))
-    from retrieval_server.app import ServerMetrics, load_serving_state
+    from retrieval_server.app import load_serving_state
     from retrieval_server.config import ServerConfig
+    from retrieval_server.metrics import ServerMetrics
 
     config = ServerConfig(index_dir=out, retrievers=["bm25"])
     with pytest.raises(UserError, match="retriever 'bm25' is not available"):

@@ -161,7 +161,13 @@ class Heads:
         self.helpers: list[subprocess.Popen] = []
 
     def open(self, port: int, url: str) -> None:
+        """Open them, then wait until the server has accepted what the kernel queued for it
+        (its count of held connections stops moving), so the round measures holding them."""
         self.helpers = open_heads(port, self.count)
+        held, previous = metric(url, "hdr_retrieval_connections"), -1.0
+        while held != previous:
+            time.sleep(1.0)
+            held, previous = metric(url, "hdr_retrieval_connections"), held
 
     def close(self, url: str) -> None:
         for helper in self.helpers:

@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -59,12 +60,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(index: Path, port: int, log: Path, settings: list[str]) -> subprocess.Popen:
-    """`hdr serve` in a subprocess (with `--set` settings); returns once /health answers."""
+def searching(settings: list[str]) -> list[str]:
+    """The server settings with the result cache off, unless a cache.* setting is given."""
+    return settings if any(s.startswith("cache.") for s in settings) else [*settings, NO_CACHE]
+
+
+def start_server(
+    index: Path | None, port: int, log: Path, settings: list[str], upstream: str | None = None
+) -> subprocess.Popen:
+    """`hdr serve` in a subprocess (with `--set` settings) on `index`, or a proxy of
+    `upstream`; returns once /health answers."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("HDR_API_TOKEN", None)
-    command = [HDR, "serve", "--index", str(index), "--port", str(port), "--no-access-log"]
-    command += [arg for setting in settings for arg in ("--set", setting)]
+    source = ["--index", str(index)] if upstream is None else ["--upstream", upstream]
+    command = [HDR, "serve", *source, "--port", str(port), "--no-access-log"]
+    command += [arg for setting in searching(settings) for arg in ("--set", setting)]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while True:
@@ -201,7 +211,7 @@ def overload(index: Path, queue_bound: int, settings: list[str], console: Consol
     """The overload cell on its own server (queue bound `queue_bound` queries)."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="hdr-bench-overload-", suffix=".log")[1])
-    server_settings = [*settings, f"max_queued_queries={queue_bound}"]
+    server_settings = searching([*settings, f"max_queued_queries={queue_bound}"])
     console.print(f"overload: hdr serve with {server_settings} (log: {log})")
     server = start_server(index, port, log, server_settings)
     url = f"http://127.0.0.1:{port}"
@@ -274,6 +284,11 @@ def dense_single_query_qps(results: list[dict]) -> dict[int, float]:
 
 LIMIT_CELLS = ((1, 1), (8, 1), (32, 1), (1, 32), (8, 32), (32, 32), (1, 256), (8, 256))
 LIMIT_TOPK = 3
+SERVER_TIMING = re.compile(rb"server-timing: total;dur=([0-9.]+)")
+# the bench measures searching: hdr serve's result cache would answer the repeated bodies
+# from memory, so it is off unless a cache.* setting is given (bench/search_cache.py
+# measures the cache)
+NO_CACHE = "cache.enabled=false"
 
 
 class RawClient:
@@ -286,7 +301,8 @@ class RawClient:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, float | None]:
+        """(status, body, the server's own milliseconds from its Server-Timing header)."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             self.writer.get_extra_info("socket").setsockopt(
@@ -305,7 +321,8 @@ class RawClient:
         data = await self.reader.readexactly(length)
         if b"connection: close" in lower:
             self.close()
-        return status, data
+        timing = SERVER_TIMING.search(lower)
+        return status, data, float(timing.group(1)) if timing else None
 
     def close(self) -> None:
         if self.writer is not None:
@@ -333,6 +350,7 @@ async def load_cell(
     with the neighbours' load, CPU time per request much less."""
     host, port = url.removeprefix("http://").split(":")
     latencies: list[float] = []
+    server_ms: list[float] = []
     errors = 0
     turn = 0
 
@@ -342,8 +360,9 @@ async def load_cell(
             body = bodies[turn % len(bodies)]
             turn += 1
             started = time.perf_counter()
+            took = None
             try:
-                status, data = await client.post("/retrieve", body)
+                status, data, took = await client.post("/retrieve", body)
                 ok = status == 200 and len(json.loads(data)["result"]) == per_request
             except (OSError, ValueError, KeyError, asyncio.IncompleteReadError):
                 client.close()
@@ -351,6 +370,8 @@ async def load_cell(
             if record:
                 latencies.append(time.perf_counter() - started)
                 errors += not ok
+                if took is not None:
+                    server_ms.append(took)
 
     pool = [RawClient(host, int(port)) for _ in range(clients)]
     warmup = time.perf_counter() + min(1.0, seconds / 4)
@@ -362,16 +383,27 @@ async def load_cell(
     cpu_used = cpu_seconds(server_pid) - cpu_before if server_pid else float("nan")
     for client in pool:
         client.close()
-    ordered = sorted(latencies) or [float("nan")]
-    return {
+    result = {
         "requests": len(latencies),
         "errors": errors,
         "queries_per_s": round(len(latencies) * per_request / elapsed, 1),
         "requests_per_s": round(len(latencies) / elapsed, 1),
-        "p50_ms": round(1000 * statistics.median(ordered), 2),
-        "p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2),
+        "p50_ms": round(1000 * quantile(latencies, 0.5), 2),
+        "p99_ms": round(1000 * quantile(latencies, 0.99), 2),
         "server_cpu_ms_per_request": round(1000 * cpu_used / max(1, len(latencies)), 3),
     }
+    if server_ms:  # the server's own view: arrival to the response's start
+        result["server_p50_ms"] = round(quantile(server_ms, 0.5), 2)
+        result["server_p99_ms"] = round(quantile(server_ms, 0.99), 2)
+    return result
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile by rank (the value below which q of them lie); nan when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def seconds_per_query(
@@ -551,13 +583,103 @@ def limit_table(
         ),
         "seconds_per_cell": seconds,
         "rounds": rounds,
-        "server_settings": settings,
+        "server_settings": searching(settings),
         "rows": rows,
     }
     write_report(out, report)
     print_limit(rows, console)
     console.print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after; "
                   f"written to {out}")  # fmt: skip
+
+
+TAIL_CLIENTS = 32
+TAIL_TARGET = 2.0  # the server's own p99 at most this many times its p50
+
+
+def tail_table(
+    index: Path, seconds: float, rounds: int, out: Path, settings: list[str], console: Console
+) -> None:
+    """32 closed-loop clients of one dense query each, against the bare endpoint and then hdr
+    serve, `rounds` times interleaved: each one's client-side p50/p99 and hdr's server-side
+    p50/p99 (its Server-Timing: arrival to the response's start), against the target that
+    the server's p99 be at most TAIL_TARGET x its p50."""
+    load_before = list(os.getloadavg())
+    queries = benchmark_queries()
+    logs = Path(tempfile.mkdtemp(prefix="hdr-bench-tail-"))
+    ports = {"bare": free_port(), "hdr": free_port()}
+    processes = {
+        "bare": start_bare(index, ports["bare"], logs / "bare.log"),
+        "hdr": start_server(index, ports["hdr"], logs / "hdr.log", settings),
+    }
+    bodies = request_bodies(queries, 1, count=len(queries))
+    samples: dict[str, list[dict]] = {"bare": [], "hdr": []}
+    try:
+        for round_ in range(rounds):
+            for name, port in ports.items():
+                url, pid = f"http://127.0.0.1:{port}", processes[name].pid
+                cell = asyncio.run(load_cell(url, bodies, 1, TAIL_CLIENTS, seconds, pid))
+                samples[name].append(cell)
+                console.print(f"round {round_ + 1} {name}: {cell}")
+    finally:
+        for process in processes.values():
+            process.terminate()
+            process.wait(timeout=60)
+    rows = [tail_row(i, samples["bare"][i], samples["hdr"][i]) for i in range(rounds)]
+    report = {
+        "command": "bench/retrieval.py --cells tail " + " ".join(sys.argv[1:]),
+        "machine": machine_facts(
+            load_before, note="clients, servers and encoder share the machine's cores"
+        ),
+        "clients": TAIL_CLIENTS,
+        "queries_per_request": 1,
+        "seconds_per_cell": seconds,
+        "rounds": rounds,
+        "server_settings": searching(settings),
+        "target_server_p99_over_p50": TAIL_TARGET,
+        "rows": rows,
+        "median": {
+            key: statistics.median(row[key] for row in rows) for key in rows[0] if key != "round"
+        },
+    }
+    write_report(out, report)
+    print_tail(rows, report["median"], console)
+    console.print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after; "
+                  f"written to {out}")  # fmt: skip
+
+
+def tail_row(round_: int, bare: dict, hdr: dict) -> dict:
+    if bare["errors"] or hdr["errors"]:
+        raise SystemExit(f"round {round_ + 1}: requests failed (bare {bare}, hdr {hdr})")
+    return {
+        "round": round_ + 1,
+        "bare_queries_per_s": bare["queries_per_s"],
+        "bare_p50_ms": bare["p50_ms"],
+        "bare_p99_ms": bare["p99_ms"],
+        "hdr_queries_per_s": hdr["queries_per_s"],
+        "hdr_p50_ms": hdr["p50_ms"],
+        "hdr_p99_ms": hdr["p99_ms"],
+        "hdr_server_p50_ms": hdr["server_p50_ms"],
+        "hdr_server_p99_ms": hdr["server_p99_ms"],
+        "hdr_server_p99_over_p50": round(hdr["server_p99_ms"] / hdr["server_p50_ms"], 2),
+    }
+
+
+def print_tail(rows: list[dict], median: dict, console: Console) -> None:
+    title = f"the tail at {TAIL_CLIENTS} clients x 1 query (dense, topk 3, no cache)"
+    table = Table(title=title)
+    columns = ["round", "bare q/s", "bare p50", "bare p99", "hdr q/s", "hdr p50", "hdr p99",
+               "server p50", "server p99", f"server p99/p50 (<= {TAIL_TARGET:g})"]  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in [*rows, {**median, "round": "median"}]:
+        table.add_row(
+            str(row["round"]), f"{row['bare_queries_per_s']:.0f}", f"{row['bare_p50_ms']:.1f}",
+            f"{row['bare_p99_ms']:.1f}", f"{row['hdr_queries_per_s']:.0f}",
+            f"{row['hdr_p50_ms']:.1f}", f"{row['hdr_p99_ms']:.1f}",
+            f"{row['hdr_server_p50_ms']:.1f}", f"{row['hdr_server_p99_ms']:.1f}",
+            f"{row['hdr_server_p99_over_p50']:.2f}",
+        )  # fmt: skip
+    console.print(table)
 
 
 def machine_facts(load_before: list[float], **facts) -> dict:
@@ -677,10 +799,14 @@ def main(
         [], "--set", help="Server setting key=value, e.g. --set batch_wait_ms=0 (repeatable)."
     ),
     cells: str = typer.Option(
-        "all", help="normal (the concurrency table), overload, all (both), or limit."
+        "all",
+        help="normal (the concurrency table), overload, all (both), limit, or tail (32 clients: "
+        "the server's own p50/p99 beside the client's and a bare endpoint's).",
     ),
     queue_bound: int = typer.Option(64, help="Overload cell: the server's max_queued_queries."),
-    rounds: int = typer.Option(1, help="Limit cells: interleaved rounds (medians reported)."),
+    rounds: int = typer.Option(
+        1, help="Limit and tail cells: interleaved rounds (medians reported)."
+    ),
     limit_cells: str = typer.Option(
         ",".join(f"{c}x{n}" for c, n in LIMIT_CELLS),
         help="Limit cells to run, as CLIENTSxQUERIES, comma-separated (e.g. 1x1,32x1,1x32).",
@@ -697,6 +823,10 @@ def main(
         serve_bare(serve_bare_port, index)
         return
     console = Console(width=max(Console().width, 150))  # the limit table has 9-12 columns
+    if cells == "tail":
+        tail_out = out.with_name("retrieval_tail.json") if out.name == "retrieval.json" else out
+        tail_table(index, seconds, rounds, tail_out, settings, console)
+        return
     if cells == "limit":
         limit_out = out.with_name("retrieval_limit.json") if out.name == "retrieval.json" else out
         try:
@@ -757,7 +887,7 @@ def concurrency_table(
         "index": {key: health[key] for key in ("documents", "encoder", "index_type")},
         "machine": machine_facts(load_before, python=platform.python_version()),
         "seconds_per_cell": seconds,
-        "server_settings": settings,
+        "server_settings": searching(settings),
         "results": results,
         "target": {
             "dense_1_query_qps": qps,

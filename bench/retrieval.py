@@ -602,7 +602,8 @@ def tail_table(
     """32 closed-loop clients of one dense query each, against the bare endpoint and then hdr
     serve, `rounds` times interleaved: each one's client-side p50/p99 and hdr's server-side
     p50/p99 (its Server-Timing: arrival to the response's start), against the target that
-    the server's p99 be at most TAIL_TARGET x its p50."""
+    the server's p99 be at most TAIL_TARGET x its p50; and what hdr's scheduling adds to the
+    tail: the share of requests that missed a micro-batch started after they arrived."""
     load_before = list(os.getloadavg())
     queries = benchmark_queries()
     logs = Path(tempfile.mkdtemp(prefix="hdr-bench-tail-"))
@@ -617,7 +618,11 @@ def tail_table(
         for round_ in range(rounds):
             for name, port in ports.items():
                 url, pid = f"http://127.0.0.1:{port}", processes[name].pid
+                before = fifo_counts(url) if name == "hdr" else {}
                 cell = asyncio.run(load_cell(url, bodies, 1, TAIL_CLIENTS, seconds, pid))
+                if name == "hdr":  # the warm-up's requests are in it too: shares, not counts
+                    after = fifo_counts(url)
+                    cell.update({key: after[key] - before[key] for key in after})
                 samples[name].append(cell)
                 console.print(f"round {round_ + 1} {name}: {cell}")
     finally:
@@ -647,6 +652,21 @@ def tail_table(
                   f"written to {out}")  # fmt: skip
 
 
+def fifo_counts(url: str) -> dict[str, float]:
+    """hdr serve's counts of requests, micro-batches and first-in-first-served misses."""
+    names = {
+        "requests_counted": 'hdr_retrieval_requests_total{endpoint="/retrieve",status="200"}',
+        "batches": "hdr_retrieval_batches_total",
+        "fifo_misses": "hdr_retrieval_fifo_misses_total",
+    }
+    text = httpx.get(f"{url}/metrics").text
+    values = {}
+    for key, name in names.items():
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        values[key] = float(match.group(1)) if match else 0.0
+    return values
+
+
 def tail_row(round_: int, bare: dict, hdr: dict) -> dict:
     if bare["errors"] or hdr["errors"]:
         raise SystemExit(f"round {round_ + 1}: requests failed (bare {bare}, hdr {hdr})")
@@ -661,6 +681,8 @@ def tail_row(round_: int, bare: dict, hdr: dict) -> dict:
         "hdr_server_p50_ms": hdr["server_p50_ms"],
         "hdr_server_p99_ms": hdr["server_p99_ms"],
         "hdr_server_p99_over_p50": round(hdr["server_p99_ms"] / hdr["server_p50_ms"], 2),
+        "hdr_queries_per_batch": round(hdr["requests_counted"] / max(1, hdr["batches"]), 1),
+        "hdr_fifo_miss_share": round(hdr["fifo_misses"] / max(1, hdr["requests_counted"]), 4),
     }
 
 
@@ -668,7 +690,8 @@ def print_tail(rows: list[dict], median: dict, console: Console) -> None:
     title = f"the tail at {TAIL_CLIENTS} clients x 1 query (dense, topk 3, no cache)"
     table = Table(title=title)
     columns = ["round", "bare q/s", "bare p50", "bare p99", "hdr q/s", "hdr p50", "hdr p99",
-               "server p50", "server p99", f"server p99/p50 (<= {TAIL_TARGET:g})"]  # fmt: skip
+               "server p50", "server p99", f"server p99/p50 (<= {TAIL_TARGET:g})",
+               "queries/batch", "FIFO misses"]  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for row in [*rows, {**median, "round": "median"}]:
@@ -677,7 +700,8 @@ def print_tail(rows: list[dict], median: dict, console: Console) -> None:
             f"{row['bare_p99_ms']:.1f}", f"{row['hdr_queries_per_s']:.0f}",
             f"{row['hdr_p50_ms']:.1f}", f"{row['hdr_p99_ms']:.1f}",
             f"{row['hdr_server_p50_ms']:.1f}", f"{row['hdr_server_p99_ms']:.1f}",
-            f"{row['hdr_server_p99_over_p50']:.2f}",
+            f"{row['hdr_server_p99_over_p50']:.2f}", f"{row['hdr_queries_per_batch']:.1f}",
+            f"{row['hdr_fifo_miss_share']:.2%}",
         )  # fmt: skip
     console.print(table)
 

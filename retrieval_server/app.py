@@ -94,6 +94,10 @@ class ServingState:
     def unhealthy_reason(self) -> str | None:
         return None if self.batcher is None else self.batcher.unhealthy_reason()
 
+    def arriving(self) -> contextlib.AbstractContextManager[None]:
+        """A request on its way to the batcher's queue (first in, first served)."""
+        return contextlib.nullcontext() if self.batcher is None else self.batcher.arriving()
+
 
 def fetch_passages(store: DocumentStore, hits: list[list[Hit]]) -> list[list[Passage]]:
     """The hit rows' documents as response JSON (the corpus line's own bytes where its id is a
@@ -401,6 +405,7 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         max_batch_queries=config.max_batch_queries,
         max_queued_queries=config.max_queued_queries,
         batch_wait_ms=config.batch_wait_ms,
+        settle_turns=config.batch_settle_turns,
         max_restarts=config.worker_max_restarts,
         stall_after_s=config.search_stall_s,
         on_batch=metrics.observe_batch,
@@ -578,7 +583,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         answered = Answered([], billed=0)
         if queries:
             args = (queries, topk, name, body.return_scores)
-            outcome = await answer_or_give_up(state, config, metrics, request, args)
+            with state.arriving():
+                outcome = await answer_or_give_up(state, config, metrics, request, args)
             if isinstance(outcome, Response):
                 return outcome
             answered = outcome

@@ -12,6 +12,15 @@ an optional wait for company after the first request, off by default.) A request
 batch is searched in slices that take turns with the other requests (a request with queries left
 goes to the back of the queue), so 16,384 queries from one client do not block the others.
 
+First in, first served across batches: a request that has arrived (its handler has started)
+but not yet reached the queue when a batch is taken would wait a whole batch longer than the
+requests around it, and at 32 closed-loop clients that is the tail. So a batch is taken once the
+requests on their way have queued, or after `settle_turns` turns of the event loop at most (the
+path from a request's handler to the queue takes two). A handler announces itself with
+`arriving()` (a context variable carries the mark to `search`, which clears it when the request
+queues; the handler clears it when it ends without queuing: a cache hit, an error). A lone
+client never waits: with nobody on the way a batch starts at once.
+
 A request whose caller stopped waiting (deadline passed, client disconnected: the awaiting
 coroutine is cancelled) is abandoned: its unsearched queries leave the queue and are never
 searched. If a batch's search raises, each request of the batch is retried alone, so one bad
@@ -29,10 +38,12 @@ longer than `stall_after_s`, so `/health` turns 503 and a supervisor restarts th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +51,25 @@ from retrieval_server.retrievers import Hit, Retriever
 
 log = logging.getLogger(__name__)
 CRASH_WINDOW_S = 60.0
+
+
+@dataclass(eq=False)
+class OnTheWay:
+    """A request between its handler's start and the queue (see `MicroBatcher.arriving`)."""
+
+    batcher: MicroBatcher
+    batches_before: int  # batches started before the request arrived
+    open: bool = True
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.batcher.approaching -= 1
+
+
+ON_THE_WAY: contextvars.ContextVar[OnTheWay | None] = contextvars.ContextVar(
+    "on_the_way", default=None
+)
 
 
 class Overloaded(Exception):
@@ -93,10 +123,13 @@ class Slice:
 
 @dataclass
 class BatcherCounts:
-    """Since start: worker restarts and searches that failed (after retrying members alone)."""
+    """Since start: worker restarts, searches that failed (after retrying members alone), and
+    requests that reached the queue only after a batch that started after they arrived had
+    left without them (first in, first served broken: `fifo_misses`)."""
 
     worker_restarts: int = 0
     failed_requests: int = 0
+    fifo_misses: int = 0
 
 
 class MicroBatcher:
@@ -109,6 +142,7 @@ class MicroBatcher:
         max_batch_queries: int,
         max_queued_queries: int,
         batch_wait_ms: float = 0.0,
+        settle_turns: int = 4,
         max_restarts: int = 5,
         stall_after_s: float = 120.0,
         on_batch: Callable[[str, int], None] = lambda retriever, queries: None,
@@ -118,6 +152,7 @@ class MicroBatcher:
         self.max_batch_queries = max_batch_queries
         self.max_queued_queries = max_queued_queries
         self.batch_wait_s = batch_wait_ms / 1000.0
+        self.settle_turns = settle_turns  # loop turns a batch waits, at most, for arrivals
         self.max_restarts = max_restarts
         self.stall_after_s = stall_after_s
         self.on_batch = on_batch  # called with (retriever name, number of queries) per search
@@ -126,6 +161,8 @@ class MicroBatcher:
         self.fetch = fetch
         self.counts = BatcherCounts()
         self.queued_queries = 0  # waiting or being searched, all requests together
+        self.approaching = 0  # requests whose handlers started and that have not queued yet
+        self.batches_started = 0
         self.gave_up = False
         self._waiting: deque[PendingSearch] = deque()
         self._wakeup = asyncio.Event()
@@ -176,6 +213,19 @@ class MicroBatcher:
 
     # --- the caller's side -----------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Around a request's handling: the request counts as on its way to the queue until
+        `search` queues it or the block ends, so the batch worker waits for it (FIFO)."""
+        mark = OnTheWay(self, self.batches_started)
+        self.approaching += 1
+        token = ON_THE_WAY.set(mark)
+        try:
+            yield
+        finally:
+            ON_THE_WAY.reset(token)
+            mark.close()
+
     async def search(self, queries: list[str], topk: int, retriever: str) -> list[list[Hit]]:
         """Hits per query for one request. Raises `Overloaded` (not queued) or `SearchFailed`;
         cancelling the caller (deadline, disconnect) abandons the request's unsearched queries."""
@@ -189,6 +239,11 @@ class MicroBatcher:
         self.queued_queries += len(queries)
         self._waiting.append(pending)
         self._wakeup.set()
+        mark = ON_THE_WAY.get()
+        if mark is not None:
+            if mark.batches_before < self.batches_started:  # a batch left without it
+                self.counts.fifo_misses += 1
+            mark.close()
         try:
             return await asyncio.shield(pending.result)
         except asyncio.CancelledError:
@@ -250,6 +305,10 @@ class MicroBatcher:
         while not self._waiting:
             self._wakeup.clear()
             await self._wakeup.wait()
+        for _ in range(self.settle_turns):  # first in, first served: let arrivals queue
+            if not self.approaching:
+                break
+            await asyncio.sleep(0)
         if self.batch_wait_s > 0:
             deadline = time.monotonic() + self.batch_wait_s
             while self._queued_untaken() < self.max_batch_queries:
@@ -263,6 +322,7 @@ class MicroBatcher:
                     break
         batch: list[Slice] = []
         size, unfinished = 0, []
+        self.batches_started += 1
         while self._waiting and size < self.max_batch_queries:
             pending = self._waiting.popleft()
             take = min(pending.remaining, self.max_batch_queries - size)

@@ -202,6 +202,13 @@ class ServerConfig(StrictModel):
         description="Extra wait (ms) of a micro-batch's first request for company; 0: search at "
         "once and batch only what queued up while the previous batch was searched.",
     )
+    batch_settle_turns: int = Field(
+        default=4,
+        ge=0,
+        description="Event-loop turns a micro-batch waits, at most, for requests that arrived "
+        "but are still on their way to the queue (first in, first served: otherwise they wait "
+        "a whole batch longer); a request takes two. 0: take a batch at once.",
+    )
     max_batch_queries: int = Field(
         default=256,
         ge=1,

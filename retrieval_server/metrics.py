@@ -170,6 +170,17 @@ class BatcherCollector:
             value=batcher.counts.worker_restarts,
         )
         yield CounterMetricFamily(
+            "hdr_retrieval_fifo_misses",
+            "Requests that reached the queue after a batch that started after they arrived had "
+            "left without them (they wait a whole batch longer).",
+            value=batcher.counts.fifo_misses,
+        )
+        yield CounterMetricFamily(
+            "hdr_retrieval_batches",
+            "Micro-batches taken from the queue.",
+            value=batcher.batches_started,
+        )
+        yield CounterMetricFamily(
             "hdr_retrieval_failed_searches",
             "Requests whose search raised (each retried alone first); answered 503.",
             value=batcher.counts.failed_requests,

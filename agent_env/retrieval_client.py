@@ -54,6 +54,7 @@ from core.errors import UserError
 from retrieval_server.api import (
     BILLED_HEADER,
     CACHED_HEADER,
+    SCOPE_HEADER,
     Document,
     PlainResponse,
     RetrieveRequest,
@@ -211,8 +212,11 @@ class RetrievalClient:
     """`search_each(queries) -> [documents | None]` and `search(queries)`, blocking; the
     `asearch_each` coroutine does the work."""
 
-    def __init__(self, config: RetrievalConfig, seed: int | None = None) -> None:
+    def __init__(
+        self, config: RetrievalConfig, seed: int | None = None, cache_scope: str | None = None
+    ) -> None:
         self.config = config
+        self.cache_scope = cache_scope  # sent as X-HDR-Cache-Scope: the server's cache for it
         self.stats = ClientStats()
         self._rng = random.Random(seed)
         self._next_url = 0
@@ -227,8 +231,11 @@ class RetrievalClient:
     async def _make_client(self) -> httpx.AsyncClient:
         c = self.config
         token = os.environ.get(c.token_env)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if self.cache_scope is not None:
+            headers[SCOPE_HEADER] = self.cache_scope
         return httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {token}"} if token else None,
+            headers=headers,
             timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
             limits=httpx.Limits(
                 max_connections=c.max_connections,
@@ -513,10 +520,13 @@ def expected_index(served: dict[str, Any], encoder: str | None, documents: int |
     return name == encoder.rstrip("/").rsplit("/", 1)[-1]
 
 
-def connect(config: RetrievalConfig, seed: int | None = None) -> RetrievalClient:
+def connect(
+    config: RetrievalConfig, seed: int | None = None, cache_scope: str | None = None
+) -> RetrievalClient:
     """A client whose servers answer now (`require_reachable`) and serve the expected index
-    (`require_expected_index`); closed again if not."""
-    client = RetrievalClient(config, seed=seed)
+    (`require_expected_index`); closed again if not. `cache_scope` names the client's own
+    cache on hdr's server (a training run's: its repeats are cached, no other run's)."""
+    client = RetrievalClient(config, seed=seed, cache_scope=cache_scope)
     try:
         client.require_reachable()
         client.require_expected_index()

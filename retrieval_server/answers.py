@@ -113,12 +113,17 @@ class Answers:
         self.in_flight: dict[CacheKey, asyncio.Future[bytes]] = {}
 
     async def get(
-        self, queries: list[str], topk: int, retriever: str, return_scores: bool
+        self,
+        queries: list[str],
+        topk: int,
+        retriever: str,
+        return_scores: bool,
+        scope: str = "",
     ) -> Answered:
         if self.cache is None:
             answers = await self._compute(list(queries), topk, retriever, return_scores)
             return Answered(answers, billed=len(queries))
-        keys = [(retriever, topk, return_scores, query) for query in queries]
+        keys = [CacheKey(scope, retriever, topk, return_scores, query) for query in queries]
         found: dict[CacheKey, bytes] = {}
         billed = hits = 0
         unresolved = list(dict.fromkeys(keys))  # distinct keys, in order
@@ -166,9 +171,10 @@ class Answers:
         """Compute the keys this request leads; store and publish their answers, or hand the
         keys back (LeaderGone) or pass the error on to their waiters."""
         assert self.cache is not None
-        retriever, topk, return_scores, _ = keys[0]
+        first = keys[0]
+        queries = [key.query for key in keys]
         try:
-            answers = await self._compute([key[3] for key in keys], topk, retriever, return_scores)
+            answers = await self._compute(queries, first.topk, first.retriever, first.return_scores)
         except BaseException as err:
             shared = err if isinstance(err, Exception) else LeaderGone()
             for key in keys:

@@ -9,7 +9,9 @@ Wire format (Search-R1 compatible, see docs/retrieval.md):
 `retriever` is hdr's addition (null: the server's default). Two response headers, also hdr's,
 tell a client what its request cost without touching the body: `X-HDR-Billed-Queries` (queries
 computed for it: by the index, or forwarded to an upstream) and `X-HDR-Cached-Queries` (queries
-answered without a computation: from the cache, or by an identical query in flight).
+answered without a computation: from the cache, or by an identical query in flight). A client
+may send `X-HDR-Cache-Scope: NAME`: its queries are then answered only from answers computed
+for the same scope (a run's own repeats, never another run's).
 `RetrieveRequest` is the wire shape a client sends; a server validates with
 `profile_request_model(...)`, derived from its profile and limits. hdr's server always returns
 `id`; `Document.id` is optional so that clients also read servers whose documents carry none
@@ -36,6 +38,7 @@ from pydantic import (
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 BILLED_HEADER = "x-hdr-billed-queries"
 CACHED_HEADER = "x-hdr-cached-queries"
+SCOPE_HEADER = "x-hdr-cache-scope"  # a client's own cache (a training run's), sent by it
 
 
 def without_lone_surrogates(text: str) -> str:

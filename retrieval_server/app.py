@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -51,6 +52,7 @@ from retrieval_server.answers import (
 from retrieval_server.api import (
     BILLED_HEADER,
     CACHED_HEADER,
+    SCOPE_HEADER,
     CacheReport,
     ErrorResponse,
     HealthResponse,
@@ -75,6 +77,7 @@ OPEN_PATHS = {"/health"}  # no token needed (orchestrator health checks)
 MAX_LOC_CHARS = 64  # a validation error names the field, cut to this; input is never echoed
 CLIENT_GONE = 499  # recorded in metrics for a client that left; nobody receives it
 FINGERPRINT_DIGITS = 16  # of the answers' fingerprint (hex): part of every cache key
+MAX_SCOPE_CHARS = 200  # of a client's X-HDR-Cache-Scope
 
 
 @dataclass
@@ -482,7 +485,7 @@ async def answer_or_give_up(
     config: ServerConfig,
     metrics: ServerMetrics,
     request: Request,
-    args: tuple[list[str], int, str, bool],
+    args: tuple[list[str], int, str, bool, str],
 ) -> Answered | Response:
     """The request's answers, or the response for a request that could not be answered: 503
     when refused, failed or past its deadline; 429 past the upstream's budget; 502/504 when
@@ -582,7 +585,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         topk = body.topk or config.default_topk
         answered = Answered([], billed=0)
         if queries:
-            args = (queries, topk, name, body.return_scores)
+            scope = sys.intern(request.headers.get(SCOPE_HEADER, "")[:MAX_SCOPE_CHARS])
+            args = (queries, topk, name, body.return_scores, scope)
             with state.arriving():
                 outcome = await answer_or_give_up(state, config, metrics, request, args)
             if isinstance(outcome, Response):

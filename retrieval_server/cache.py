@@ -8,6 +8,10 @@ hit is joined into the next response unchanged, byte for byte what the first com
 sent. Entries are bounded in bytes (least recently used out first) and may expire after
 `ttl_s` (for a backend that is not static: a live web API behind `--upstream`).
 
+A client may name a scope (`X-HDR-Cache-Scope`): its queries are then answered only from
+answers computed under the same scope, so a training run's bill counts its own repeats and no
+other run's (hdr's trainer names its run). Without a scope, clients share one cache.
+
 Every key carries the index's fingerprint (`app.index_fingerprint`): one server serves one index
 for its lifetime, so in memory the fingerprint is the cache's own; a cache persisted across
 restarts (`persist_path`) is loaded only by a server whose fingerprint is the same, so a
@@ -30,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 from pydantic import Field
@@ -39,8 +44,21 @@ from core.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CacheKey = tuple[str, int, bool, str]  # (retriever, topk, return_scores, query as searched)
-ENTRY_OVERHEAD = 232  # bytes: the key tuple, the entry tuple, its float, the dict slot
+
+class CacheKey(NamedTuple):
+    """Everything of a request that decides one query's answer (the index's fingerprint is
+    the cache's own), and the client's scope: a cache of its own where it names one."""
+
+    scope: str  # the X-HDR-Cache-Scope header ("": the shared cache)
+    retriever: str
+    topk: int
+    return_scores: bool
+    query: str  # as the retriever sees it (after the server's truncation)
+
+
+# bytes: the key tuple (its scope string is the request's, shared by its queries), the entry
+# tuple, its float, the dict slot
+ENTRY_OVERHEAD = 232
 FILE_MAGIC = b"hdr-search-cache 1\n"
 RECORD = struct.Struct("<IId")  # key length, answer length, stored at (unix seconds)
 
@@ -87,7 +105,7 @@ class CacheStats:
 
 def entry_bytes(key: CacheKey, value: bytes) -> int:
     """What one entry is counted as: its query's and answer's objects plus a fixed overhead."""
-    return sys.getsizeof(key[3]) + sys.getsizeof(value) + ENTRY_OVERHEAD
+    return sys.getsizeof(key.query) + sys.getsizeof(value) + ENTRY_OVERHEAD
 
 
 class ResultCache:
@@ -192,10 +210,10 @@ class ResultCache:
             before = len(self._entries)
             while head := file.read(RECORD.size):
                 key_length, value_length, stored_at = RECORD.unpack(head)
-                retriever, topk, scores, query = orjson.loads(file.read(key_length))
+                key = CacheKey(*orjson.loads(file.read(key_length)))
                 value = file.read(value_length)
                 if self.ttl_s is None or self.clock() - stored_at <= self.ttl_s:
-                    self.put((retriever, topk, scores, query), value, stored_at)
+                    self.put(key, value, stored_at)
         self.stats.loaded = len(self._entries) - before
         return self.stats.loaded
 

@@ -1,8 +1,8 @@
 """A log of the queries a server was asked, one JSON line per `/retrieve` request, for studying
 what repeats (bench/search_cache.py reads it):
 
-    {"time": 1767225600.12, "retriever": "bm25", "topk": 3, "return_scores": true,
-     "queries": ["...", ...], "billed": 5, "cached": 123}
+    {"time": 1767225600.12, "scope": "", "retriever": "bm25", "topk": 3,
+     "return_scores": true, "queries": ["...", ...], "billed": 5, "cached": 123}
 
 `queries` are as searched (after the server's truncation); `billed` and `cached` are the
 request's ledger (the X-HDR-* headers). Requests refused before an answer are not logged. The
@@ -40,11 +40,13 @@ class QueryLog:
         topk: int,
         retriever: str,
         return_scores: bool,
+        scope: str,
         billed: int,
         cached: int,
     ) -> None:
         record = {
             "time": round(time.time(), 3),
+            "scope": scope,
             "retriever": retriever,
             "topk": topk,
             "return_scores": return_scores,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from servers import running_server
 
-from retrieval_server.cache import FILE_MAGIC, ResultCache, entry_bytes
+from retrieval_server.cache import FILE_MAGIC, CacheKey, ResultCache, entry_bytes
 
 
 def post(url: str, queries: list[str], **extra: object) -> httpx.Response:
@@ -77,6 +77,25 @@ def test_topk_retriever_return_scores_are_part_of_the_key(cached_url: str) -> No
     plain = post(cached_url, query, topk=3, return_scores=False)
     assert ledger(plain) == (1, 0)
     assert plain.json()["result"][0] == [hit["document"] for hit in base.json()["result"][0]]
+
+
+def test_a_scope_has_a_cache_of_its_own(cached_url: str) -> None:
+    """A client that names a scope (a training run) is answered only from its scope's answers:
+    its own repeats are cached, another scope's or the shared cache's are not."""
+    query = ["Spanish dance with guitar and clapping"]
+
+    def scoped(name: str | None) -> tuple[int, int]:
+        headers = {} if name is None else {"X-HDR-Cache-Scope": name}
+        body = {"queries": query, "return_scores": True}
+        response = httpx.post(f"{cached_url}/retrieve", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200
+        return ledger(response)
+
+    assert scoped("run A") == (1, 0)
+    assert scoped("run A") == (0, 1)
+    assert scoped("run B") == (1, 0)
+    assert scoped(None) == (1, 0)
+    assert scoped(None) == (0, 1)
 
 
 def test_the_key_is_the_query_as_searched_after_truncation(cached_url: str) -> None:
@@ -193,6 +212,7 @@ def test_the_query_log_holds_each_request_and_its_ledger(small_index: Path, tmp_
         (["Guitar", "Flamenco", "Guitar"], 2, 1),
         (["Flamenco"], 0, 1),
     ]
+    assert all(r["scope"] == "" for r in lines)
     assert all(r["retriever"] == "bm25" and r["topk"] == 2 and r["return_scores"] for r in lines)
     # an existing file is never written to: `hdr serve` stops in one line
     line = serve_and_fail(small_index, f"query_log={log}")
@@ -217,8 +237,8 @@ def serve_and_fail(index: Path, *settings: str) -> str:
 
 
 def test_least_recently_used_answers_leave_first() -> None:
-    def key(i: int) -> tuple[str, int, bool, str]:
-        return ("dense", 3, True, f"query {i}")
+    def key(i: int) -> CacheKey:
+        return CacheKey("", "dense", 3, True, f"query {i}")
 
     value = b'[{"document":{"id":"1","contents":"x"},"score":0.5}]'
     cache = ResultCache(max_bytes=3 * entry_bytes(key(0), value), fingerprint="f")
@@ -237,12 +257,13 @@ def test_least_recently_used_answers_leave_first() -> None:
 def test_answers_expire_after_their_time_to_live(tmp_path: Path) -> None:
     now = [1000.0]
     cache = ResultCache(max_bytes=10_000, fingerprint="f", ttl_s=60, clock=lambda: now[0])
-    cache.put(("web", 3, True, "news today"), b"[]")
+    news = CacheKey("", "web", 3, True, "news today")
+    cache.put(news, b"[]")
     now[0] += 59
-    assert cache.get(("web", 3, True, "news today")) == b"[]"
+    assert cache.get(news) == b"[]"
     cache.save(tmp_path / "c")
     now[0] += 2
-    assert cache.get(("web", 3, True, "news today")) is None and cache.stats.expired == 1
+    assert cache.get(news) is None and cache.stats.expired == 1
     assert cache.bytes == 0
     reloaded = ResultCache(max_bytes=10_000, fingerprint="f", ttl_s=60, clock=lambda: now[0])
     assert reloaded.load(tmp_path / "c") == 0  # expired on disk too: the time is kept

@@ -61,7 +61,7 @@ from trainer.grpo import (
     truncated_is_weights,
     weighted_advantages,
 )
-from trainer.replay import Selection, StoredGroup, headroom, policy_drift
+from trainer.replay import GroupTensors, Selection, StoredGroup, headroom, policy_drift
 from trainer.run import Run
 from trainer.scoring import (
     align,
@@ -282,35 +282,35 @@ class Batch:
         )  # fmt: skip
 
     def rows(self) -> Rows:
-        """The groups' rows, left padded to one width: `[N, T]` each, advantages `[N]`."""
-        loss_mask = concat_left_padded([g.loss_mask for g in self.groups])
+        """The groups' rows stacked to one width (`GroupTensors.stack`), with the advantages
+        and token weights the update applies."""
+        stacked = GroupTensors.stack(self.groups)
         weights = None
         if self.token_weights is not None:
             weights = concat_left_padded(self.token_weights)  # (N, T)
-            weights = torch.where(loss_mask.bool(), weights, torch.ones_like(weights))
+            weights = torch.where(stacked.loss_mask.bool(), weights, torch.ones_like(weights))
         fresh = [g for g, at in zip(self.groups, self.positions, strict=True)
                  if at < self.first_replayed]  # fmt: skip
         return Rows(
-            input_ids=concat_left_padded([g.input_ids for g in self.groups]),
-            attention_mask=concat_left_padded([g.attention_mask for g in self.groups]),
-            loss_mask=loss_mask,
-            old_logprobs=concat_left_padded([g.gen_logprobs for g in self.groups]),
+            input_ids=stacked.input_ids,
+            attention_mask=stacked.attention_mask,
+            loss_mask=stacked.loss_mask,
+            gen_logprobs=stacked.gen_logprobs,
+            rewards=stacked.rewards,
             advantages=torch.cat(self.advantages),  # (N,)
             token_weights=weights,
             num_fresh_rows=sum(len(g.input_ids) for g in fresh),
         )
 
 
-@dataclass
-class Rows:
-    """A batch's rows as tensors (`Batch.rows`)."""
+@dataclass(kw_only=True)
+class Rows(GroupTensors):
+    """A batch's rows (`Batch.rows`): every group's tensors, `[N, T]` left padded to one width
+    and `[N]`. `gen_logprobs` are the ratio's old log-probs (the behaviour ones of a fresh
+    row, the stored ones of a replayed row); `advantages` as the update weighs them (a
+    replayed group's scaled by its selection weight); `token_weights` 1 off the policy tokens.
+    The first `num_fresh_rows` rows are fresh."""
 
-    input_ids: Tensor  # (N, T) int64, left padded
-    attention_mask: Tensor  # (N, T)
-    loss_mask: Tensor  # (N, T), 1 on policy tokens
-    old_logprobs: Tensor  # (N, T): behaviour log-probs (fresh), stored ones (replayed)
-    advantages: Tensor  # (N,)
-    token_weights: Tensor | None  # (N, T)
     num_fresh_rows: int
 
 
@@ -379,7 +379,7 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     total = batch.policy_tokens  # global: every process divides by the whole batch's tokens
     shard = batch.shard(run.dist.rank, run.dist.world)
     rows = shard.rows()
-    first_pass = torch.zeros_like(rows.old_logprobs)
+    first_pass = torch.zeros_like(rows.gen_logprobs)
     run.model.train()
     loss_sum = kl_sum = 0.0
     for p in range(cfg.updates_per_step):
@@ -431,7 +431,7 @@ def chunk_loss(run: Run, rows: Rows, chunk: Chunk) -> tuple[Tensor, float, Tenso
     """Clipped policy loss (+ beta * k3 KL) of one chunk, its token mean, with grad; the KL
     and the chunk's log-probs `[n, T]` (detached, on the CPU) beside it."""
     cfg, device = run.config.grpo, next(run.model.parameters()).device
-    picked = (rows.input_ids, rows.attention_mask, rows.loss_mask, rows.old_logprobs)
+    picked = (rows.input_ids, rows.attention_mask, rows.loss_mask, rows.gen_logprobs)
     ids, attn, mask, old = (x[chunk.rows].to(device) for x in picked)
     adv = rows.advantages[chunk.rows].to(device)
     weights = None if rows.token_weights is None else rows.token_weights[chunk.rows].to(device)

@@ -25,7 +25,15 @@ from torch import Tensor
 
 from trainer.gate import FixedGate, Gate
 from trainer.grpo import group_advantages
-from trainer.replay import RULES, ReplayBuffer, ScoreFn, Selection, StoredGroup, make_group
+from trainer.replay import (
+    RULES,
+    GroupTensors,
+    ReplayBuffer,
+    ScoreFn,
+    Selection,
+    StoredGroup,
+    make_group,
+)
 
 
 class GroupReplay:
@@ -143,10 +151,10 @@ class GroupReplay:
         if advantages is None:
             advantages = group_advantages(rewards.unsqueeze(0))[0]
         self.stored += 1
-        group = make_group(
-            group_id or f"s{step}/{self.stored - 1}", input_ids, attention_mask, loss_mask,
-            logprobs, rewards, advantages, step, token_weights,
-        )  # fmt: skip
+        tensors = GroupTensors(
+            input_ids, attention_mask, loss_mask, logprobs, rewards, advantages, token_weights
+        )
+        group = make_group(group_id or f"s{step}/{self.stored - 1}", tensors, step)
         kept = not group.all_zero_advantage or self.store_zero_advantage
         self.ingest([group])
         return group if kept else None

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.grpo import masked_mean
@@ -82,28 +83,28 @@ def policy_drift(logprobs: Tensor, gen_logprobs: Tensor, mask: Tensor, norm: str
 
 
 @dataclass
-class StoredGroup:
-    """One GRPO group as kept in the buffer; every tensor is `[G, T]` or `[G]`, on the CPU."""
+class GroupTensors:
+    """A GRPO group's tensors, each aligned with its `input_ids` (`loss_mask[i, t]` and
+    `gen_logprobs[i, t]` refer to token `input_ids[i, t]`): `[G, T]`, left padded, or `[G]`.
+    What a group is to the formulas; it travels as one value from the scoring helpers to
+    `make_group`, `GroupReplay.store` and an update's rows. Several groups' rows stacked to one
+    width are one value too (`stack`; `take` cuts one group back out)."""
 
-    group_id: str
     input_ids: Tensor  # (G, T) int64, left padded
     attention_mask: Tensor  # (G, T) int64
     loss_mask: Tensor  # (G, T) float32, 1 on policy tokens
-    gen_logprobs: Tensor  # (G, T) float32, 0 off the mask
+    gen_logprobs: Tensor  # (G, T) float32, 0 off the mask: the behaviour log-probs
     rewards: Tensor  # (G,) float32
     advantages: Tensor  # (G,) float32
-    headroom: float  # stored priority, refreshed whenever the group is scanned
-    entered_step: int
-    replay_count: int = 0
-    initial_headroom: float = float("nan")
     # (G, T) float32 per-token weights from the step that made the group (e.g. TRL's
     # importance-sampling ratio, 0 on a sequence its mask dropped); None: weight 1. They
     # travel with the group, so a replayed row is weighted as its fresh step weighted it.
     token_weights: Tensor | None = None
 
-    def __post_init__(self) -> None:
-        if math.isnan(self.initial_headroom):
-            self.initial_headroom = self.headroom
+    TENSORS: ClassVar[tuple[str, ...]] = (
+        "input_ids", "attention_mask", "loss_mask", "gen_logprobs", "rewards", "advantages"
+    )  # fmt: skip
+    OPTIONAL_TENSORS: ClassVar[tuple[str, ...]] = ("token_weights",)
 
     @property
     def num_tokens(self) -> int:
@@ -114,37 +115,77 @@ class StoredGroup:
     def all_zero_advantage(self) -> bool:
         return bool((self.advantages == 0).all().item())
 
-    TENSORS = ("input_ids", "attention_mask", "loss_mask", "gen_logprobs", "rewards", "advantages")
-    OPTIONAL_TENSORS = ("token_weights",)
-    META = ("group_id", "headroom", "entered_step", "replay_count", "initial_headroom")
+    @classmethod
+    def stack(cls, groups: Sequence[GroupTensors]) -> GroupTensors:
+        """The rows of `groups`, group after group: `[N, T]` left padded to the widest (zeros
+        on the left), `[N]`; token weights where every group has them."""
+
+        def rows(name: str) -> Tensor:
+            parts = [getattr(g, name) for g in groups]
+            if parts[0].dim() == 1:
+                return torch.cat(parts)
+            width = max(t.shape[1] for t in parts)
+            return torch.cat([F.pad(t, (width - t.shape[1], 0)) for t in parts], dim=0)
+
+        weighted = all(g.token_weights is not None for g in groups)
+        return cls(
+            **{name: rows(name) for name in cls.TENSORS},
+            token_weights=rows("token_weights") if weighted else None,
+        )
+
+    def take(self, rows: slice) -> GroupTensors:
+        """The rows `rows` (one group's, of a stack), trimmed to their own longest row."""
+        width = int(self.attention_mask[rows].sum(dim=1).max())
+        own = (rows, slice(self.input_ids.shape[1] - width, None))
+        weights = None if self.token_weights is None else self.token_weights[own]
+        return GroupTensors(
+            input_ids=self.input_ids[own],
+            attention_mask=self.attention_mask[own],
+            loss_mask=self.loss_mask[own],
+            gen_logprobs=self.gen_logprobs[own],
+            rewards=self.rewards[rows],
+            advantages=self.advantages[rows],
+            token_weights=weights,
+        )
 
 
-def make_group(
-    group_id: str,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    loss_mask: Tensor,
-    gen_logprobs: Tensor,
-    rewards: Tensor,
-    advantages: Tensor,
-    step: int,
-    token_weights: Tensor | None = None,
-) -> StoredGroup:
-    """A `StoredGroup` whose stored headroom is computed from its generation-time log-probs
-    (`token_weights`: see `StoredGroup.token_weights`)."""
-    h = float(headroom(gen_logprobs, loss_mask, advantages).item())
+@dataclass(kw_only=True)
+class StoredGroup(GroupTensors):
+    """One GRPO group as kept in the buffer: its tensors (on the CPU) and its place in the
+    lifecycle."""
+
+    group_id: str
+    headroom: float  # stored priority, refreshed whenever the group is scanned
+    entered_step: int
+    replay_count: int = 0
+    initial_headroom: float = float("nan")
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.initial_headroom):
+            self.initial_headroom = self.headroom
+
+    META: ClassVar[tuple[str, ...]] = (
+        "group_id", "headroom", "entered_step", "replay_count", "initial_headroom"
+    )  # fmt: skip
+
+
+def make_group(group_id: str, tensors: GroupTensors, step: int) -> StoredGroup:
+    """A `StoredGroup` made at `step` whose stored headroom is computed from its
+    generation-time log-probs; its float tensors in float32."""
+    t = tensors
+    h = float(headroom(t.gen_logprobs, t.loss_mask, t.advantages).item())
     return StoredGroup(
         group_id=group_id,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        loss_mask=loss_mask.float(),
-        gen_logprobs=gen_logprobs.float(),
-        rewards=rewards.float(),
-        advantages=advantages.float(),
+        input_ids=t.input_ids,
+        attention_mask=t.attention_mask,
+        loss_mask=t.loss_mask.float(),
+        gen_logprobs=t.gen_logprobs.float(),
+        rewards=t.rewards.float(),
+        advantages=t.advantages.float(),
         headroom=h,
         entered_step=step,
         initial_headroom=h,
-        token_weights=None if token_weights is None else token_weights.float(),
+        token_weights=None if t.token_weights is None else t.token_weights.float(),
     )
 
 

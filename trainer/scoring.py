@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from trainer.grpo import group_advantages, masked_mean, token_entropy
-from trainer.replay import StoredGroup, make_group
+from trainer.replay import GroupTensors, StoredGroup, make_group
 
 # Positions per output-layer slice: bounds the `[positions, vocabulary]` logits a forward
 # holds (Qwen2.5's 151,936 entries x 4,096 positions are 2.5 GB per row in fp32).
@@ -319,84 +319,52 @@ def behaviour_groups(
     temperature: float,
     compute=contextlib.nullcontext,
 ) -> tuple[list[StoredGroup], float, int]:
-    """A step's fresh groups (each one prompt's trajectories) as StoredGroups (`stored_groups`):
-    rewards from the trajectories, group advantages, and each named
-    `s{step}/{index}/{example id}` by its index in the step."""
+    """A step's fresh groups (each one prompt's trajectories) as StoredGroups: behaviour
+    log-probs teacher-forced under the current weights (`behaviour_logprobs`), rewards from the
+    trajectories, group advantages, and each named `s{step}/{index}/{example id}` by its index
+    in the step. Also the mean token entropy and the tokens forwarded (`behaviour_logprobs`)."""
     if not groups:
         return [], 0.0, 0
     ids, attn, mask = trajectory_rows(groups)
     rewards = torch.tensor([[t.reward for t in group] for group in groups])  # (b, G)
     names = [f"s{step}/{indices[k]}/{group[0].example.id}" for k, group in enumerate(groups)]
-    return stored_groups(
-        model, ids, attn, mask, rewards, group_advantages(rewards), step, names, chunk_size,
-        temperature, compute,
-    )  # fmt: skip
+    lp, entropy, forwarded = behaviour_logprobs(
+        model, ids, attn, mask, chunk_size, temperature, compute
+    )
+    rows = GroupTensors(ids, attn, mask, lp, rewards.flatten(), group_advantages(rewards).flatten())
+    return groups_of_rows(rows, step, names), entropy, forwarded
 
 
-def stored_groups(
+def behaviour_logprobs(
     model,
     input_ids: Tensor,
     attention_mask: Tensor,
     loss_mask: Tensor,
-    rewards: Tensor,
-    advantages: Tensor,
-    step: int,
-    names: Sequence[str],
     chunk_size: int,
     temperature: float,
     compute=contextlib.nullcontext,
     dedupe: bool = True,
     agree: CallAgreement | None = None,
-) -> tuple[list[StoredGroup], float, int]:
-    """Rows of `b` groups of `G` (`[b*G, T]` each, left padded, group after group) as
-    StoredGroups: behaviour log-probs teacher-forced under the current weights
-    (`gen_logprobs`, no grad, under the `compute` context, e.g. autocast), the given `rewards`
-    and `advantages` (`[b, G]`), each group trimmed to its own longest row and named by
-    `names`. Also the mean token entropy over policy tokens and the tokens forwarded (the
-    cost ledger's). `dedupe=False` scores duplicate rows too; `agree` makes every process run
-    as many forwards and output-layer calls (`CallAgreement`, for ZeRO-3)."""
+) -> tuple[Tensor, float, int]:
+    """The behaviour log-probs of rows (`[N, T]` each, left padded): teacher-forced under the
+    current weights (no grad, under the `compute` context, e.g. autocast), aligned with
+    `input_ids`, 0 off `loss_mask`; the mean token entropy over policy tokens; the tokens
+    forwarded (the cost ledger's). `dedupe=False` scores duplicate rows too; `agree` makes
+    every process run as many forwards and output-layer calls (`CallAgreement`, for ZeRO-3)."""
     forwarded = forwarded_tokens(input_ids, attention_mask, loss_mask)
     with torch.no_grad(), compute():
         lp, ent = token_logprobs(
             model, input_ids, attention_mask, loss_mask, chunk_size, temperature,
             with_entropy=True, dedupe=dedupe, agree=agree,
         )  # fmt: skip
-    gen_logprobs, ent = align(lp) * loss_mask, align(ent)  # (b*G, T)
-    fresh = groups_of_rows(
-        input_ids, attention_mask, loss_mask, gen_logprobs, rewards, advantages, step, names
-    )
-    return fresh, float(masked_mean(ent, loss_mask)), forwarded
+    return align(lp) * loss_mask, float(masked_mean(align(ent), loss_mask)), forwarded
 
 
-def groups_of_rows(
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    loss_mask: Tensor,
-    gen_logprobs: Tensor,
-    rewards: Tensor,
-    advantages: Tensor,
-    step: int,
-    names: Sequence[str],
-) -> list[StoredGroup]:
-    """Rows of `b` groups of `G` (`[b*G, T]` each, left padded, group after group, with their
-    behaviour log-probs `gen_logprobs` aligned with `input_ids`, 0 off `loss_mask`) as
-    StoredGroups named by `names`, each trimmed to its own longest row (`stored_groups`
-    scores the log-probs first; the TRL path may have them from TRL)."""
-    fresh, G = [], rewards.shape[1]
-    for k, name in enumerate(names):
-        rows = slice(k * G, (k + 1) * G)
-        width = int(attention_mask[rows].sum(dim=1).max())  # trim the group to its own longest row
-        own = (rows, slice(input_ids.shape[1] - width, None))
-        fresh.append(
-            make_group(
-                name,
-                input_ids[own],
-                attention_mask[own],
-                loss_mask[own],
-                gen_logprobs[own],
-                rewards[k],
-                advantages[k],
-                step,
-            )
-        )
-    return fresh
+def groups_of_rows(rows: GroupTensors, step: int, names: Sequence[str]) -> list[StoredGroup]:
+    """The rows of `len(names)` groups of `G` (a stack: `[b*G, T]` and `[b*G]`, group after
+    group, with their behaviour log-probs) as StoredGroups made at `step`, named by `names`,
+    each trimmed to its own longest row."""
+    G = len(rows.input_ids) // len(names)
+    return [
+        make_group(name, rows.take(slice(k * G, (k + 1) * G)), step) for k, name in enumerate(names)
+    ]

@@ -24,7 +24,7 @@ from trainer import distributed, fresh
 from trainer.checkpoint import Checkpoint, TrainState, capture_rng, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import assemble_batch, update_policy
-from trainer.replay import ReplayBuffer, make_group
+from trainer.replay import GroupTensors, ReplayBuffer, make_group
 from trainer.run import Run, build_optimizer
 from trainer.scoring import score_groups
 from trainer.selectors import SELECTORS
@@ -72,7 +72,8 @@ def make_groups(model, step: int, count: int, seed: int) -> list:
         rewards = torch.tensor([1.0, 0.0, float(k % 2)])
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         lp = score_groups(model, [_Rows(ids, attn, mask)])[0]  # (G, T), 0 off the mask
-        groups.append(make_group(f"s{step}/{k}", ids, attn, mask, lp, rewards, adv, step))
+        tensors = GroupTensors(ids, attn, mask, lp, rewards, adv)
+        groups.append(make_group(f"s{step}/{k}", tensors, step))
     return groups
 
 

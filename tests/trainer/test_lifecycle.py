@@ -12,7 +12,7 @@ import torch
 from trainer.gate import FixedGate, Gate
 from trainer.loop import assemble_batch
 from trainer.primitive import GroupReplay
-from trainer.replay import make_group
+from trainer.replay import GroupTensors, make_group
 
 G, T = 2, 4
 MASK = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
@@ -27,6 +27,15 @@ def tensors(seed: int, rewards=(1.0, 0.0)) -> dict:
         "logprobs": -torch.rand(G, T, generator=g) * MASK,
         "rewards": torch.tensor(rewards),
     }
+
+
+def group_tensors(seed: int) -> GroupTensors:
+    """`tensors(seed)` as the value a group is, with advantages +1 and -1."""
+    t = tensors(seed)
+    return GroupTensors(
+        t["input_ids"], t["attention_mask"], t["loss_mask"], t["logprobs"], t["rewards"],
+        torch.tensor([1.0, -1.0]),
+    )  # fmt: skip
 
 
 def shifted(offsets: dict[str, float]):
@@ -100,8 +109,7 @@ def test_ingest_counts_the_selection_once_and_stores_after_the_update():
     replay.store(1, **tensors(0), group_id="a")
     sel = replay.select(2, shifted({}))
     assert [g.group_id for g in sel.groups] == ["a"] and sel.groups[0].replay_count == 0
-    fresh = [make_group(f"s2/{k}", *tensors(k + 5).values(), torch.tensor([1.0, -1.0]), 2)
-             for k in range(2)]  # fmt: skip
+    fresh = [make_group(f"s2/{k}", group_tensors(k + 5), 2) for k in range(2)]
     evicted = replay.ingest(fresh)
     assert [g.group_id for g in evicted] == ["a"]  # FIFO, capacity 2
     assert sel.groups[0].replay_count == 1
@@ -116,7 +124,7 @@ def test_stored_token_weights_travel_into_the_replayed_rows():
     replay = GroupReplay(4, "replay_recency", budget=1)
     replay.store(1, **tensors(0), token_weights=weights, group_id="w")
     sel = replay.select(2, shifted({}))
-    fresh = make_group("s2/0", *tensors(3).values(), torch.tensor([1.0, -1.0]), 2)
+    fresh = make_group("s2/0", group_tensors(3), 2)
     rows = assemble_batch([fresh], sel.groups).rows()
     assert rows.token_weights is not None
     replayed = rows.token_weights[G:]

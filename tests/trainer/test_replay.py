@@ -8,6 +8,7 @@ import torch
 from core.errors import UserError
 from trainer.replay import (
     FreshnessParams,
+    GroupTensors,
     ReplayBuffer,
     ScanParams,
     StoredGroup,
@@ -242,16 +243,15 @@ def test_ingest_skips_zero_advantage_groups_unless_asked():
 
 
 def test_make_group_stores_headroom_from_generation_logprobs():
-    g = make_group(
-        "m",
-        torch.tensor([[1, 2, 3]]),
-        torch.ones(1, 3, dtype=torch.long),
-        torch.tensor([[0, 1, 1]]),
-        torch.tensor([[0.0, LN(0.25), LN(0.75)]]),
-        torch.tensor([1.0]),
-        torch.tensor([-1.0]),
-        step=7,
+    tensors = GroupTensors(
+        input_ids=torch.tensor([[1, 2, 3]]),
+        attention_mask=torch.ones(1, 3, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1]]),
+        gen_logprobs=torch.tensor([[0.0, LN(0.25), LN(0.75)]]),
+        rewards=torch.tensor([1.0]),
+        advantages=torch.tensor([-1.0]),
     )
+    g = make_group("m", tensors, step=7)
     assert g.headroom == pytest.approx(0.5) and g.initial_headroom == g.headroom
     assert g.entered_step == 7 and g.replay_count == 0
 

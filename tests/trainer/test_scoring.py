@@ -4,7 +4,7 @@ padding, target masks, and the drift of a stored group before and after an updat
 import torch
 
 from trainer.grpo import policy_loss, token_entropy
-from trainer.replay import ReplayBuffer, ScanParams, make_group, policy_drift
+from trainer.replay import GroupTensors, ReplayBuffer, ScanParams, make_group, policy_drift
 from trainer.scoring import align, left_pad, score_groups, token_logprobs
 from trainer.selectors import SELECTORS
 
@@ -66,7 +66,7 @@ def make_stored_groups(model, step=0, seed=2):
     rewards = torch.tensor([1.0, 0.0, 0.0])
     adv = torch.tensor([1.0, -0.5, -0.5])
     return [
-        make_group(f"g{k}", ids[s], attn[s], loss_mask[s], gen[s], rewards, adv, step)
+        make_group(f"g{k}", GroupTensors(ids[s], attn[s], loss_mask[s], gen[s], rewards, adv), step)
         for k, s in enumerate((slice(0, 3), slice(3, 6)))
     ]
 

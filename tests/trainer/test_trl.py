@@ -245,7 +245,7 @@ def hdr_loss_and_grads(policy, batch, eps: float, ref=None, beta: float = 0.0):
     model = copy.deepcopy(policy).train()
     r = batch.rows()
     lp = align(forward_logprobs(model, r.input_ids, r.attention_mask, r.loss_mask)[0])
-    loss = policy_loss(lp, r.old_logprobs, r.advantages, r.loss_mask, eps, eps)
+    loss = policy_loss(lp, r.gen_logprobs, r.advantages, r.loss_mask, eps, eps)
     if ref is not None:
         with torch.no_grad():
             ref_lp = align(forward_logprobs(ref, r.input_ids, r.attention_mask, r.loss_mask)[0])
@@ -266,7 +266,7 @@ def trl_loss_and_grads(policy, tokenizer, batch, tmp_path, ref_lp=None, **args):
     r = batch.rows()
     extra = {} if ref_lp is None else {"ref_per_token_logps": ref_lp}
     inputs = trl_inputs(
-        r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.old_logprobs,
+        r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.gen_logprobs,
         r.loss_mask.sum(), extra,
     )  # fmt: skip
     trainer.model.train()
@@ -317,7 +317,7 @@ def test_trl_kl_term_is_hdr_k3_or_its_ratio_weighted_form(update_batch, tmp_path
     assert float(trl_loss) == pytest.approx(float(hdr_loss), abs=1e-5)
     assert_grads_close(hdr_grads, trl_grads)
     k3 = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1.0
-    ratio = torch.exp(lp - r.old_logprobs)
+    ratio = torch.exp(lp - r.gen_logprobs)
     plain = kl_k3(lp, ref_lp, r.loss_mask)
     weighted = (ratio * k3 * r.loss_mask).sum() / r.loss_mask.sum()
     corrected, _ = trl_loss_and_grads(policy, tokenizer, batch, tmp_path, ref_lp, beta=0.5)
@@ -339,7 +339,7 @@ def test_trl_forward_equals_hdr_teacher_forcing(update_batch, tmp_path):
     )  # fmt: skip
     r = batch.rows()
     inputs = trl_inputs(
-        r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.old_logprobs, r.loss_mask.sum()
+        r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.gen_logprobs, r.loss_mask.sum()
     )
     C = inputs["completion_ids"].shape[1]
     with torch.no_grad():
@@ -358,7 +358,7 @@ def test_trl_grpo_loss_is_a_mean_of_sequence_means(update_batch, tmp_path):
     tokenizer, policy, batch = update_batch
     hdr_loss, _, lp = hdr_loss_and_grads(policy, batch, 0.2)
     r = batch.rows()
-    ratio = torch.exp(lp - r.old_logprobs)
+    ratio = torch.exp(lp - r.gen_logprobs)
     adv = r.advantages.unsqueeze(1)
     surrogate = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * r.loss_mask
     sequence_mean = (surrogate.sum(1) / r.loss_mask.sum(1).clamp(min=1)).mean()

@@ -78,6 +78,17 @@ def tiny_model(seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+def scored_groups(model, ids, attn, mask, rewards, advantages, names, agree=None) -> list:
+    """Groups of rows as the TRL trainer makes them: behaviour log-probs under `model` (`agree`:
+    each process's forwards paired for ZeRO-3), step 1, chunks of 4 rows."""
+    from trainer.replay import GroupTensors
+    from trainer.scoring import behaviour_logprobs, groups_of_rows
+
+    lp, _, _ = behaviour_logprobs(model, ids, attn, mask, 4, 1.0, agree=agree)
+    rows = GroupTensors(ids, attn, mask, lp, rewards.flatten(), advantages.flatten())
+    return groups_of_rows(rows, 1, names)
+
+
 def fresh_rows(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two groups of G rows: a 12-token prompt, then RESPONSE_TOKENS[rank] policy tokens."""
     g = torch.Generator().manual_seed(100 + rank)
@@ -96,7 +107,6 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from trainer.integrations.accelerate_cpu import allow_deepspeed_on_cpu_processes
     from trainer.integrations.trl import zero3_call_agreement
-    from trainer.scoring import stored_groups
 
     assert allow_deepspeed_on_cpu_processes()
     accelerator = Accelerator()
@@ -106,9 +116,7 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     rewards = torch.tensor([[1.0, 0.0] * (G // 2)] * 2)
     names = [f"s1/{rank}/{k}" for k in range(2)]
     with torch.no_grad():
-        expected, _, _ = stored_groups(
-            reference, ids, attn, mask, rewards, rewards, 1, names, 4, 1.0
-        )
+        expected = scored_groups(reference, ids, attn, mask, rewards, rewards, names)
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, optimizer = accelerator.prepare(model, optimizer)
@@ -116,10 +124,9 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     assert all(p.numel() == 0 for p in sharded.parameters())  # ZeRO-3 holds shards only
     started = time.perf_counter()
     with torch.no_grad():
-        fresh, _, _ = stored_groups(
-            sharded, ids, attn, mask, rewards, rewards, 1, names, 4, 1.0,
-            agree=zero3_call_agreement(accelerator),
-        )  # fmt: skip
+        fresh = scored_groups(
+            sharded, ids, attn, mask, rewards, rewards, names, zero3_call_agreement(accelerator)
+        )
     total = accelerator.reduce(torch.tensor([float(len(fresh))]), reduction="sum")
     worst = max(
         float((a.gen_logprobs - b.gen_logprobs).abs().max())
@@ -414,7 +421,7 @@ def _selection_case(rank: int, world: int, out_dir: str, policy_dir: str, case: 
 
     from trainer.integrations.trl_layout import rows_from_trl
     from trainer.replay import policy_drift
-    from trainer.scoring import score_groups, stored_groups
+    from trainer.scoring import score_groups
 
     straddle = case == "straddle"
     rows = 8 if straddle else 4
@@ -428,9 +435,9 @@ def _selection_case(rank: int, world: int, out_dir: str, policy_dir: str, case: 
         r = rows_from_trl(batch)
         names = [f"s1/{p}/{k}" for k in range(rows // 4)]
         with torch.no_grad():
-            made, _, _ = stored_groups(
-                model, r.input_ids, r.attention_mask, r.loss_mask, rewards.view(-1, 4),
-                batch["advantages"].view(-1, 4), 1, names, 4, 1.0,
+            made = scored_groups(
+                model, r.input_ids, r.attention_mask, r.loss_mask, rewards, batch["advantages"],
+                names,
             )  # fmt: skip
         groups += made
     with torch.no_grad():  # step 1's update moved the weights; rank 1's by a hair more

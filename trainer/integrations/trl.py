@@ -56,8 +56,13 @@ from trainer.integrations.trl_rollout import (
 from trainer.integrations.trl_vllm import route_colocate_sync
 from trainer.loop import assemble_batch
 from trainer.primitive import GroupReplay
-from trainer.replay import ReplayBuffer, Selection, StoredGroup
-from trainer.scoring import concat_left_padded, groups_of_rows, score_groups, stored_groups
+from trainer.replay import GroupTensors, ReplayBuffer, Selection, StoredGroup
+from trainer.scoring import (
+    behaviour_logprobs,
+    concat_left_padded,
+    groups_of_rows,
+    score_groups,
+)
 from trainer.selectors import SELECTORS, select_params
 
 # --- replay ----------------------------------------------------------------------------------
@@ -157,25 +162,25 @@ class ReplayStep:
         G = trainer.num_generations
         b = len(rows.input_ids) // G
         names = [f"s{step}/{rank}/{k}" for k in range(b)]
-        group_rewards = rewards.cpu().view(b, G)
-        advantages = batch["advantages"].cpu().float().view(b, G)
         old = rows.per_token.get("old_per_token_logps")
         if old is not None:  # TRL's no-grad pass under the same weights (its vLLM IS
             # correction): the behaviour log-probs hdr would score, so not scored again
-            fresh = groups_of_rows(
-                rows.input_ids, rows.attention_mask, rows.loss_mask, old * rows.loss_mask,
-                group_rewards, advantages, step, names,
-            )  # fmt: skip
+            behaviour = old * rows.loss_mask
             self.scored_rows = 0
         else:
             self.scored_rows = len(rows.input_ids)
             with self.scoring(trainer):
-                fresh, _, _ = stored_groups(
+                behaviour, _, _ = behaviour_logprobs(
                     trainer.accelerator.unwrap_model(trainer.model), rows.input_ids,
-                    rows.attention_mask, rows.loss_mask, group_rewards, advantages, step,
-                    names, self.config.score_chunk, trainer.temperature, accelerator.autocast,
+                    rows.attention_mask, rows.loss_mask, self.config.score_chunk,
+                    trainer.temperature, accelerator.autocast,
                     agree=zero3_call_agreement(accelerator),  # ZeRO-3 gathers per module call
                 )  # fmt: skip
+        tensors = GroupTensors(
+            rows.input_ids, rows.attention_mask, rows.loss_mask, behaviour, rewards.cpu(),
+            batch["advantages"].cpu().float(),
+        )  # fmt: skip
+        fresh = groups_of_rows(tensors, step, names)
         ratio = fresh_values(rows, fresh, range(b), "importance_sampling_ratio")
         for group, weights in zip(fresh, ratio or [None] * b, strict=True):
             group.token_weights = weights  # TRL's fresh-step weights travel with the group
@@ -225,7 +230,7 @@ class ReplayStep:
         self.history.append(self.pending.record())
         log_selection(trainer, self, selection)
         return trl_inputs(
-            r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.old_logprobs, num_items,
+            r.input_ids, r.attention_mask, r.loss_mask, r.advantages, r.gen_logprobs, num_items,
             per_token, accelerator.device,
         )  # fmt: skip
 

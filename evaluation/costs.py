@@ -4,8 +4,13 @@ The cost ledger (metrics.jsonl's `cost_*`) counts work that does not depend on t
 search calls, generated tokens, teacher-forced tokens (behaviour scoring and the replay scan),
 trained tokens (the update's forward and backward). A cost model prices each unit:
 
-    cost = a x search calls + b x generated tokens + c x teacher-forced tokens
+    cost = a x billed search calls + b x generated tokens + c x teacher-forced tokens
            + d x trained tokens
+
+A search call is billed when the retrieval server computed it (searched its index, or
+forwarded it to a paid upstream); a call its result cache answered (the run's own repeat of a
+search, `cost_cached_search_calls`) costs the environment nothing and is not priced. Runs
+logged before the split (`cost_billed_search_calls` absent) billed every call.
 
 (`CostModel`: a = `search_call`, b = `generated_token`, c = `teacher_forced_token`,
 d = `trained_token`, in one unit, here seconds). The regime Headroom-Drift Replay targets is
@@ -115,20 +120,31 @@ def measured_here(repo: Path = REPO) -> CostModel:
 
 
 # metrics.jsonl keys of each priced quantity
-SEARCH_KEYS = ("cost_search_calls",)
+BILLED_SEARCH_KEY = "cost_billed_search_calls"  # what the environment computed: what it bills
+SEARCH_KEYS = ("cost_search_calls",)  # every search call: the bill of a run logged before
 GENERATED_KEYS = ("cost_generated_tokens",)
 TEACHER_FORCED_KEYS = ("cost_behaviour_tf_tokens", "cost_scan_tf_tokens")
 TRAINED_KEYS = ("cost_update_tf_tokens",)
 
 
+def billed_searches(row: Mapping[str, Any]) -> float:
+    """A step's search calls the environment billed: those its server computed (not those
+    its result cache answered). A row logged before the ledger had the split (no cache in
+    front of the server then) billed every call."""
+    if BILLED_SEARCH_KEY in row:
+        return float(row[BILLED_SEARCH_KEY] or 0.0)
+    return sum(float(row.get(k) or 0.0) for k in SEARCH_KEYS)
+
+
 def step_cost(row: Mapping[str, Any], model: CostModel) -> float:
-    """One metrics.jsonl row's modelled cost (missing counts are 0)."""
+    """One metrics.jsonl row's modelled cost (missing counts are 0); the environment's part
+    is its billed search calls."""
 
     def total(keys: Sequence[str]) -> float:
         return sum(float(row.get(k) or 0.0) for k in keys)
 
     return (
-        model.search_call * total(SEARCH_KEYS)
+        model.search_call * billed_searches(row)
         + model.generated_token * total(GENERATED_KEYS)
         + model.teacher_forced_token * total(TEACHER_FORCED_KEYS)
         + model.trained_token * total(TRAINED_KEYS)
@@ -250,8 +266,10 @@ def modelled_cost_markdown(rows: Sequence[ModelledCostRow], model: CostModel) ->
 
     table = [[f"{a} − {b}", *(shown(cell.get((a, b, rho))) for rho in ratios)] for a, b in pairs]
     head = (
-        f"Quality at matched modelled cost (cost = a x search calls + b x generated tokens +"
-        f" c x teacher-forced tokens + d x trained tokens; b = {model.generated_token:.3g},"
+        f"Quality at matched modelled cost (cost = a x billed search calls + b x generated"
+        " tokens + c x teacher-forced tokens + d x trained tokens, a search call billed when the"
+        " retrieval server computed it, not when its result cache answered the run's own"
+        f" repeat; b = {model.generated_token:.3g},"
         f" c = {model.teacher_forced_token:.3g}, d = {model.trained_token:.3g} s; a = rho x c;"
         f" measured here rho = {model.env_to_compute:.1f}; {model.source}). Budget: {last:g}"
         " of the smallest total any run reached at that rho; paired by seed, mean [95%"

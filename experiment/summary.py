@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from core.errors import UserError
-from evaluation.costs import ModelledCostRow, matched_modelled_cost
+from evaluation.costs import ModelledCostRow, billed_searches, matched_modelled_cost
 from evaluation.metrics import PairedDifference, Spread, mean_spread, paired_difference
 from evaluation.statistics import (
     Components,
@@ -249,6 +249,8 @@ def run_costs(metrics: list[dict[str, Any]], rollouts_per_step: int) -> dict[str
         "replayed_groups": total("replayed_groups"),
     }
     out.update(cost_totals(metrics))
+    # a run logged before the ledger's split billed every search call
+    out["cost_billed_search_calls"] = sum(billed_searches(r) for r in metrics)
     out["cost_cpu_s"] = sum(out[k] for k in CPU_KEYS)
     out["cost_tf_tokens"] = sum(out[k] for k in TF_KEYS)
     for key in TIME_KEYS:

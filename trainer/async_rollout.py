@@ -187,8 +187,8 @@ class WorkerTiming:
 
 
 STAT_SUMS = ("calls", "requests", "attempts", "retries", "failures", "queries", "passages",
-             "failed_queries", "truncated_queries", "refused_queries", "bad_responses",
-             "outages", "outage_s", "latency_s")  # fmt: skip
+             "billed_queries", "cached_queries", "failed_queries", "truncated_queries",
+             "refused_queries", "bad_responses", "outages", "outage_s", "latency_s")  # fmt: skip
 
 
 def stats_delta(before, after) -> dict[str, Any]:
@@ -215,7 +215,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
         from agent_env.data import load_questions
         from agent_env.generation import build_generator
         from agent_env.retrieval_client import connect
-        from trainer.run import load_policy
+        from trainer.run import cache_scope, load_policy
 
         cfg = place_worker(spec.config, spec.index)
         a = cfg.async_rollout
@@ -228,7 +228,9 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, conn, stop) -> None:
             cfg.generation, model_dir=cfg.model.path, tokenizer=tokenizer,
             prompt=cfg.rollout.prompt, model=None if engine else model,
         )  # fmt: skip
-        client = connect(cfg.retrieval, seed=cfg.seed + 1 + spec.index)
+        client = connect(
+            cfg.retrieval, seed=cfg.seed + 1 + spec.index, cache_scope=cache_scope(cfg)
+        )
         train_examples, _ = load_questions(cfg.data, cfg.seed, cfg.eval.num_questions)
         context = RolloutContext(cfg, generator, client, tokenizer)
         shards = range(cfg.distributed.rollout_shards)
@@ -399,7 +401,11 @@ class RolloutWorkers:
         if not result.groups:
             raise nothing_reached(step, self.config.retrieval.urls)
         timing = [parts[w].timing for w in sorted(parts)]
-        return FreshBatch(result.groups, [result], int(stats["passages"]), lags, timing)
+        return FreshBatch(
+            result.groups, [result], int(stats["passages"]), lags, timing,
+            billed_searches=int(stats["billed_queries"]),
+            cached_searches=int(stats["cached_queries"]),
+        )  # fmt: skip
 
     def _wait_for(self, step: int) -> dict[int, Delivered]:
         """Every responsible worker's delivery of `step`, by worker; raises when one of them

@@ -30,7 +30,7 @@ when the rollout workers hold the engines.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -249,6 +249,12 @@ class FreshBatch:
     passages: int  # documents the environment returned over all of them
     lags: list[int] | None = None  # per group, updates late (rollout workers); None: on time
     timing: list | None = None  # each delivering worker's WorkerTiming (rollout workers)
+    # of the searches answered, those the retrieval server computed for them (searched, or
+    # forwarded to a paid upstream: what a backend bills) and those it answered from its
+    # cache or an identical search in flight (its X-HDR-* headers; every search is billed by
+    # a server without them)
+    billed_searches: int = 0
+    cached_searches: int = 0
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -269,6 +275,9 @@ def nothing_reached(step: int, urls: Sequence[str]) -> UserError:
     )
 
 
+LEDGER_STATS = ("passages", "billed_queries", "cached_queries")  # ClientStats counters summed
+
+
 def fresh_batch(ctx: RolloutContext, examples: list[QAExample], step: int) -> FreshBatch:
     """Roll out the step's `b` prompts. With `grpo.dynamic_sampling` (DAPO-style), groups
     whose rewards are all equal are dropped and refilled with extra prompts, up to
@@ -277,7 +286,7 @@ def fresh_batch(ctx: RolloutContext, examples: list[QAExample], step: int) -> Fr
     the same on every process."""
     cfg = ctx.config
     b = cfg.grpo.batch_prompts
-    passages_before = ctx.client.stats.passages
+    before = replace(ctx.client.stats)
     rollouts = [rollout_sharded(ctx, sample_prompts(examples, cfg.seed, step, b), step, 0)]
     kept = rollouts[0].groups
     if cfg.grpo.dynamic_sampling:
@@ -291,8 +300,15 @@ def fresh_batch(ctx: RolloutContext, examples: list[QAExample], step: int) -> Fr
         kept = kept[:b]
     if not any(r.groups for r in rollouts):
         raise nothing_reached(step, cfg.retrieval.urls)
-    passages = ctx.dist.sum({"passages": ctx.client.stats.passages - passages_before})
-    return FreshBatch(kept, rollouts, int(passages["passages"]))
+    after = ctx.client.stats
+    counts = ctx.dist.sum(
+        {key: getattr(after, key) - getattr(before, key) for key in LEDGER_STATS}
+    )  # every process's searches
+    return FreshBatch(
+        kept, rollouts, int(counts["passages"]),
+        billed_searches=int(counts["billed_queries"]),
+        cached_searches=int(counts["cached_queries"]),
+    )  # fmt: skip
 
 
 # --- where the loop takes them from ----------------------------------------------------------

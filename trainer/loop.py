@@ -493,6 +493,8 @@ def step_record(
     env_calls = sum(r.env_calls for r in batch.rollouts)
     run.counters.env_calls_total += env_calls
     run.counters.search_calls_total += run.cost.search_calls
+    run.counters.billed_search_calls_total += run.cost.billed_search_calls
+    run.counters.cached_search_calls_total += run.cost.cached_search_calls
     run.counters.wall_time_total += time.perf_counter() - started
     scanned = sel.scanned > 0
     return StepRecord(
@@ -525,6 +527,8 @@ def step_record(
         env_calls_total=run.counters.env_calls_total,
         search_calls=run.cost.search_calls,
         search_calls_total=run.counters.search_calls_total,
+        billed_search_calls_total=run.counters.billed_search_calls_total,
+        cached_search_calls_total=run.counters.cached_search_calls_total,
         dropped_groups=sum(len(r.dropped) for r in batch.rollouts),
         # this step's retrieval trouble: time paused in outages (nothing lost), queries cut
         # to length, queries that failed (their trajectories are marked failed)
@@ -558,6 +562,8 @@ def record_cost(
     cost.observation_tokens = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
     cost.fresh_groups = sum(len(r.groups) + len(r.dropped) for r in batch.rollouts)
     cost.search_calls = sum(t.searches for t in trajs)
+    cost.billed_search_calls = batch.billed_searches
+    cost.cached_search_calls = batch.cached_searches
     cost.env_requests = sum(r.env_calls for r in batch.rollouts)
     cost.passages = batch.passages
     cost.env_wait_s = sum(r.retrieval_time for r in batch.rollouts)

@@ -57,6 +57,8 @@ class RunCounters:
 
     env_calls_total: int = 0
     search_calls_total: int = 0
+    billed_search_calls_total: int = 0  # 0 in a checkpoint from before the split: a resumed
+    cached_search_calls_total: int = 0  # run's totals then count from the resume on
     wall_time_total: float = 0.0
     staleness_gate: dict | None = None  # an adaptive staleness gate's state (its tau)
     replay_gate: dict | None = None  # an adaptive replay gate's state (its tau)
@@ -269,6 +271,15 @@ def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = 
     return run_dir
 
 
+def cache_scope(config: TrainConfig) -> str:
+    """The run's own cache on the retrieval server (X-HDR-Cache-Scope): its directory, the same
+    for every process, rollout worker and resume of the run. Its searches are answered from
+    its own earlier ones (billed once) and never from another run's, so a run's billed
+    searches do not depend on what else the server answered (arms of one experiment share a
+    server); a run started again in the same directory finds its answers."""
+    return f"train:{Path(config.out_dir).resolve()}"
+
+
 def setup_run(
     config: TrainConfig, resume: str | Path | None = None, force: bool = False
 ) -> tuple[Run, int]:
@@ -292,7 +303,8 @@ def setup_run(
     train_examples, eval_examples = load_questions(
         config.data, config.seed, config.eval.num_questions
     )
-    client = connect(config.retrieval, seed=config.seed)  # no server: one line, at once
+    # no server: one line, at once
+    client = connect(config.retrieval, seed=config.seed, cache_scope=cache_scope(config))
 
     def make_run_dir() -> Path:
         run_dir = prepare_run_dir(config, ckpt, force)

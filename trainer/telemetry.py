@@ -35,8 +35,9 @@ class StepCost:
     """The cost ledger of one training step; logged as `cost_<field>` in metrics.jsonl.
 
     Counts (tokens, calls, groups) are machine-independent: the same config and seed give
-    the same counts on any machine. Seconds are not: `env_wait_s` is wall time waiting on
-    the retrieval server, `cpu_*_s` are process CPU seconds (every thread) by phase.
+    the same counts on any machine, except the split of search calls into billed and cached,
+    which the retrieval server's cache decides. Seconds are not: `env_wait_s` is wall time
+    waiting on the retrieval server, `cpu_*_s` are process CPU seconds (every thread) by phase.
     Teacher-forced tokens are the real (attention-mask) tokens of the rows a phase runs
     through the model; the no-grad phases score exact-duplicate rows once, so they count
     distinct rows; the update counts every row once per optimizer pass (forward + backward).
@@ -51,6 +52,11 @@ class StepCost:
     update_tf_tokens: int = 0  # the update's forward + backward
     fresh_groups: int = 0  # groups rolled out (refills and dropped groups included)
     search_calls: int = 0  # tool calls (queries) sent to the environment
+    # ... of which the server computed (searched, or forwarded to a paid upstream) and those
+    # it answered without a computation (its result cache, an identical query in flight):
+    # the environment's cost is the billed ones; both depend on the server's cache too
+    billed_search_calls: int = 0
+    cached_search_calls: int = 0
     env_requests: int = 0  # batched HTTP requests that carried them
     passages: int = 0  # passages the environment returned
     update_groups: int = 0  # groups in the update, fresh + replayed
@@ -117,6 +123,8 @@ class StepRecord:
     env_calls_total: int
     search_calls: int
     search_calls_total: int
+    billed_search_calls_total: int  # the run's cost_billed_search_calls so far
+    cached_search_calls_total: int
     dropped_groups: int
     retrieval_outage_s: float
     retrieval_outages: int
@@ -157,7 +165,10 @@ class StepRecord:
         return {**record, **extra, **self.cost.record()}
 
 
-COUNT_KEYS = tuple(k for k in COST_KEYS if not k.endswith("_s"))
+# what a server's result cache decides (a warm cache bills fewer of the same searches), not the
+# run alone: left out of the counts two runs of one config must share
+SERVER_STATE_KEYS = ("cost_billed_search_calls", "cost_cached_search_calls")
+COUNT_KEYS = tuple(k for k in COST_KEYS if not k.endswith("_s") and k not in SERVER_STATE_KEYS)
 
 
 def cost_totals(records: Iterable[dict[str, Any]]) -> dict[str, float]:

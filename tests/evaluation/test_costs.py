@@ -9,10 +9,12 @@ from evaluation.costs import (
     CAVEAT,
     MEASURED_HERE,
     CostModel,
+    billed_searches,
     cost_curve,
     matched_modelled_cost,
     measured_here,
     modelled_cost_markdown,
+    step_cost,
 )
 
 
@@ -55,3 +57,22 @@ def test_quality_at_matched_modelled_cost_as_the_ratio_grows_by_hand():
     assert half.budget == 30 and half.per_seed == pytest.approx([0.15, 0.17])  # 0.3 x 30/60
     md = modelled_cost_markdown(rows, model)
     assert CAVEAT in md and "| replay − fresh | -0.175 [-0.175, -0.175] | +0.010" in md
+
+
+def test_the_environment_is_priced_by_its_billed_search_calls():
+    """A search the server's cache answered costs the environment nothing; a row logged before
+    the ledger had the split billed every call."""
+    model = CostModel(search_call=10, generated_token=0, teacher_forced_token=1, trained_token=0)
+    split = {"cost_search_calls": 8, "cost_billed_search_calls": 3, "cost_scan_tf_tokens": 5}
+    before = {"cost_search_calls": 8, "cost_scan_tf_tokens": 5}
+    assert billed_searches(split) == 3 and billed_searches(before) == 8
+    assert step_cost(split, model) == 3 * 10 + 5
+    assert step_cost(before, model) == 8 * 10 + 5
+    assert "billed search calls" in modelled_cost_markdown(
+        matched_modelled_cost(
+            {a: {s: _run(3, 40 * (a == "replay"), 0.3, 0.0) for s in (0, 1)}
+             for a in ("replay", "fresh")},
+            [("replay", "fresh")], model, [10.0], [1.0],
+        ),
+        model,
+    )  # fmt: skip

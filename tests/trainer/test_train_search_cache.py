@@ -4,6 +4,7 @@ same tokens, rewards and losses, bit for bit. Only what the server billed differ
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -38,8 +39,9 @@ def example_ids(groups: list[dict]) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def runs(sft_policy, small_qa, small_index, tmp_path_factory):
-    """Three 3-step runs: against a cached server (cold, then warm) and an uncached one; and
-    the cached server's cache counts after each."""
+    """Three 3-step runs: against a cached server, cold, then again in the same directory
+    (the run's cache scope) with every search already cached, kept as `cold` and `warm`; and
+    against an uncached server. The cached server's cache counts after each."""
     root = tmp_path_factory.mktemp("search-cache")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     counts = {}
@@ -48,9 +50,13 @@ def runs(sft_policy, small_qa, small_index, tmp_path_factory):
         running_server(small_index, cache={"enabled": False}) as uncached,
     ):
         for name, url in (("cold", cached.url), ("warm", cached.url), ("off", uncached.url)):
-            overrides = tiny_overrides(url, sft_policy, small_qa, root / name, "steps=3")
-            subprocess.run(hdr("train", "--config", str(TINY_CPU), *overrides), env=env, check=True)
+            out = root / ("off" if name == "off" else "run")
+            overrides = tiny_overrides(url, sft_policy, small_qa, out, "steps=3")
+            command = hdr("train", "--config", str(TINY_CPU), *overrides, "--force")
+            subprocess.run(command, env=env, check=True)
             counts[name] = httpx.get(f"{cached.url}/health").json()["cache"]
+            if name != "off":
+                shutil.copytree(out, root / name)  # the next run replaces it
     return root, counts
 
 
@@ -70,11 +76,26 @@ def test_training_with_and_without_the_cache_is_identical(runs) -> None:
 
 
 def test_the_warm_run_was_answered_from_the_cache(runs) -> None:
-    _, counts = runs
+    root, counts = runs
     cold, warm = counts["cold"], counts["warm"]
     assert cold["misses"] > 0
     assert warm["misses"] == cold["misses"]  # the warm run computed nothing new
     assert warm["hits"] - cold["hits"] > 0
+    # and its metrics say so: every search cached, none billed; the cold run billed some
+    warm_rows, cold_rows = (
+        rows(root / "warm" / "metrics.jsonl"),
+        rows(root / "cold" / "metrics.jsonl"),
+    )
+    assert all(r["cost_billed_search_calls"] == 0 for r in warm_rows)
+    assert all(
+        r["cost_billed_search_calls"] + r["cost_cached_search_calls"] == r["cost_search_calls"]
+        for r in warm_rows + cold_rows
+    )
+    assert sum(r["cost_billed_search_calls"] for r in cold_rows) > 0
+    last = cold_rows[-1]
+    assert last["billed_search_calls_total"] == sum(
+        r["cost_billed_search_calls"] for r in cold_rows
+    )
 
 
 def torch_equal(a, b) -> bool:

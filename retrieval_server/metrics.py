@@ -5,7 +5,7 @@ read the batcher's queue, the result cache and the upstream when /metrics is scr
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -13,7 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from retrieval_server.app import ServingState
+    from retrieval_server.answers import Answers
+    from retrieval_server.batching import MicroBatcher
+    from retrieval_server.upstream import UpstreamBackend
 
 # about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.0025, 0.004, 0.006, 0.01, 0.015, 0.025, 0.04,
@@ -128,7 +130,15 @@ class ServerMetrics:
         self.batch_queries.labels(retriever).observe(queries)
 
 
-def serving_state(app: FastAPI) -> ServingState | None:
+class ScrapedState(Protocol):
+    """What the collectors read of the app's loaded state (app.ServingState has it)."""
+
+    answers: Answers
+    batcher: MicroBatcher | None
+    upstream: UpstreamBackend | None
+
+
+def serving_state(app: FastAPI) -> ScrapedState | None:
     """The app's loaded state (None before its lifespan has loaded it)."""
     return getattr(app.state, "serving", None)
 

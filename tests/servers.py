@@ -4,6 +4,9 @@
         httpx.post(f"{server.url}/retrieve", json={"queries": ["Accordion"]})
         server.stop()  # e.g. to test a client's behaviour when the server goes away
 
+`http_handler_server(Handler)` serves a plain `http.server` handler (a stand-in for another
+project's server, such as Search-R1's or a failing upstream) and yields its URL.
+
 `serve_process(index_dir, "max_topk=5")` runs the `hdr serve` command instead, in a process of
 its own (an environment of its own, a signal, a whole process stopped).
 
@@ -20,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +158,17 @@ def serve_process(
         yield running
     finally:
         running.stop()
+
+
+@contextmanager
+def http_handler_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on a free 127.0.0.1 port in a daemon thread; yields its URL and shuts
+    the server down on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

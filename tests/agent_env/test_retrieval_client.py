@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from servers import http_handler_server
 
 from agent_env.retrieval_client import (
     RetrievalClient,
@@ -187,15 +187,8 @@ class SearchR1ContractHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def search_r1_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), SearchR1ContractHandler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_handler_server(SearchR1ContractHandler) as url:
+        yield url
 
 
 def test_client_works_against_a_search_r1_contract_server(search_r1_url: str) -> None:

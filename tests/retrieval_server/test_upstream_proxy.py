@@ -10,12 +10,12 @@ import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
 import pytest
-from servers import running_server
+from servers import http_handler_server, running_server
 
 
 def post(url: str, queries: list[str], **extra: object) -> httpx.Response:
@@ -128,16 +128,11 @@ def failing_upstream(stall: bool) -> Iterator[str]:
     FailingUpstream.posts = 0
     FailingUpstream.release.clear()
     (FailingUpstream.stall.set if stall else FailingUpstream.stall.clear)()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FailingUpstream)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        FailingUpstream.release.set()
-        server.shutdown()
-        server.server_close()
+    with http_handler_server(FailingUpstream) as url:
+        try:
+            yield url
+        finally:
+            FailingUpstream.release.set()  # a stalled handler returns before the shutdown
 
 
 def test_an_upstream_503_is_a_one_line_502_after_retries() -> None:

@@ -28,15 +28,7 @@ def test_scripted_sft_rows_train_only_on_policy_tokens(
     assert len(rows) == 6
     hits = 0
     for (ids, mask), ex in zip(rows, examples, strict=True):
-        spans, cur = [], []
-        for tok, m in zip(ids, mask, strict=True):
-            if m:
-                cur.append(tok)
-            elif cur:
-                spans.append(cur)
-                cur = []
-        spans.append(cur) if cur else None
-        text = [tokenizer.decode(s, skip_special_tokens=False) for s in spans]
+        text = policy_spans(tokenizer, ids, mask)
         # the policy writes the query then the title; prompt and documents are context
         assert len(text) == 2, text
         assert text[0].strip() == f"{ex.question} </search>"

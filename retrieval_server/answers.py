@@ -10,9 +10,11 @@ future for the key, computes all its led keys in one backend call, stores them i
 and resolves the futures; a request that finds a key in flight waits on that future instead
 (coalescing), so N concurrent identical queries make one computation, and a micro-batch never
 holds the same key twice. A leader that stops (its client left, its deadline passed) hands
-its keys back: their waiters look them up again and one of them leads. A leader's error
-(503, 502, 504, 429) is its waiters' error too, except a failed search, which each waiter
-retries as a leader of its own keys.
+its keys back: their waiters look them up again and one of them leads. A leader's error is
+not passed on to its waiters: it may be the leader's own (its size filled the queue, it
+needed more of the spend budget than is left, the upstream refused its request), so each
+waiter looks its keys up again and leads them itself: at worst one call for its own keys, as
+without coalescing.
 
 With the cache disabled every query goes to the backend as it came (no lookup, no
 coalescing): every query billed, as before the cache existed.
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from retrieval_server.batching import MicroBatcher, SearchFailed
+from retrieval_server.batching import MicroBatcher
 from retrieval_server.cache import CacheKey, ResultCache
 from retrieval_server.emulated_cost import CostEmulator
 
@@ -95,9 +97,6 @@ class LeaderGone(Exception):
     """The request computing a key stopped before it had the answer; look the key up again."""
 
 
-RETRY_AFTER_LEADER = (LeaderGone, SearchFailed)  # a waiter leads its own keys after these
-
-
 class Answers:
     """The cache, the computations in flight and the backend, as one `get`."""
 
@@ -138,7 +137,7 @@ class Answers:
             for key, future in waits.items():
                 try:
                     found[key] = await asyncio.shield(future)  # never cancel another's work
-                except RETRY_AFTER_LEADER:
+                except Exception:  # the leader's failure, perhaps its own: try it ourselves
                     unresolved.append(key)
         self.cache.stats.hits += hits
         # the rest was not computed for this request: in flight elsewhere, or a duplicate
@@ -183,9 +182,15 @@ class Answers:
                 future.exception()  # retrieved: nobody may be waiting
             raise
         self.cache.stats.misses += len(keys)
-        for key, answer in zip(keys, answers, strict=True):
-            self.cache.put(key, answer)
-            self.in_flight.pop(key).set_result(answer)
+        try:
+            for key, answer in zip(keys, answers, strict=True):
+                self.cache.put(key, answer)
+                self.in_flight.pop(key).set_result(answer)
+        finally:  # no key may stay in flight with nobody to resolve it
+            for key in keys:
+                if (future := self.in_flight.pop(key, None)) is not None:
+                    future.set_exception(LeaderGone())
+                    future.exception()
         return answers
 
     async def _compute(

@@ -20,6 +20,7 @@ live in one process.
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import sys
@@ -77,7 +78,15 @@ OPEN_PATHS = {"/health"}  # no token needed (orchestrator health checks)
 MAX_LOC_CHARS = 64  # a validation error names the field, cut to this; input is never echoed
 CLIENT_GONE = 499  # recorded in metrics for a client that left; nobody receives it
 FINGERPRINT_DIGITS = 16  # of the answers' fingerprint (hex): part of every cache key
-MAX_SCOPE_CHARS = 200  # of a client's X-HDR-Cache-Scope
+MAX_SCOPE_CHARS = 200  # of a client's X-HDR-Cache-Scope kept as sent; a longer one is hashed
+
+
+def cache_scope(header: str) -> str:
+    """A client's cache scope from its header: as sent, or, when longer than MAX_SCOPE_CHARS,
+    its digest (never a cut, which would let two long names share one cache)."""
+    if len(header) > MAX_SCOPE_CHARS:
+        header = "sha256:" + hashlib.sha256(header.encode("latin-1")).hexdigest()
+    return sys.intern(header)
 
 
 @dataclass
@@ -585,7 +594,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         topk = body.topk or config.default_topk
         answered = Answered([], billed=0)
         if queries:
-            scope = sys.intern(request.headers.get(SCOPE_HEADER, "")[:MAX_SCOPE_CHARS])
+            scope = cache_scope(request.headers.get(SCOPE_HEADER, ""))
             args = (queries, topk, name, body.return_scores, scope)
             with state.arriving():
                 outcome = await answer_or_give_up(state, config, metrics, request, args)
@@ -637,7 +646,7 @@ async def close_serving_state(state: ServingState, config: ServerConfig) -> None
     if state.query_log is not None:
         state.query_log.close()
     cache, path = state.answers.cache, config.cache.persist_path
-    if cache is not None and path is not None:
+    if cache is not None and path is not None and not cache.keeps_foreign_file:
         await asyncio.to_thread(cache.save, path)
 
 

@@ -124,6 +124,8 @@ class ResultCache:
         self.ttl_s = ttl_s
         self.clock = clock
         self.stats = CacheStats()
+        # the persisted file it started from was another fingerprint's: never saved over
+        self.keeps_foreign_file = False
         self.bytes = 0
         self._entries: OrderedDict[CacheKey, tuple[bytes, float]] = OrderedDict()
 
@@ -201,11 +203,14 @@ class ResultCache:
             if header.get("fingerprint") != self.fingerprint:
                 log.warning(
                     "cache file %s holds answers of another index or settings (fingerprint "
-                    "%s, this server's %s); starting with an empty cache",
+                    "%s, this server's %s); starting with an empty cache and keeping the file: "
+                    "this server's answers are not saved over it (remove it, or choose another "
+                    "cache.persist_path, to save them)",
                     path,
                     header.get("fingerprint"),
                     self.fingerprint,
                 )
+                self.keeps_foreign_file = True
                 return 0
             before = len(self._entries)
             while head := file.read(RECORD.size):

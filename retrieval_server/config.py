@@ -306,6 +306,14 @@ class ServerConfig(StrictModel):
     def model_post_init(self, _context: object) -> None:
         if (self.index_dir is None) == (self.upstream is None):
             raise ValueError("give exactly one of index_dir (an index) and upstream (proxy mode)")
+        if self.upstream is not None and self.upstream.worst_case_s() >= self.request_deadline_s:
+            u = self.upstream
+            raise ValueError(
+                f"upstream.timeout_s {u.timeout_s:g} x {u.max_retries + 1} attempts plus backoffs"
+                f" ({u.worst_case_s():g} s) reaches request_deadline_s {self.request_deadline_s:g}:"
+                " a stalled upstream would end in the deadline's 503, never in a 504; lower"
+                " upstream.timeout_s or upstream.max_retries, or raise request_deadline_s"
+            )
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
         if self.max_buffered_body_bytes < self.max_body_bytes:

@@ -24,8 +24,10 @@ search does not, and wants `cache.ttl_s`.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +52,7 @@ class UpstreamConfig(StrictModel):
         description="The upstream's base URL (http://host:port; a trailing /retrieve is dropped)."
     )
     timeout_s: float = Field(
-        default=30.0, gt=0, description="Deadline of one attempt, connect to last byte."
+        default=15.0, gt=0, description="Deadline of one attempt, connect to last byte."
     )
     max_retries: int = Field(
         default=2, ge=0, description="Retries after a 5xx, 429, timeout or connection error."
@@ -80,6 +82,14 @@ class UpstreamConfig(StrictModel):
         description="Environment variable whose value, if set, is sent to the upstream as a "
         "Bearer token.",
     )
+
+    def worst_case_s(self) -> float:
+        """The longest a forward can take: every attempt to its deadline, every backoff at its
+        cap. Below the server's request deadline, a stalled upstream ends in a 504."""
+        backoffs = sum(
+            min(self.backoff_max_s, self.backoff_s * 2**retry) for retry in range(self.max_retries)
+        )
+        return self.timeout_s * (self.max_retries + 1) + backoffs
 
     @field_validator("url")
     @classmethod
@@ -131,10 +141,19 @@ class Budget:
         wanted = self.counts.calls + self.reserved + calls
         if c.max_calls is not None and wanted > c.max_calls:
             self._refuse(f"upstream.max_calls {c.max_calls}", c.max_calls - wanted + calls, calls)
-        if c.max_spend is not None and wanted * c.price_per_call > c.max_spend:
-            left = int((c.max_spend - self.spent) // c.price_per_call) - self.reserved
+        if c.max_spend is not None and wanted > self.affordable_calls():
+            left = self.affordable_calls() - self.counts.calls - self.reserved
             self._refuse(f"upstream.max_spend {c.max_spend:g}", left, calls)
         self.reserved += calls
+
+    def affordable_calls(self) -> int:
+        """How many calls `max_spend` buys at `price_per_call`, counted in whole calls so that a
+        price like 0.1 buys 3 calls of 0.3, not 2 (0.1 x 3 > 0.3 in binary floats)."""
+        c = self.config
+        assert c.max_spend is not None
+        if c.price_per_call <= 0:
+            return sys.maxsize
+        return math.floor(c.max_spend / c.price_per_call + 1e-9)
 
     def _refuse(self, budget: str, left: int, needed: int) -> None:
         self.counts.refused_over_budget += 1
@@ -244,10 +263,13 @@ class UpstreamBackend:
             try:
                 async with self.slots:
                     await self.pacer.wait()
-                    response = await self.http.post(
-                        url, content=body, headers={"content-type": "application/json"}
+                    response = await asyncio.wait_for(  # httpx's timeout is per read
+                        self.http.post(
+                            url, content=body, headers={"content-type": "application/json"}
+                        ),
+                        c.timeout_s,
                     )
-            except httpx.TimeoutException:
+            except (httpx.TimeoutException, asyncio.TimeoutError):
                 failure = UpstreamError(
                     504, f"upstream {url} did not answer within {c.timeout_s:g} s"
                 )

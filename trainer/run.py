@@ -11,6 +11,7 @@ logs into a `Run`. A resumed run restores all of it from a checkpoint
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import shutil
 import time
@@ -272,12 +273,15 @@ def prepare_run_dir(config: TrainConfig, ckpt: Checkpoint | None, force: bool = 
 
 
 def cache_scope(config: TrainConfig) -> str:
-    """The run's own cache on the retrieval server (X-HDR-Cache-Scope): its directory, the same
-    for every process, rollout worker and resume of the run. Its searches are answered from
-    its own earlier ones (billed once) and never from another run's, so a run's billed
-    searches do not depend on what else the server answered (arms of one experiment share a
-    server); a run started again in the same directory finds its answers."""
-    return f"train:{Path(config.out_dir).resolve()}"
+    """The run's own cache on the retrieval server (X-HDR-Cache-Scope): a digest of its
+    directory (ASCII whatever the path), the same for every process, rollout worker and resume
+    of the run. Its searches are answered from its own earlier ones (billed once) and never
+    from another run's, so the arms of one experiment sharing a server each pay for their own.
+    Its bill still depends on the server: answers share the server's one byte bound (another
+    run's traffic can evict them), and a run started again in the same directory finds the
+    answers its first start left."""
+    digest = hashlib.sha256(str(Path(config.out_dir).resolve()).encode()).hexdigest()
+    return f"train:{digest[:32]}"
 
 
 def setup_run(

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from servers import running_server
 
+from retrieval_server.answers import Answers
 from retrieval_server.cache import FILE_MAGIC, CacheKey, ResultCache, entry_bytes
 
 
@@ -96,6 +97,11 @@ def test_a_scope_has_a_cache_of_its_own(cached_url: str) -> None:
     assert scoped("run B") == (1, 0)
     assert scoped(None) == (1, 0)
     assert scoped(None) == (0, 1)
+    # two long names that agree in their first 200 characters are two scopes, not one
+    long = "train:" + "/runs" * 60
+    assert scoped(long + "/arm-a") == (1, 0)
+    assert scoped(long + "/arm-b") == (1, 0)
+    assert scoped(long + "/arm-a") == (0, 1)
 
 
 def test_the_key_is_the_query_as_searched_after_truncation(cached_url: str) -> None:
@@ -176,6 +182,9 @@ def test_a_persisted_cache_is_loaded_by_the_same_index_only(
     with running_server(small_index, query_prefix="query: ", cache={"persist_path": saved}) as s:
         assert cache_health(s.url)["loaded"] == 0
         assert ledger(post(s.url, query)) == (1, 0)
+    # ... and it kept the file: the first settings find their answers again
+    with running_server(small_index, cache={"persist_path": saved}) as server:
+        assert cache_health(server.url)["loaded"] == 1
     # another index (here a BM25 index of ten passages) never serves the saved answers
     corpus = tmp_path / "ten.jsonl"
     corpus.write_text(
@@ -267,3 +276,43 @@ def test_answers_expire_after_their_time_to_live(tmp_path: Path) -> None:
     assert cache.bytes == 0
     reloaded = ResultCache(max_bytes=10_000, fingerprint="f", ttl_s=60, clock=lambda: now[0])
     assert reloaded.load(tmp_path / "c") == 0  # expired on disk too: the time is kept
+
+
+class RefusesLargeRequests:
+    """A backend (a stand-in for a paid upstream) that refuses a call of more than one query,
+    once the test lets it answer: the failure belongs to the request that sent it."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls: list[list[str]] = []
+
+    async def compute(
+        self, queries: list[str], topk: int, retriever: str, return_scores: bool
+    ) -> list[bytes]:
+        self.calls.append(list(queries))
+        if len(queries) > 1:
+            await self.release.wait()
+            raise RuntimeError(f"a call of {len(queries)} queries is over the budget")
+        return [b'["%s"]' % query.encode() for query in queries]
+
+
+def test_a_leaders_own_failure_is_not_its_waiters() -> None:
+    """A request waiting on another's computation of its query is not failed by that
+    request's own error: it computes the query itself, billed once."""
+    backend = RefusesLargeRequests()
+    answers = Answers(backend, ResultCache(1 << 20, fingerprint="test"))
+
+    async def leader_then_waiter():
+        leader = asyncio.create_task(answers.get(["Haiku", "Sonnet"], 3, "bm25", False))
+        await asyncio.sleep(0)  # the leader has claimed both keys
+        waiter = asyncio.create_task(answers.get(["Haiku"], 3, "bm25", False))
+        await asyncio.sleep(0)  # the waiter waits on the leader's "Haiku"
+        backend.release.set()
+        results = await asyncio.gather(leader, waiter, return_exceptions=True)
+        return results
+
+    led, waited = asyncio.run(leader_then_waiter())
+    assert isinstance(led, RuntimeError)
+    assert waited.answers == [b'["Haiku"]'] and waited.billed == 1
+    assert backend.calls == [["Haiku", "Sonnet"], ["Haiku"]]
+    assert answers.in_flight == {}

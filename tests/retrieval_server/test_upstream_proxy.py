@@ -17,6 +17,9 @@ import httpx
 import pytest
 from servers import http_handler_server, running_server
 
+from retrieval_server.config import ServerConfig
+from retrieval_server.upstream import Budget, BudgetSpent, UpstreamConfig, UpstreamCounts
+
 
 def post(url: str, queries: list[str], **extra: object) -> httpx.Response:
     body = {"queries": queries, "topk": 3, "return_scores": True, **extra}
@@ -186,3 +189,21 @@ def test_an_unreachable_upstream_is_refused_at_start(tmp_path: Path) -> None:
         f"hdr: error: upstream {url} does not answer (ConnectError); start it first or correct"
         " --upstream"
     )
+
+
+def test_the_spend_budget_counts_whole_calls() -> None:
+    """0.3 at 0.1 a call buys three calls (0.1 x 3 is above 0.3 in binary floats); the fourth
+    is refused and the message says none is left."""
+    config = UpstreamConfig(url="http://127.0.0.1:9", price_per_call=0.1, max_spend=0.3)
+    budget = Budget(config, UpstreamCounts())
+    budget.reserve(3)
+    with pytest.raises(BudgetSpent, match="leaves 0 calls, this request needs 1"):
+        budget.reserve(1)
+
+
+def test_a_forward_that_could_outlast_the_request_deadline_is_refused() -> None:
+    """3 attempts of 30 s reach the 60 s request deadline: a stalled upstream would be
+    answered by the deadline's 503, so the setting is refused at start, saying why."""
+    with pytest.raises(ValueError, match="never in a 504"):
+        ServerConfig(upstream={"url": "http://127.0.0.1:9", "timeout_s": 30})
+    assert ServerConfig(upstream={"url": "http://127.0.0.1:9"}).upstream.worst_case_s() < 60

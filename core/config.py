@@ -155,5 +155,20 @@ def move_renamed(data: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any
     return out
 
 
+def fill_added(data: dict[str, Any], added: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `data` holding each dotted key of `added` (key -> the value that does what hdr
+    did before the key existed) that it lacks, where its section is there: how settings hdr
+    recorded before a key was added compare with today's."""
+    out = copy.deepcopy(data)
+    for dotted, value in added.items():
+        *parents, last = dotted.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last not in node:
+            node[last] = copy.deepcopy(value)
+    return out
+
+
 def dump_config(config: BaseModel) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

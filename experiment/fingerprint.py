@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.config import move_renamed
+from core.config import fill_added, move_renamed
 from core.errors import UserError
 from core.fingerprint import differences, digest, summary
 from core.paths import write_json_atomic
@@ -88,13 +88,16 @@ def check_reuse(
     what: str,
     fallback: Mapping[str, Any] | None = None,
     renamed: dict[str, str] | None = None,
+    added: dict[str, Any] | None = None,
 ) -> None:
     """Nothing when `folder`'s stored hash is that of `settings`; otherwise one UserError line
     naming what differs. A folder without `config_hash.json` (one being made, or made before
     folders carried one) is compared through `fallback`, the settings read back from what it
     does hold (a run's own config.yaml); with neither, what it was made with cannot be told,
     and it is refused too. `renamed` (old dotted key -> new): keys renamed since the folder
-    was made, whose recorded values are compared under their new names."""
+    was made, whose recorded values are compared under their new names; `added` (dotted key ->
+    the value that did what hdr did before the key existed): keys added since, which the
+    recording is compared as holding at that value."""
     path = Path(folder) / HASH_FILE
     remedy = "use another folder (--out / --data-dir) or remove it to rebuild it"
     if path.is_file():
@@ -107,8 +110,8 @@ def check_reuse(
             f"{what} {folder} has no {HASH_FILE}, so what it was made with cannot be checked;"
             f" {remedy}"
         )
-    if renamed:  # made by an earlier hdr: the same settings may stand under older names
-        recorded = move_renamed(dict(recorded), renamed)
+    if renamed or added:  # made by an earlier hdr: older names, keys it did not have yet
+        recorded = fill_added(move_renamed(dict(recorded), renamed or {}), added or {})
         sha = digest(recorded)
     if sha == digest(settings):
         return

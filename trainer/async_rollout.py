@@ -325,24 +325,32 @@ class RolloutWorkers:
         board = WeightBoard(run.model, start - 1, ctx)
         stop = ctx.Event()
         workers = cls(cfg, board, [], stop, run.client.stats, start)
-        for w in range(cfg.async_rollout.workers):
-            if one_at_a_time:
-                workers._wait_ready(cfg.async_rollout.start_timeout_s)
-            workers.spawned_at[w] = time.monotonic()
-            receive, send = ctx.Pipe(duplex=False)
-            threads = cfg.async_rollout.worker_threads or torch.get_num_threads()
-            spec = WorkerSpec(cfg, w, start, threads)
-            proc = ctx.Process(
-                target=worker_main, args=(spec, board, send, stop), name=f"hdr-rollout-{w}"
-            )
-            proc.start()
-            send.close()  # the child holds the only writer: its death is EOF here
-            workers.processes.append(proc)
-            reader = threading.Thread(target=_read, args=(w, receive, workers.inbox), daemon=True)
-            reader.start()
-            workers.readers.append(reader)
-        workers._wait_ready(cfg.async_rollout.start_timeout_s)
+        try:  # a failed start stops the workers already spawned (they would outlive us)
+            for w in range(cfg.async_rollout.workers):
+                if one_at_a_time:
+                    workers._wait_ready(cfg.async_rollout.start_timeout_s)
+                workers._spawn(ctx, w, start)
+            workers._wait_ready(cfg.async_rollout.start_timeout_s)
+        except BaseException:
+            workers.close()
+            raise
         return workers
+
+    def _spawn(self, ctx, w: int, start: int) -> None:
+        """Start worker `w` and the thread that reads what it sends."""
+        self.spawned_at[w] = time.monotonic()
+        receive, send = ctx.Pipe(duplex=False)
+        threads = self.config.async_rollout.worker_threads or torch.get_num_threads()
+        spec = WorkerSpec(self.config, w, start, threads)
+        proc = ctx.Process(
+            target=worker_main, args=(spec, self.board, send, self.stop), name=f"hdr-rollout-{w}"
+        )
+        proc.start()
+        send.close()  # the child holds the only writer: its death is EOF here
+        self.processes.append(proc)
+        reader = threading.Thread(target=_read, args=(w, receive, self.inbox), daemon=True)
+        reader.start()
+        self.readers.append(reader)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -430,6 +430,17 @@ staleness gate share one set of names). A config that names one is refused in on
 the new key; a config hdr itself wrote (a run's config.yaml, a run's recorded settings: they
 hold every key) is read with the values moved (`core.config.move_renamed`)."""
 
+ADDED_KEYS = {
+    "data.train_questions": None,
+    "rollout.max_query_words": None,
+    "sft.query": "verbatim",
+    "sft.queries_per_question": 1,
+    "async_rollout.devices": [],
+}
+"""Keys added since hdr first recorded a run's settings, each with the value that does what hdr
+did before it: settings recorded without the key are compared as if they held it
+(`core.config.fill_added`), so a finished run or SFT start is still reused."""
+
 
 class TrainConfig(StrictModel):
     """A GRPO training run with (or without) Headroom-Drift Replay."""

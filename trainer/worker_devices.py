@@ -32,7 +32,8 @@ def worker_placement(
     `visible`: this process's CUDA_VISIBLE_DEVICES (None when unset: every GPU)."""
     device = worker_device(config, index)
     if not device.startswith("cuda"):
-        return None, "cpu"
+        # mapped to the CPU by name: no GPU at all, or a vLLM engine would take GPU 0 unplanned
+        return ("" if config.async_rollout.devices else None), "cpu"
     n = int(device.partition(":")[2] or 0)
     listed = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
     if listed is not None and n >= len(listed):

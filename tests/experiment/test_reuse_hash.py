@@ -166,3 +166,37 @@ def test_a_run_recorded_before_the_gate_keys_were_renamed_is_reused(tmp_path):
     write_hash(folder, then)
     with pytest.raises(UserError, match=r"replay\.adaptive_gate\.target 0\.25 then, 0\.5 now"):
         check_reuse(folder, now, "run", renamed=RENAMED_KEYS)
+
+
+RECORDED_BEFORE = (
+    Path(__file__).resolve().parents[2]
+    / "docs/results/pilot-small-groups/runs/on_policy_b12/seed-2"
+)
+
+
+def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
+    """A run the pilot committed (its config_hash.json written before the gate keys were
+    renamed and before data.train_questions, rollout.max_query_words, sft.query, ... existed)
+    is the same run under today's settings, which hold every key; a key added since, set to
+    anything but what hdr did before it existed, is another run."""
+    from core.config import build_config, move_renamed
+    from trainer.config import ADDED_KEYS, RENAMED_KEYS, TrainConfig
+
+    recorded = json.loads((RECORDED_BEFORE / "config_hash.json").read_text())["settings"]
+    assert "train_questions" not in recorded["data"]  # recorded before the key existed
+    train = {k: v for k, v in recorded.items() if k not in ("sft_start_sha256", "environment")}
+    config = build_config(TrainConfig, move_renamed(train, RENAMED_KEYS))
+    now = config.model_dump(mode="json")
+    for section, key in (("retrieval", "urls"), ("log", "progress"), ("log", "tensorboard")):
+        now[section].pop(key)
+    now.pop("out_dir")
+    now |= {
+        "sft_start_sha256": recorded["sft_start_sha256"],
+        "environment": recorded["environment"],
+    }
+    with pytest.raises(UserError, match="other settings"):
+        check_reuse(RECORDED_BEFORE, now, "run", renamed=RENAMED_KEYS)  # the added keys differ
+    check_reuse(RECORDED_BEFORE, now, "run", renamed=RENAMED_KEYS, added=ADDED_KEYS)
+    now["data"]["train_questions"] = 32
+    with pytest.raises(UserError, match=r"data\.train_questions None then, 32 now"):
+        check_reuse(RECORDED_BEFORE, now, "run", renamed=RENAMED_KEYS, added=ADDED_KEYS)

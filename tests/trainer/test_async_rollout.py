@@ -166,6 +166,18 @@ def test_a_killed_worker_stops_the_run_in_one_line_with_its_checkpoint(
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("hdr-rollout")]
 
 
+def test_workers_that_do_not_start_in_time_are_stopped(
+    sft_policy, small_qa, retrieval_url, tmp_path
+):
+    """A start that fails (here: the workers are not ready within the start timeout) stops
+    the workers already spawned, in one line; none is left running beside the trainer."""
+    cfg = config(retrieval_url, sft_policy, small_qa, tmp_path / "run",
+                 "async_rollout.workers=1", "async_rollout.start_timeout_s=0.01")  # fmt: skip
+    with pytest.raises(UserError, match="rollout workers not ready after 0 s"):
+        train(cfg)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("hdr-rollout")]
+
+
 def stop_after_step(run_dir: Path, step: int) -> None:
     deadline = time.monotonic() + 900
     while len(rows(run_dir)) < step and time.monotonic() < deadline:

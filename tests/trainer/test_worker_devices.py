@@ -37,7 +37,7 @@ def test_each_worker_sees_the_gpu_the_map_names_among_those_this_process_sees():
     # CUDA_VISIBLE_DEVICES unset: GPU N is N; set: the N-th one listed
     assert worker_placement(hf, 0, None) == ("1", "cuda:0")
     assert worker_placement(hf, 1, "4,5,6,7") == ("7", "cuda:0")
-    assert worker_placement(hf, 2, "4,5,6,7") == (None, "cpu")
+    assert worker_placement(hf, 2, "4,5,6,7") == ("", "cpu")  # a cpu entry sees no GPU
     with pytest.raises(UserError, match="maps worker 1 to cuda:3, but this process sees 2"):
         worker_placement(hf, 1, "4,5")
     # a vLLM worker's engine takes the GPU; its module (the copy new weights pass through)

@@ -65,7 +65,7 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
     reward (exact match by default), as hdr's loop rewards."""
     from trl import GRPOTrainer
 
-    from agent_env.data import load_task
+    from agent_env.data import load_task, question_pool
     from agent_env.retrieval_client import connect
     from trainer.integrations.accelerate_cpu import allow_deepspeed_on_cpu_processes
     from trainer.integrations.trl import ReplayGRPOTrainer
@@ -82,7 +82,10 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
         check_sampling_settings(args)
     except ValueError as err:
         raise UserError(str(err)) from None
-    examples = load_task(config.data.train, config.data.train_split)[: config.max_questions]
+    pool = question_pool(
+        load_task(config.data.train, config.data.train_split), config.data.train_questions
+    )
+    examples = pool[: config.max_questions]  # the RL pool as hdr train draws it
     if not examples:
         raise UserError(f"training task {config.data.train!r} has no questions")
     client = connect(config.retrieval, seed=args.seed)

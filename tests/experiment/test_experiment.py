@@ -100,6 +100,8 @@ def _metrics(steps: int, calls_per_step: int, replay: bool):
                     update_tf_tokens=700,
                     fresh_groups=8,
                     search_calls=40 * calls_per_step,
+                    billed_search_calls=30 * calls_per_step,  # a quarter its own repeats
+                    cached_search_calls=10 * calls_per_step,
                     env_requests=calls_per_step,
                     passages=120,
                     update_groups=10 if replay else 8,
@@ -164,10 +166,11 @@ def test_summary_pairs_arms_on_the_same_questions(tmp_path):
     assert stats.crossed.low < 0.25 < stats.crossed.high
     assert "| headroom_drift | on_policy_larger | 2 | +0.250 [" in md
     assert "<br>seed t [+0.250, +0.250]" in md
-    # the ledger: fresh groups, generated/behaviour/scan/update tokens (k), search calls, env
-    # requests, passages, informative/update groups per step, replayed/scanned, CPU minutes
+    # the ledger: fresh groups, generated/behaviour/scan/update tokens (k), search calls, of
+    # them billed (the server computed them), env requests, passages,
+    # informative/update groups per step, replayed/scanned, CPU minutes
     assert (
-        "| headroom_drift | 24 | 0.3 | 1.5 | 0.9 | 2.1 | 120 | 3 | 360 | 6.0 / 10.0 | 6 / 12 "
+        "| headroom_drift | 24 | 0.3 | 1.5 | 0.9 | 2.1 | 120 | 90 | 3 | 360 | 6.0 / 10.0 | 6 / 12 "
         "| 0.1 |" in md
     )
     assert hd.costs["cost_cpu_s"].mean == pytest.approx(4.5)

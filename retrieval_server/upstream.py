@@ -83,6 +83,11 @@ class UpstreamConfig(StrictModel):
         "Bearer token.",
     )
 
+    @property
+    def shown_url(self) -> str:
+        """The URL as errors and /health show it: without a user or password it may carry."""
+        return str(httpx.URL(self.url).copy_with(userinfo=b""))
+
     def worst_case_s(self) -> float:
         """The longest a forward can take: every attempt to its deadline, every backoff at its
         cap. Below the server's request deadline, a stalled upstream ends in a 504."""
@@ -200,8 +205,8 @@ class UpstreamBackend:
             response = await self.http.get(f"{url}/health", timeout=10)
         except httpx.HTTPError as err:
             raise UserError(
-                f"upstream {url} does not answer ({type(err).__name__}); start it first or "
-                "correct --upstream"
+                f"upstream {self.config.shown_url} does not answer ({type(err).__name__}); start"
+                " it first or correct --upstream"
             ) from None
         try:
             body = response.json() if response.status_code == 200 else {}
@@ -246,14 +251,14 @@ class UpstreamBackend:
             self.counts.failures += 1
             raise UpstreamError(
                 502,
-                f"upstream {self.config.url} answered a body that is not a Search-R1 result "
+                f"upstream {self.config.shown_url} answered a body that is not a Search-R1 result "
                 f"for {len(queries)} queries",
             ) from None
 
     async def _post(self, body: bytes) -> bytes:
         """The upstream's 200 body, after retries; UpstreamError when it does not come."""
         c = self.config
-        url = f"{c.url}/retrieve"
+        url, shown = f"{c.url}/retrieve", f"{c.shown_url}/retrieve"
         failure = UpstreamError(502, "")
         for attempt in range(c.max_retries + 1):
             if attempt:
@@ -271,17 +276,17 @@ class UpstreamBackend:
                     )
             except (httpx.TimeoutException, asyncio.TimeoutError):
                 failure = UpstreamError(
-                    504, f"upstream {url} did not answer within {c.timeout_s:g} s"
+                    504, f"upstream {shown} did not answer within {c.timeout_s:g} s"
                 )
                 continue
             except httpx.HTTPError as err:
-                failure = UpstreamError(502, f"upstream {url} unreachable: {type(err).__name__}")
+                failure = UpstreamError(502, f"upstream {shown} unreachable: {type(err).__name__}")
                 continue
             self.counts.requests += 1
             status = response.status_code
             if status == 200:
                 return response.content
-            line = f"upstream {url} answered HTTP {status}: {one_line(response)}"
+            line = f"upstream {shown} answered HTTP {status}: {one_line(response)}"
             if status in CLIENT_STATUSES:
                 raise UpstreamError(status, line)
             failure = UpstreamError(502, line)
@@ -294,7 +299,7 @@ class UpstreamBackend:
     def report(self) -> UpstreamReport:
         c = self.config
         return UpstreamReport(
-            url=c.url,
+            url=c.shown_url,
             requests=self.counts.requests,
             calls=self.counts.calls,
             retries=self.counts.retries,

@@ -207,3 +207,9 @@ def test_a_forward_that_could_outlast_the_request_deadline_is_refused() -> None:
     with pytest.raises(ValueError, match="never in a 504"):
         ServerConfig(upstream={"url": "http://127.0.0.1:9", "timeout_s": 30})
     assert ServerConfig(upstream={"url": "http://127.0.0.1:9"}).upstream.worst_case_s() < 60
+
+
+def test_the_upstreams_credentials_are_never_shown() -> None:
+    """A URL with a user and password is shown (errors, /health) without them."""
+    config = UpstreamConfig(url="http://searcher:s3cret@127.0.0.1:9")
+    assert config.shown_url == "http://127.0.0.1:9" and "s3cret" not in config.shown_url

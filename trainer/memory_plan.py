@@ -352,7 +352,8 @@ def worker_lines(config: TrainConfig, shape: ModelShape, gpu_gib: float, gib) ->
             name = f"rollout worker {w}: vLLM engine, {share:g} of the GPU"
             held.append(Line(name, share * gpu_gib, PHASES, knob, gpu_fraction=share))
         else:
-            rows = gen.max_batch or -(-config.grpo.fresh_rows // a.workers)
+            # hf generates one shard of a step at a time, whichever worker rolls it out
+            rows = gen.max_batch or -(-config.grpo.fresh_rows // config.distributed.rollout_shards)
             kv = gib(rows * row_tokens(config, shape) * shape.kv_bytes_per_token)
             copies = 2 * P if config.model.compute_dtype == "bfloat16" else 0
             name = f"rollout worker {w}: fp32 policy copy, bf16 casts, KV cache of {rows} rows"

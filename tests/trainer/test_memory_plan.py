@@ -265,6 +265,16 @@ def test_rollout_workers_are_planned_on_the_gpus_the_device_map_names():
     assert (
         refused.startswith("cuda:1 holds ") and "of rollout workers, over the 76.0 GiB" in refused
     )
+    # without max_batch an hf worker generates a whole shard of a step at once: with one shard
+    # every fresh row of the step, however many workers share the steps
+    whole = crowded.model_copy(update={
+        "generation": crowded.generation.model_copy(update={"max_batch": None}),
+        "async_rollout": crowded.async_rollout.model_copy(
+            update={"workers": 2, "devices": ["cuda:1", "cuda:2"]}),
+    })  # fmt: skip
+    rows = whole.grpo.fresh_rows // whole.distributed.rollout_shards
+    names = [line.component for line in plan_memory(whole, SHAPE, 80).other_gpus["cuda:1"]]
+    assert any(name.endswith(f"KV cache of {rows} rows") for name in names), names
 
 
 def test_the_3b_config_with_two_engine_workers_on_its_gpu_is_refused_in_one_line(tmp_path):

@@ -85,7 +85,8 @@ def train_run(
     if run_dir.exists() or log.exists():
         raise SystemExit(f"{run_dir} (or its query log) is from an unfinished run: remove both")
     port = free_port()
-    settings = [f"query_log={log}"] + ([] if cache else ["cache.enabled=false"])
+    # said either way: bench/retrieval.py's servers turn the cache off unless told
+    settings = [f"query_log={log}", f"cache.enabled={'true' if cache else 'false'}"]
     server = start_server(index, port, work / f"{name}.server.log", settings)
     try:
         command = [HDR, "train", "--config", str(CONFIG), f"seed={seed}",

@@ -26,10 +26,11 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from core.errors import UserError
 
@@ -254,25 +255,30 @@ def swap_in(staged: Path, out: Path, previous: Iterable[str] = (), last: str | N
 # --- files written whole ---------------------------------------------------------------------
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` so that `path` holds either its old content or all of the new, never part.
-
-    The temp file sits in the same directory (so `os.replace` is a rename on one filesystem)
-    and is fsynced before the rename; on any failure it is removed.
-    """
+@contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A file to write `path` through, so that `path` holds either its old content or all of
+    the new, never part: a temp file in the same directory (so `os.replace` is a rename on one
+    filesystem), fsynced and renamed over `path` when the block ends; removed on any failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` so that `path` holds either its old content or all of the new, never part."""
+    with atomic_file(path) as fh:
+        fh.write(text)
+    return Path(path)
 
 
 def _jsonable(obj: Any) -> Any:

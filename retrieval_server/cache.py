@@ -25,10 +25,8 @@ measures it against tracemalloc.
 from __future__ import annotations
 
 import logging
-import os
 import struct
 import sys
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -41,6 +39,7 @@ from pydantic import Field
 
 from core.config import StrictModel
 from core.errors import UserError
+from core.paths import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -174,24 +173,14 @@ class ResultCache:
     def save(self, path: Path) -> int:
         """Write every entry to `path` (a temp file beside it, renamed over it when whole, so
         the file is never half-written); returns the entries written."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(FILE_MAGIC)
-                file.write(orjson.dumps({"fingerprint": self.fingerprint}) + b"\n")
-                for key, value, stored_at in self.items():  # LRU order: reloads in that order
-                    key_json = orjson.dumps(list(key))
-                    file.write(RECORD.pack(len(key_json), len(value), stored_at))
-                    file.write(key_json)
-                    file.write(value)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, "wb") as file:
+            file.write(FILE_MAGIC)
+            file.write(orjson.dumps({"fingerprint": self.fingerprint}) + b"\n")
+            for key, value, stored_at in self.items():  # LRU order: reloads in that order
+                key_json = orjson.dumps(list(key))
+                file.write(RECORD.pack(len(key_json), len(value), stored_at))
+                file.write(key_json)
+                file.write(value)
         return len(self._entries)
 
     def load(self, path: Path) -> int:

@@ -186,6 +186,15 @@ class ResultCache:
     def load(self, path: Path) -> int:
         """Read the entries saved at `path` if they were made with this cache's fingerprint
         (and have not expired); returns how many were loaded (0 for another index's file)."""
+        try:
+            return self._load(path)
+        except (struct.error, ValueError, TypeError) as err:  # orjson's errors are ValueErrors
+            raise UserError(
+                f"cache.persist_path {path} is an hdr search cache but damaged"
+                f" ({type(err).__name__}); remove it or choose another path"
+            ) from None
+
+    def _load(self, path: Path) -> int:
         with Path(path).open("rb") as file:
             check_cache_file(path, file.read(len(FILE_MAGIC)))
             header = orjson.loads(file.readline())
@@ -206,6 +215,8 @@ class ResultCache:
                 key_length, value_length, stored_at = RECORD.unpack(head)
                 key = CacheKey(*orjson.loads(file.read(key_length)))
                 value = file.read(value_length)
+                if len(value) != value_length:
+                    raise ValueError("the file ends inside an answer")
                 if self.ttl_s is None or self.clock() - stored_at <= self.ttl_s:
                     self.put(key, value, stored_at)
         self.stats.loaded = len(self._entries) - before

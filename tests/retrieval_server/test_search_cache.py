@@ -316,3 +316,19 @@ def test_a_leaders_own_failure_is_not_its_waiters() -> None:
     assert waited.answers == [b'["Haiku"]'] and waited.billed == 1
     assert backend.calls == [["Haiku", "Sonnet"], ["Haiku"]]
     assert answers.in_flight == {}
+
+
+def test_a_damaged_cache_file_is_one_line_and_kept(tmp_path: Path) -> None:
+    """A persisted cache cut short (a disk that filled while another tool copied it) is refused
+    at start in one line, and left as it was."""
+    from core.errors import UserError
+
+    saved = tmp_path / "answers.cache"
+    cache = ResultCache(1 << 20, fingerprint="index-a")
+    cache.put(CacheKey("", "bm25", 3, True, "Epic poem by Dante"), b'[{"document":1}]')
+    cache.save(saved)
+    damaged = saved.read_bytes()[:-5]
+    saved.write_bytes(damaged)
+    with pytest.raises(UserError, match="is an hdr search cache but damaged"):
+        ResultCache(1 << 20, fingerprint="index-a").load(saved)
+    assert saved.read_bytes() == damaged

@@ -17,6 +17,7 @@ from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
 from core.config import StrictModel, renamed_in
+from trainer.config_history import RENAMED_KEYS
 from trainer.gate import AdaptiveGate, FixedGate, Gate
 from trainer.replay import ORDERED_ARMS
 from trainer.selectors import SELECTORS, select_params
@@ -415,31 +416,6 @@ EXPERIMENT_ONLY_ARMS = {
 }
 """The experiment's arms that are settings of the `on_policy` selector, not selectors of their
 own (experiment.arms defines them; the trainer cannot import it)."""
-
-
-RENAMED_KEYS = {
-    "replay.gate_target": "replay.adaptive_gate.target",
-    "replay.gate_target_kind": "replay.adaptive_gate.target_kind",
-    "replay.gate_rate": "replay.adaptive_gate.rate",
-    "async_rollout.target": "async_rollout.adaptive_gate.target",
-    "async_rollout.target_kind": "async_rollout.adaptive_gate.target_kind",
-    "async_rollout.adapt_rate": "async_rollout.adaptive_gate.rate",
-}
-"""Keys an earlier hdr read, and the keys their values are under now (the replay and the
-staleness gate share one set of names). A config that names one is refused in one line naming
-the new key; a config hdr itself wrote (a run's config.yaml, a run's recorded settings: they
-hold every key) is read with the values moved (`core.config.move_renamed`)."""
-
-ADDED_KEYS = {
-    "data.train_questions": None,
-    "rollout.max_query_words": None,
-    "sft.query": "verbatim",
-    "sft.queries_per_question": 1,
-    "async_rollout.devices": [],
-}
-"""Keys added since hdr first recorded a run's settings, each with the value that does what hdr
-did before it: settings recorded without the key are compared as if they held it
-(`core.config.fill_added`), so a finished run or SFT start is still reused."""
 
 
 class TrainConfig(StrictModel):

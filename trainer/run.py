@@ -36,7 +36,8 @@ from trainer.checkpoint import (
     save_checkpoint,
     save_model,
 )
-from trainer.config import RENAMED_KEYS, TrainConfig
+from trainer.config import TrainConfig
+from trainer.config_history import RENAMED_KEYS
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
 from trainer.gate import Gate
 from trainer.primitive import GroupReplay
@@ -389,7 +390,7 @@ def load_train_config(path: str | None, overrides: list[str], resume: str | None
 
 def read_run_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config a run wrote (its `config.yaml`, a checkpoint's), with `overrides`. A run of
-    an earlier hdr wrote keys renamed since (`trainer.config.RENAMED_KEYS`): their values are
+    an earlier hdr wrote keys renamed since (`trainer.config_history.RENAMED_KEYS`): their values are
     read under the new keys."""
     written = read_config_file(path)
     return build_config(TrainConfig, move_renamed(written, RENAMED_KEYS), overrides)

@@ -147,7 +147,7 @@ def test_a_run_recorded_before_the_gate_keys_were_renamed_is_reused(tmp_path):
     """config_hash.json of a run an earlier hdr finished holds the gate's old key names: the
     same settings under them are the same run; another value under them is not."""
     from core.config import move_renamed
-    from trainer.config import RENAMED_KEYS
+    from trainer.config_history import RENAMED_KEYS
 
     _, config, sft = _run_config(tmp_path)
     now = run_settings(config, sft)
@@ -180,7 +180,8 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
     is the same run under today's settings, which hold every key; a key added since, set to
     anything but what hdr did before it existed, is another run."""
     from core.config import build_config, move_renamed
-    from trainer.config import ADDED_KEYS, RENAMED_KEYS, TrainConfig
+    from trainer.config import TrainConfig
+    from trainer.config_history import ADDED_KEYS, RENAMED_KEYS
 
     recorded = json.loads((RECORDED_BEFORE / "config_hash.json").read_text())["settings"]
     assert "train_questions" not in recorded["data"]  # recorded before the key existed

@@ -390,8 +390,8 @@ def load_train_config(path: str | None, overrides: list[str], resume: str | None
 
 def read_run_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config a run wrote (its `config.yaml`, a checkpoint's), with `overrides`. A run of
-    an earlier hdr wrote keys renamed since (`trainer.config_history.RENAMED_KEYS`): their values are
-    read under the new keys."""
+    an earlier hdr wrote keys renamed since (`trainer.config_history.RENAMED_KEYS`): their
+    values are read under the new keys."""
     written = read_config_file(path)
     return build_config(TrainConfig, move_renamed(written, RENAMED_KEYS), overrides)
 

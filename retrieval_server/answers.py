@@ -167,31 +167,23 @@ class Answers:
         return led, waits, hits
 
     async def _lead(self, keys: list[CacheKey]) -> list[bytes]:
-        """Compute the keys this request leads; store and publish their answers, or hand the
-        keys back (LeaderGone) or pass the error on to their waiters."""
+        """Compute the keys this request leads, store and publish their answers. A key left
+        unpublished (an error, a cancellation) is handed back: its waiters look it up again."""
         assert self.cache is not None
         first = keys[0]
         queries = [key.query for key in keys]
         try:
             answers = await self._compute(queries, first.topk, first.retriever, first.return_scores)
-        except BaseException as err:
-            shared = err if isinstance(err, Exception) else LeaderGone()
-            for key in keys:
-                future = self.in_flight.pop(key)
-                future.set_exception(shared)
-                future.exception()  # retrieved: nobody may be waiting
-            raise
-        self.cache.stats.misses += len(keys)
-        try:
+            self.cache.stats.misses += len(keys)
             for key, answer in zip(keys, answers, strict=True):
                 self.cache.put(key, answer)
                 self.in_flight.pop(key).set_result(answer)
+            return answers
         finally:  # no key may stay in flight with nobody to resolve it
             for key in keys:
                 if (future := self.in_flight.pop(key, None)) is not None:
                     future.set_exception(LeaderGone())
-                    future.exception()
-        return answers
+                    future.exception()  # retrieved: nobody may be waiting
 
     async def _compute(
         self, queries: list[str], topk: int, retriever: str, return_scores: bool

@@ -357,12 +357,13 @@ class SFTConfig(StrictModel):
         " data.train_split); `sft` keeps them apart from the `rl` questions RL then trains on.",
     )
     rollout_chunk: int = Field(512, ge=1, description="Questions per scripted rollout call.")
-    query: Literal["verbatim", "shuffled", "subset"] = Field(
+    query: Literal["verbatim", "shuffled", "subset", "mixed"] = Field(
         "verbatim",
         description="The scripted search: the question verbatim, its words in a random order"
-        " (shuffled), or a random subset of its words in order, each kept with probability"
-        " 1/2 (subset); one draw per trajectory and epoch. The last two teach the format without"
-        " settling which words come first; under `rollout.max_query_words` that is left to RL.",
+        " (shuffled), a random subset of its words in order, each kept with probability 1/2"
+        " (subset), or the question or such a subset, each half the time (mixed); one draw per"
+        " trajectory and epoch. The last three teach the format without settling which words"
+        " come first; under `rollout.max_query_words` that is left to RL.",
     )
     queries_per_question: int = Field(
         1,

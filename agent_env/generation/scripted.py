@@ -1,8 +1,8 @@
 """`scripted` backend: a deterministic policy for tests, reference figures and SFT targets.
 
 First turn: search the question text verbatim, or another `query_form` of it drawn from the
-trajectory's seed (`QUERY_FORMS`: its words in a random order, or a random subset of them in
-order): a format teacher that leaves which words come first open. With `searches=1`
+trajectory's seed (`QUERY_FORMS`: its words in a random order, a random subset of them in
+order, or either the question or such a subset): a format teacher that leaves which words come first open. With `searches=1`
 (default), after an
 information block: answer the title of Doc 1. With `searches=n`, after each of the first
 n-1 blocks it searches Doc 1's title (the bridge hop of `wiki-bridge`), and after the n-th
@@ -100,10 +100,18 @@ def subset_words(text: str, rng: random.Random) -> str:
     return text
 
 
+def verbatim_or_subset(text: str, rng: random.Random) -> str:
+    """`text` itself or, with probability 1/2, `subset_words` of it: half the trajectories
+    teach copying (and answering from what the copy retrieves) as the verbatim start does,
+    the other half keep the first words of the search open."""
+    return text if rng.random() < 0.5 else subset_words(text, rng)
+
+
 QUERY_FORMS: dict[str, Callable[[str, random.Random], str]] = {
     "verbatim": lambda text, rng: text,
     "shuffled": shuffled_words,
     "subset": subset_words,
+    "mixed": verbatim_or_subset,
 }
 """The scripted first search, from the question and the trajectory's own random stream (its
 seed, or the question itself without one, so the scripted policy stays reproducible)."""

@@ -55,13 +55,13 @@ def is_subsequence(words: list[str], of: list[str]) -> bool:
     return all(w in rest for w in words)
 
 
-@pytest.mark.parametrize("form", ["shuffled", "subset"])
+@pytest.mark.parametrize("form", ["shuffled", "subset", "mixed"])
 def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
     form, tiny_policy, small_qa, retrieval_url, tmp_path
 ):
-    """`sft.query=shuffled|subset`, 3 trajectories per question under a 2-word query budget:
-    every scripted search is the question's words in some order (shuffled) or some of them in
-    their order (subset), the draws of a question differ, the observation is the server's
+    """`sft.query=shuffled|subset|mixed`, 3 trajectories per question under a 2-word query
+    budget: every scripted search is the question's words in some order (shuffled) or some of
+    them in their order (subset; mixed: the whole question half the time), the draws of a question differ, the observation is the server's
     answer to the first two words, a rerun makes the same rows (the draws come from the
     seed) and the next epoch's draw makes others."""
     import httpx
@@ -85,6 +85,7 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
         next_epoch = scripted_rows(cfg, tokenizer, client, examples, draw=1)
     assert rows == again and len(rows) == 15
     assert len(next_epoch) == 15 and next_epoch != rows  # each epoch draws its own words
+    verbatim = 0
     for n, ex in enumerate(examples):
         queries = []
         for ids, mask in rows[3 * n : 3 * n + 3]:
@@ -99,7 +100,11 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
             docs = format_documents([d["contents"] for d in raw.json()["result"][0]], 8)
             assert docs in tokenizer.decode(ids, skip_special_tokens=False)
             queries.append(query)
-        assert len(set(queries)) > 1, queries  # 3 draws of 4+ words: not all the same
+            verbatim += query == ex.question.strip()
+        if form != "mixed":  # mixed may draw the whole question three times
+            assert len(set(queries)) > 1, queries  # 3 draws of 4+ words: not all the same
+    if form == "mixed":  # 15 draws, each the whole question with probability 1/2
+        assert 0 < verbatim < 15
 
 
 def test_copies_of_a_verbatim_query_are_refused():

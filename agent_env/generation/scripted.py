@@ -2,9 +2,9 @@
 
 First turn: search the question text verbatim, or another `query_form` of it drawn from the
 trajectory's seed (`QUERY_FORMS`: its words in a random order, a random subset of them in
-order, or either the question or such a subset): a format teacher that leaves which words come first open. With `searches=1`
-(default), after an
-information block: answer the title of Doc 1. With `searches=n`, after each of the first
+order, or either the question or such a subset): a format teacher that leaves which words
+come first open. With `searches=1` (default), after an information block: answer the title
+of Doc 1. With `searches=n`, after each of the first
 n-1 blocks it searches Doc 1's title (the bridge hop of `wiki-bridge`), and after the n-th
 it answers the first title of that block that it has not searched. In oracle mode (given
 question -> golden answers) it answers the golden title when that title is among the

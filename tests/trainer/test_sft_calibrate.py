@@ -61,9 +61,10 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
 ):
     """`sft.query=shuffled|subset|mixed`, 3 trajectories per question under a 2-word query
     budget: every scripted search is the question's words in some order (shuffled) or some of
-    them in their order (subset; mixed: the whole question half the time), the draws of a question differ, the observation is the server's
-    answer to the first two words, a rerun makes the same rows (the draws come from the
-    seed) and the next epoch's draw makes others."""
+    them in their order (subset; mixed: the whole question half the time), the draws of a
+    question differ, the observation is the server's answer to the first two words, a rerun
+    makes the same rows (the draws come from the seed) and the next epoch's draw makes
+    others."""
     import httpx
     from transformers import AutoTokenizer
 

@@ -365,6 +365,12 @@ class SFTConfig(StrictModel):
         " trajectory and epoch. The last three teach the format without settling which words"
         " come first; under `rollout.max_query_words` that is left to RL.",
     )
+    answer: Literal["gold_if_seen", "doc1"] = Field(
+        "gold_if_seen",
+        description="The scripted answer: the gold title when the search retrieved it, else"
+        " Doc 1's (gold_if_seen), or always Doc 1's title (doc1: a rule the policy can read"
+        " off what it sees, where the gold at rank 2 or 3 can only be memorised).",
+    )
     queries_per_question: int = Field(
         1,
         ge=1,

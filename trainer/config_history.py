@@ -22,6 +22,7 @@ ADDED_KEYS = {
     "data.train_questions": None,
     "rollout.max_query_words": None,
     "sft.query": "verbatim",
+    "sft.answer": "gold_if_seen",
     "sft.queries_per_question": 1,
     "async_rollout.devices": [],
 }

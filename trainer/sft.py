@@ -9,7 +9,8 @@ plus the `sft` section) and:
    question verbatim, or with `sft.query=shuffled` its words in a random order, with
    `sft.query=subset` a random subset of them in order: one draw per trajectory and epoch,
    `sft.queries_per_question` trajectories per question), then the gold title
-   when it is among the retrieved documents, else Doc 1's title. Fresh draws every epoch,
+   when it is among the retrieved documents, else Doc 1's title (`sft.answer=doc1`: always
+   Doc 1's). Fresh draws every epoch,
    since a tiny policy trained on fixed ones memorises each question's draw (its training
    loss falls while the held-out loss stalls near 2.8) instead of learning to copy words;
 2. trains on them with the RL loss mask (policy tokens only; prompt and observations are
@@ -61,7 +62,7 @@ def scripted_rows(
     generator = ScriptedGenerator(
         tokenizer,
         config.rollout.prompt,
-        oracle=oracle,
+        oracle=oracle if sft.answer == "gold_if_seen" else None,
         searches=max(1, config.rollout.max_turns),
         query_form=sft.query,
     )

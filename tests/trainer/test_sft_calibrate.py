@@ -1,6 +1,7 @@
 """`hdr sft` (scripted oracle trajectories, RL loss mask) and `hdr calibrate` (tau sweep)."""
 
 import json
+import re
 
 import pytest
 from conftest import TINY_CPU, tiny_overrides
@@ -106,6 +107,43 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
             assert len(set(queries)) > 1, queries  # 3 draws of 4+ words: not all the same
     if form == "mixed":  # 15 draws, each the whole question with probability 1/2
         assert 0 < verbatim < 15
+
+
+def test_sft_answer_doc1_always_answers_the_first_document(
+    tiny_policy, small_qa, retrieval_url, tmp_path
+):
+    """`sft.answer=doc1` under a 2-word budget: every scripted answer is the title of Doc 1 of
+    the trajectory's own information block, while the default (`gold_if_seen`) answers the
+    gold title in some trajectory where it is not Doc 1's, so the two differ on this data."""
+    from transformers import AutoTokenizer
+
+    from agent_env.data import load_task
+    from agent_env.retrieval_client import RetrievalClient
+    from trainer.sft import scripted_rows
+
+    extra = ["rollout.max_tokens_per_turn=48", "rollout.max_query_words=2", "rollout.doc_words=8"]
+    extra += ["rollout.max_obs_tokens=400", "sft.query=subset", "sft.queries_per_question=3"]
+    base = tiny_overrides(retrieval_url, tmp_path / "m", small_qa, tmp_path / "r", *extra)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_policy))
+    examples = [ex for ex in load_task(str(small_qa), "train") if len(ex.question.split()) >= 4]
+    answers = {}
+    for answer in ("doc1", "gold_if_seen"):
+        cfg = load_config(TrainConfig, TINY_CPU, [*base, f"sft.answer={answer}"])
+        with RetrievalClient(cfg.retrieval) as client:
+            rows = scripted_rows(cfg, tokenizer, client, examples[:8])
+        pairs = []
+        for ids, mask in rows:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            said = policy_spans(tokenizer, ids, mask)[-1].removesuffix("</answer>").strip()
+            first = re.search(r'<information>\s*Doc 1\(Title: "?(.*?)"?\) ', text)
+            if first is None:  # a search of stopwords only ("by") retrieves nothing
+                assert "<information></information>" in text
+                continue
+            pairs.append((said, first.group(1)))
+        answers[answer] = pairs
+    assert len(answers["doc1"]) >= 16  # of 24 trajectories
+    assert all(said == first for said, first in answers["doc1"])
+    assert any(said != first for said, first in answers["gold_if_seen"])
 
 
 def test_copies_of_a_verbatim_query_are_refused():

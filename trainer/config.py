@@ -357,13 +357,14 @@ class SFTConfig(StrictModel):
         " data.train_split); `sft` keeps them apart from the `rl` questions RL then trains on.",
     )
     rollout_chunk: int = Field(512, ge=1, description="Questions per scripted rollout call.")
-    query: Literal["verbatim", "shuffled", "subset", "mixed"] = Field(
+    query: Literal["verbatim", "shuffled", "subset", "mixed", "suffix"] = Field(
         "verbatim",
         description="The scripted search: the question verbatim, its words in a random order"
         " (shuffled), a random subset of its words in order, each kept with probability 1/2"
-        " (subset), or the question or such a subset, each half the time (mixed); one draw per"
-        " trajectory and epoch. The last three teach the format without settling which words"
-        " come first; under `rollout.max_query_words` that is left to RL.",
+        " (subset), the question or such a subset, each half the time (mixed), or its words"
+        " from a random one to the end (suffix); one draw per trajectory and epoch. The last four"
+        " teach the format without settling which words come first; under"
+        " `rollout.max_query_words` that is left to RL.",
     )
     answer: Literal["gold_if_seen", "doc1"] = Field(
         "gold_if_seen",

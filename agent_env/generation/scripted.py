@@ -2,10 +2,10 @@
 
 First turn: search the question text verbatim, or another `query_form` of it drawn from the
 trajectory's seed (`QUERY_FORMS`: its words in a random order, a random subset of them in
-order, or either the question or such a subset): a format teacher that leaves which words
-come first open. With `searches=1` (default), after an information block: answer the title
-of Doc 1. With `searches=n`, after each of the first
-n-1 blocks it searches Doc 1's title (the bridge hop of `wiki-bridge`), and after the n-th
+order, either the question or such a subset, or its words from a random one on): a format
+teacher that leaves which words come first open. With `searches=1` (default), after an
+information block: answer the title of Doc 1. With `searches=n`, after each of the first n-1
+blocks it searches Doc 1's title (the bridge hop of `wiki-bridge`), and after the n-th
 it answers the first title of that block that it has not searched. In oracle mode (given
 question -> golden answers) it answers the golden title when that title is among the
 documents it retrieved, which is the best a policy that searches this way can do; the
@@ -100,6 +100,13 @@ def subset_words(text: str, rng: random.Random) -> str:
     return text
 
 
+def suffix_words(text: str, rng: random.Random) -> str:
+    """`text`'s words from a random one of them to the end: a plain copy from an offset (what a
+    tiny policy learns), so under a query budget the choice left open is where to begin."""
+    words = text.split()
+    return " ".join(words[rng.randrange(len(words)) :]) if words else text
+
+
 def verbatim_or_subset(text: str, rng: random.Random) -> str:
     """`text` itself or, with probability 1/2, `subset_words` of it: half the trajectories
     teach copying (and answering from what the copy retrieves) as the verbatim start does,
@@ -112,6 +119,7 @@ QUERY_FORMS: dict[str, Callable[[str, random.Random], str]] = {
     "shuffled": shuffled_words,
     "subset": subset_words,
     "mixed": verbatim_or_subset,
+    "suffix": suffix_words,
 }
 """The scripted first search, from the question and the trajectory's own random stream (its
 seed, or the question itself without one, so the scripted policy stays reproducible)."""

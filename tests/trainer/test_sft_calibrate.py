@@ -56,16 +56,16 @@ def is_subsequence(words: list[str], of: list[str]) -> bool:
     return all(w in rest for w in words)
 
 
-@pytest.mark.parametrize("form", ["shuffled", "subset", "mixed"])
+@pytest.mark.parametrize("form", ["shuffled", "subset", "mixed", "suffix"])
 def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
     form, tiny_policy, small_qa, retrieval_url, tmp_path
 ):
-    """`sft.query=shuffled|subset|mixed`, 3 trajectories per question under a 2-word query
-    budget: every scripted search is the question's words in some order (shuffled) or some of
-    them in their order (subset; mixed: the whole question half the time), the draws of a
-    question differ, the observation is the server's answer to the first two words, a rerun
-    makes the same rows (the draws come from the seed) and the next epoch's draw makes
-    others."""
+    """`sft.query=shuffled|subset|mixed|suffix`, 3 trajectories per question under a 2-word
+    query budget: every scripted search is the question's words in some order (shuffled) or
+    some of them in their order (subset; mixed: the whole question half the time; suffix: its
+    words from one on), the draws of a question differ, the observation is the server's answer
+    to the first two words, a rerun makes the same rows (the draws come from the seed) and the
+    next epoch's draw makes others."""
     import httpx
     from transformers import AutoTokenizer
 
@@ -94,6 +94,8 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
             query = policy_spans(tokenizer, ids, mask)[0].removesuffix("</search>").strip()
             if form == "shuffled":
                 assert sorted(query.split()) == sorted(ex.question.split())
+            elif form == "suffix":
+                assert query.split() == ex.question.split()[-len(query.split()) :]
             else:
                 assert query and is_subsequence(query.split(), ex.question.split())
             sent = " ".join(query.split()[:2])
@@ -103,10 +105,12 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
             assert docs in tokenizer.decode(ids, skip_special_tokens=False)
             queries.append(query)
             verbatim += query == ex.question.strip()
-        if form != "mixed":  # mixed may draw the whole question three times
+        if form in ("shuffled", "subset"):  # mixed, suffix: may draw one query three times
             assert len(set(queries)) > 1, queries  # 3 draws of 4+ words: not all the same
     if form == "mixed":  # 15 draws, each the whole question with probability 1/2
         assert 0 < verbatim < 15
+    if form == "suffix":  # 15 draws, each the whole question with probability 1/len(words)
+        assert verbatim < 15
 
 
 def test_sft_answer_doc1_always_answers_the_first_document(

@@ -1,7 +1,6 @@
 """`hdr sft` (scripted oracle trajectories, RL loss mask) and `hdr calibrate` (tau sweep)."""
 
 import json
-import re
 
 import pytest
 from conftest import TINY_CPU, tiny_overrides
@@ -122,6 +121,7 @@ def test_sft_answer_doc1_always_answers_the_first_document(
     from transformers import AutoTokenizer
 
     from agent_env.data import load_task
+    from agent_env.generation.scripted import document_titles
     from agent_env.retrieval_client import RetrievalClient
     from trainer.sft import scripted_rows
 
@@ -139,11 +139,11 @@ def test_sft_answer_doc1_always_answers_the_first_document(
         for ids, mask in rows:
             text = tokenizer.decode(ids, skip_special_tokens=False)
             said = policy_spans(tokenizer, ids, mask)[-1].removesuffix("</answer>").strip()
-            first = re.search(r'<information>\s*Doc 1\(Title: "?(.*?)"?\) ', text)
-            if first is None:  # a search of stopwords only ("by") retrieves nothing
+            titles = document_titles(text)
+            if not titles:  # a search of stopwords only ("by") retrieves nothing
                 assert "<information></information>" in text
                 continue
-            pairs.append((said, first.group(1)))
+            pairs.append((said, titles[0]))
         answers[answer] = pairs
     assert len(answers["doc1"]) >= 16  # of 24 trajectories
     assert all(said == first for said, first in answers["doc1"])

@@ -25,3 +25,21 @@ def write_small_corpus(path: Path, articles: int = SMALL_CORPUS_ARTICLES) -> Pat
     vital = itertools.islice(iter_vital_articles(), articles)
     write_corpus(path, [*sample, *(article_contents(article) for article in vital)])
     return path
+
+
+def write_small_qa(path: Path, articles: int = SMALL_CORPUS_ARTICLES) -> Path:
+    """FlashRAG JSONL of the small corpus's vital articles: description -> title (descriptions
+    that several articles share are left out)."""
+    from collections import Counter
+
+    from retrieval_server.corpus import iter_vital_articles
+
+    found = list(itertools.islice(iter_vital_articles(), articles))
+    counts = Counter(a.description.strip() for a in found)
+    with path.open("w") as f:
+        for i, a in enumerate(found):
+            q = a.description.strip()
+            if q and counts[q] == 1:
+                f.write(json.dumps({"id": str(i), "question": q, "golden_answers": [a.title]}))
+                f.write("\n")
+    return path

@@ -36,22 +36,9 @@ TINY_CPU = REPO / "configs" / "tiny-cpu.yaml"
 @pytest.fixture(scope="session")
 def small_qa(tmp_path_factory) -> Path:
     """FlashRAG JSONL: description -> title for the vital articles in `small_corpus`."""
-    from collections import Counter
+    from corpora import write_small_qa
 
-    from corpora import SMALL_CORPUS_ARTICLES
-
-    from retrieval_server.corpus import iter_vital_articles
-
-    articles = list(itertools.islice(iter_vital_articles(), SMALL_CORPUS_ARTICLES))
-    counts = Counter(a.description.strip() for a in articles)
-    path = tmp_path_factory.mktemp("qa") / "small_qa.jsonl"
-    with path.open("w") as f:
-        for i, a in enumerate(articles):
-            q = a.description.strip()
-            if q and counts[q] == 1:
-                f.write(json.dumps({"id": str(i), "question": q, "golden_answers": [a.title]}))
-                f.write("\n")
-    return path
+    return write_small_qa(tmp_path_factory.mktemp("qa") / "small_qa.jsonl")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,5 @@
 """Fixtures for the trainer tests: real tiny Llama models, the small QA task, a short SFT."""
 
-import itertools
-import json
 from pathlib import Path
 
 import pytest

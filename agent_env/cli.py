@@ -12,10 +12,8 @@ import typer
 from core.options import (
     all_overrides,
     force_option,
-    old_name_option,
     overrides_argument,
     register_config,
-    renamed,
     set_option,
 )
 
@@ -63,8 +61,6 @@ def rollout_command(
     n: int | None = typer.Option(
         None, "--max-questions", min=1, help="Only the first N questions (default: all)."
     ),
-    old_task: str | None = old_name_option("--task", "--data"),
-    old_n: int | None = old_name_option("--n", "--max-questions"),
     group_size: int = typer.Option(1, "--group-size", min=1, help="Responses per question (G)."),
     server: list[str] = typer.Option(
         ["http://127.0.0.1:8000"], "--server", help="Retrieval server URL (repeatable)."
@@ -97,8 +93,6 @@ def rollout_command(
     """Roll out a policy against a retrieval server; write trajectories, print a summary."""
     from agent_env.runner import RolloutJob, run_rollout_job
 
-    task = renamed("--task", "--data", old_task, task, "wiki-vital")
-    n = renamed("--n", "--max-questions", old_n, n)
     rollout_config, saved_retrieval = _rollout_config(
         model, config, prompt, all_overrides(overrides, set_)
     )

@@ -173,7 +173,7 @@ def load_average() -> float:
 def train_once(base: list[str], extra: list[str]) -> tuple[list[dict], dict | None, dict]:
     from core.config import load_config
     from trainer.config import TrainConfig
-    from trainer.train import train
+    from trainer.loop import train
 
     cfg = load_config(TrainConfig, REPO / "configs/tiny-cpu.yaml", [*base, *extra])
     shutil.rmtree(cfg.out_dir, ignore_errors=True)

@@ -208,8 +208,8 @@ def memory(work, bed, url, device="cuda:0") -> int:
 
     from core.config import load_config
     from trainer.config import TrainConfig
+    from trainer.loop import train as train_loop
     from trainer.memory_plan import model_shape, plan_memory
-    from trainer.train import train as train_loop
 
     out = Path(work) / "run-memory"
     overrides = train_overrides(bed, out, url, "hf", 2, 2, device)

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from core.config import load_config
 from trainer.config import TrainConfig
-from trainer.train import train
+from trainer.loop import train
 
 TARGET = 1.03
 ARMS = ("replay_recency", "headroom_drift")

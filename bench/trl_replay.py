@@ -13,7 +13,7 @@ configs/tiny-cpu.yaml):
   hdr's groups and scored (behaviour log-probs), nothing replayed: the integration's cost;
 - `trl+hdr headroom_drift`: the same with the config's replay (budget R, tau): scan, selection
   and R more groups in the update;
-- `hdr on_policy` / `hdr headroom_drift`: hdr's loop (`trainer.train.train`) with those arms.
+- `hdr on_policy` / `hdr headroom_drift`: hdr's loop (`trainer.loop.train`) with those arms.
 A TRL step is timed from `on_step_begin` to `on_step_end` (rollout, scoring, selection, loss,
 backward, optimizer); an hdr step is its `time_step`. The median over the steps after the first
 `--skip` (the buffer fills) is compared within each trainer. Writes
@@ -80,7 +80,7 @@ def trl_run(config: TRLRunConfig, arm: str | None, out: Path) -> dict:
 
 def hdr_run(config: TRLRunConfig, arm: str, steps: int, out: Path) -> dict:
     """hdr's loop with the TRL config's policy, batch, rollout, learning rate and replay."""
-    from trainer.train import train
+    from trainer.loop import train
 
     trl = config.trl
     b = trl["per_device_train_batch_size"] // trl["num_generations"]

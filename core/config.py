@@ -170,5 +170,26 @@ def fill_added(data: dict[str, Any], added: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def removed_in(data: Any, removed: dict[str, tuple[Any, str]]) -> str | None:
+    """One line for the first key of `removed` (dotted key -> (the value that does what hdr
+    does now, why it went)) that `data` holds; None when it holds none."""
+    for dotted, (_, why) in removed.items():
+        if _lookup(data, dotted) is not None:
+            return f"{dotted} was removed: {why}; drop it from the config"
+    return None
+
+
+def drop_removed(data: dict[str, Any], removed: dict[str, tuple[Any, str]]) -> dict[str, Any]:
+    """A copy of `data` without each key of `removed` that holds the value doing what hdr does
+    now: how hdr reads what it wrote itself before a key was removed (a key set otherwise is
+    kept, for `removed_in` to refuse)."""
+    out = copy.deepcopy(data)
+    for dotted, (today, _) in removed.items():
+        found = _lookup(out, dotted)
+        if found is not None and found[0][found[1]] == today:
+            del found[0][found[1]]
+    return out
+
+
 def dump_config(config: BaseModel) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

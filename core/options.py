@@ -30,27 +30,12 @@ def set_option() -> Any:
     return typer.Option([], "--set", hidden=True, help="Same as a KEY=VALUE argument.")
 
 
-def old_name_option(old: str, new: str) -> Any:
-    """A hidden option under a name that was renamed, kept so older scripts still run."""
-    return typer.Option(None, old, hidden=True, help=f"Old name of {new}.")
-
-
-def renamed(
-    old: str, new: str, value: Any, current: Any, default: Any = None, note: str = ""
-) -> Any:
-    """The value of an option given under its old name `old` or its new one `new`: one
-    `hdr: note:` line when the old name was used, one error line when both were."""
-    from core.errors import UserError
-
-    if value is None:
-        return current
-    if current != default:
-        raise UserError(f"{old} is the old name of {new}; give {new} alone")
-    import sys
-
-    note = note or f"{old} is now {new} (the same in every subcommand)"
-    sys.stderr.write(f"hdr: note: {note}; the old name still works\n")
-    return value
+RENAMED_OPTIONS = {
+    "rollout": {"--task": "--data", "--n": "--max-questions"},
+    "demo": {"--runs": "--out (--runs R was --out R/demo)"},
+}
+"""Options an earlier hdr took under another name, by subcommand: given now, they are refused
+in one line naming today's option (`hdr.cli.no_such_option`)."""
 
 
 def all_overrides(positional: list[str] | None, via_set: list[str] | None) -> list[str]:

@@ -27,7 +27,7 @@ which the fallback used before: 1 df (t = 12.7) on two seeds, about six times wi
 variance needs where the question term dominates. The price: that df is estimated from the
 observed mean squares, so on two seeds, when the seed mean square comes out small by chance,
 the df is large and the interval too narrow. Simulated two-seed pilots (200 questions,
-`bench/interval_coverage.py`) cover at 0.955 without a seed effect and at 0.92 / 0.89 / 0.87
+`bench/probes/interval_coverage.py`) cover at 0.955 without a seed effect and at 0.92 / 0.89 / 0.87
 with seed variances of 0.5% / 2% / 5% of the residual's: a 95% fallback interval on two seeds is
 about a 90% one, so it screens; the gate's verdicts compare the estimate with 2 x MDE instead.
 

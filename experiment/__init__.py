@@ -9,7 +9,7 @@ What it does, end to end (`pipeline.run_experiment`), for a preset of `Experimen
    (`server`);
 3. one SFT start (`hdr sft`'s `run_sft`), cached under the data dir, shared by every arm
    (`sft_start`);
-4. each arm x seed is `trainer.train.train(config)` with dotted overrides on the base config
+4. each arm x seed is `trainer.loop.train(config)` with dotted overrides on the base config
    (`configs/tiny-cpu.yaml`, `train_configs`): same SFT start, same seeds (so the same prompt
    order), same periodic held-out subset; several at once in worker processes (`runs`);
 5. each final model is evaluated by `evaluation.evaluate` on one fixed held-out set of test

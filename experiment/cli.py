@@ -15,7 +15,6 @@ from core.options import (
     all_overrides,
     overrides_argument,
     register_config,
-    renamed,
     set_option,
 )
 
@@ -214,9 +213,6 @@ def demo_command(
     ),
     overrides: list[str] = overrides_argument("ExperimentConfig", "steps=20"),
     set_: list[str] = set_option(),
-    runs: Path | None = typer.Option(
-        None, "--runs", hidden=True, help="Old: the folder above --out (--runs R is --out R/demo)."
-    ),
 ) -> None:
     """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
     headroom_drift run and its held-out evaluation beside the SFT start."""
@@ -227,11 +223,8 @@ def demo_command(
         "demo",
         overrides=all_overrides(overrides, set_),
         data_dir=data_dir,
-        out_dir=renamed(
-            "--runs", "--out", runs and runs / "demo", out, Path("runs/demo"),
-            note=f"--runs {runs} is now --out {runs and runs / 'demo'}, as in every subcommand",
-        ),
-    )  # fmt: skip
+        out_dir=out,
+    )
     out_dir = run_experiment(cfg)
     typer.echo((out_dir / "results.md").read_text())
     typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")

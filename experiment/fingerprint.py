@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.config import fill_added, move_renamed
+from core.config import drop_removed, fill_added, move_renamed
 from core.errors import UserError
 from core.fingerprint import differences, digest, summary
 from core.paths import write_json_atomic
@@ -89,6 +89,7 @@ def check_reuse(
     fallback: Mapping[str, Any] | None = None,
     renamed: dict[str, str] | None = None,
     added: dict[str, Any] | None = None,
+    removed: dict[str, tuple[Any, str]] | None = None,
 ) -> None:
     """Nothing when `folder`'s stored hash is that of `settings`; otherwise one UserError line
     naming what differs. A folder without `config_hash.json` (one being made, or made before
@@ -97,7 +98,9 @@ def check_reuse(
     and it is refused too. `renamed` (old dotted key -> new): keys renamed since the folder
     was made, whose recorded values are compared under their new names; `added` (dotted key ->
     the value that did what hdr did before the key existed): keys added since, which the
-    recording is compared as holding at that value."""
+    recording is compared as holding at that value; `removed` (dotted key -> (the value that did
+    what hdr does now, why)): keys removed since, dropped from the recording where they hold
+    that value."""
     path = Path(folder) / HASH_FILE
     remedy = "use another folder (--out / --data-dir) or remove it to rebuild it"
     if path.is_file():
@@ -110,8 +113,10 @@ def check_reuse(
             f"{what} {folder} has no {HASH_FILE}, so what it was made with cannot be checked;"
             f" {remedy}"
         )
-    if renamed or added:  # made by an earlier hdr: older names, keys it did not have yet
+    if renamed or added or removed:  # made by an earlier hdr: older names, keys it did not
+        # have yet, keys it had and today's does not
         recorded = fill_added(move_renamed(dict(recorded), renamed or {}), added or {})
+        recorded = drop_removed(recorded, removed or {})
         sha = digest(recorded)
     if sha == digest(settings):
         return

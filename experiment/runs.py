@@ -118,8 +118,8 @@ def run_arm(
     evaluate its final model on the held-out set."""
     from evaluation.plots import read_jsonl
     from trainer.checkpoint import list_checkpoints
-    from trainer.config_history import ADDED_KEYS, RENAMED_KEYS
-    from trainer.train import train
+    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
+    from trainer.loop import train
 
     run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"
     config = arm_train_config(cfg, arm, url, sft_dir, run_dir, seed)
@@ -128,7 +128,15 @@ def run_arm(
 
     def check_made_with_these_settings() -> None:
         written = settings_written(cfg, run_dir, sft_dir)
-        check_reuse(run_dir, settings, "run", written, renamed=RENAMED_KEYS, added=ADDED_KEYS)
+        check_reuse(
+            run_dir,
+            settings,
+            "run",
+            written,
+            renamed=RENAMED_KEYS,
+            added=ADDED_KEYS,
+            removed=REMOVED_KEYS,
+        )
 
     if done:  # reused only when it was trained with exactly this config
         check_made_with_these_settings()

@@ -92,7 +92,7 @@ def sft_prerequisite(cfg: ExperimentConfig) -> ExperimentConfig | None:
 
 def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     """The shared SFT start (`sft_start_dir`), trained once (`run_sft`) and then reused."""
-    from trainer.config_history import ADDED_KEYS, RENAMED_KEYS
+    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
     from trainer.sft import run_sft
 
     sft_dir = sft_start_dir(cfg)
@@ -101,7 +101,14 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     config = sft_train_config(cfg, url, sft_dir, init)
     settings = sft_settings(config, init_identity(cfg, init))
     if (sft_dir / "config.json").is_file():  # reused only when made with these settings
-        check_reuse(sft_dir, settings, "SFT start", renamed=RENAMED_KEYS, added=ADDED_KEYS)
+        check_reuse(
+            sft_dir,
+            settings,
+            "SFT start",
+            renamed=RENAMED_KEYS,
+            added=ADDED_KEYS,
+            removed=REMOVED_KEYS,
+        )
         return sft_dir
     say(f"experiment: SFT start -> {sft_dir} from {init} (once; cached)")
     start = time.perf_counter()

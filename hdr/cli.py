@@ -153,8 +153,12 @@ def usage_message(err: Exception) -> str:
 def no_such_option(option: str, ctx) -> str:
     """An unknown option, with the option it probably meant (`--confg`: `--config`) or else
     the KEY=VALUE setting (settings are not options: `hdr train steps=4`, not `--steps 4`).
-    Hidden synonyms (`--set`) are never suggested."""
-    from core.options import keys_like_option
+    Hidden synonyms (`--set`) are never suggested; an option that was renamed names the new one."""
+    from core.options import RENAMED_OPTIONS, keys_like_option
+
+    now = RENAMED_OPTIONS.get(ctx.info_name or "", {}).get(option)
+    if now is not None:
+        return f"No such option: {option}. It was renamed: use {now}."
 
     visible = [
         name

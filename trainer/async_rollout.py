@@ -27,11 +27,11 @@ same tokens bit for bit (the test compares them), only run in another process.
 
 The gate. The trainer teacher-forces every fresh group under its current weights (the loop's
 behaviour pass). For a late group that pass measures its Policy Drift `D(g)` against the
-sampler's log-probs, and the staleness rule (`trainer.staleness.admit_late`) admits or
-rejects it. An admitted late group trains with the sampler's log-probs as its behaviour
-log-probs (the clipped ratio then corrects for the policy that really sampled it); a rejected
-one enters the replay buffer with them (`async_rollout.over_gate: buffer`: Headroom may bring
-it back when its drift passes the replay gate) or is dropped. The late groups' teacher-forced
+sampler's log-probs, and the staleness rule (`GroupReplay.admit_late`, the rules of
+`headroom_drift.staleness`) admits or rejects it. An admitted late group trains with the
+sampler's log-probs as its behaviour log-probs (the clipped ratio then corrects for the policy
+that really sampled it); a rejected one enters the replay buffer with them, where Headroom may
+bring it back when its drift passes the replay gate. The late groups' teacher-forced
 tokens are `cost_gate_tf_tokens` in the ledger (moved out of `cost_behaviour_tf_tokens`, which
 counts the on-time groups).
 

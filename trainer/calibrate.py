@@ -102,7 +102,7 @@ def calibrate(
 ) -> CalibrationReport:
     """Run one short training per tau under `out/` (new, empty, or an earlier calibration
     with `force`: `core.paths`), report and write `out/calibrate.json`."""
-    from trainer.train import train
+    from trainer.loop import train
 
     local_model(config.model.path)
     out = check_output(out, CALIBRATION, force=force, inputs=[config.model.path])

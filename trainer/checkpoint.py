@@ -2,10 +2,15 @@
 
 A checkpoint `checkpoints/step-XXXXXX/` holds everything to continue a run exactly: the model
 (and tokenizer) as `save_pretrained` writes them, the optimizer (`optimizer.pt`) and scheduler
-(`scheduler.json`) states, the replay buffer (`buffer.safetensors` + `buffer.json`), the RNG
+(`scheduler.json`) states, the replay lifecycle's state (`replay.pt`: the buffer and the
+drift gates, `headroom_drift.GroupReplay.state_dict`, read with `weights_only=True`), the RNG
 states of python, numpy and torch of every process (`rng/rank-R.safetensors` + `.json`), the
 trainer's counters and the number of processes (`state.json`) and the run config
 (`config.yaml`).
+
+A checkpoint written before the replay state had a format of its own (hdr until fb200a9) held
+the buffer in `buffer.safetensors` + `buffer.json` and the gates' taus among `state.json`'s
+counters; it is read into the same state (`legacy_replay_state`), so such a run resumes.
 
 Across processes (trainer/distributed.py) rank 0 writes the checkpoint. The replay buffer is
 replicated, so it is written once; each rank's RNG state is its own file. Resuming under the
@@ -40,7 +45,11 @@ from safetensors.torch import load_file, save_file
 
 from core.errors import UserError
 from core.paths import MODEL, model_files_in, staging_dir, swap_in
-from trainer.replay import ReplayBuffer
+from headroom_drift import GroupReplay, StoredGroup
+from headroom_drift.lifecycle import STATE_FORMAT
+
+REPLAY_STATE = "replay.pt"
+LEGACY_GATES = ("replay_gate", "staleness_gate")  # counters of checkpoints before replay.pt
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -109,7 +118,7 @@ class TrainState:
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    buffer: ReplayBuffer
+    replay: GroupReplay
     counters: dict[str, Any]
     config_yaml: str
     model_files: dict[str, str] = field(default_factory=dict)  # name -> text, beside weights
@@ -136,9 +145,7 @@ def save_checkpoint(root: Path, step: int, state: TrainState, keep_last: int) ->
     optimizer_state = state.optimizer_state or state.optimizer.state_dict()
     torch.save(optimizer_state, tmp / "optimizer.pt")
     _write_json(tmp / "scheduler.json", state.scheduler.state_dict())
-    buf_tensors, buf_meta = state.buffer.state()
-    save_file(buf_tensors, tmp / "buffer.safetensors")
-    _write_json(tmp / "buffer.json", {"capacity": state.buffer.capacity, "groups": buf_meta})
+    state.replay.save(tmp / REPLAY_STATE)
     rng_states = state.rng_states or [capture_rng()]
     (tmp / "rng").mkdir()
     for rank, (rng_tensors, rng_info) in enumerate(rng_states):
@@ -199,9 +206,11 @@ class Checkpoint:
         return (self.path / "config.yaml").read_text()
 
     def counters(self) -> dict[str, Any]:
-        """The trainer's counters and `step` (not the number of processes)."""
+        """The trainer's counters and `step` (not the number of processes, nor the gates an
+        older checkpoint kept there: they are the replay state's)."""
         state = json.loads((self.path / "state.json").read_text())
-        state.pop("world_size", None)
+        for key in ("world_size", *LEGACY_GATES):
+            state.pop(key, None)
         return state
 
     @property
@@ -215,10 +224,20 @@ class Checkpoint:
     def scheduler_state(self) -> dict:
         return json.loads((self.path / "scheduler.json").read_text())
 
-    def buffer(self) -> ReplayBuffer:
-        meta = json.loads((self.path / "buffer.json").read_text())
-        tensors = load_file(self.path / "buffer.safetensors")
-        return ReplayBuffer.from_state(meta["capacity"], tensors, meta["groups"])
+    def restore_replay(self, replay: GroupReplay) -> None:
+        """The replay lifecycle's state as this checkpoint holds it (either format)."""
+        if (self.path / REPLAY_STATE).is_file():
+            replay.load(self.path / REPLAY_STATE)
+            return
+        state = json.loads((self.path / "state.json").read_text())
+        replay.load_state_dict(
+            legacy_replay_state(
+                load_file(self.path / "buffer.safetensors"),
+                json.loads((self.path / "buffer.json").read_text()),
+                gate=state.get("replay_gate"),
+                late_gate=state.get("staleness_gate"),
+            )
+        )
 
     def rng_states(self) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
         """Every rank's saved RNG state, in rank order."""
@@ -253,6 +272,36 @@ class Checkpoint:
                 f" states differ; resume it with {len(states)} processes, not {world}"
             )
         restore_rng(first_tensors, first_info)
+
+
+def legacy_replay_state(
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    gate: dict | None = None,
+    late_gate: dict | None = None,
+) -> dict[str, Any]:
+    """A `GroupReplay.state_dict()` from the replay files hdr wrote before they had a format of
+    their own: the buffer's tensors keyed `"{i}.{name}"` and its metadata (`capacity`,
+    `groups`, and in a TRL checkpoint's `hdr_replay.json` also `stored` and `gate`), with the
+    gates' states an hdr checkpoint kept among its counters (`gate`, `late_gate`: a
+    `state_dict()` or None)."""
+    names = StoredGroup.TENSORS + StoredGroup.OPTIONAL_TENSORS
+    groups = [
+        {**info, "tensors": {n: tensors[f"{i}.{n}"] for n in names if f"{i}.{n}" in tensors}}
+        for i, info in enumerate(meta["groups"])
+    ]
+    if gate is None and "gate" in meta:  # the TRL checkpoint's own: {"tau", "state"?}
+        gate = meta["gate"].get("state")
+    return {
+        "format": STATE_FORMAT,
+        "version": 1,
+        "capacity": meta["capacity"],
+        "rule": meta.get("rule"),
+        "stored": meta.get("stored", 0),  # what an hdr run resumed with then
+        "gate": {"state": gate},
+        "late_gate": {"state": late_gate},
+        "groups": groups,
+    }
 
 
 def _verify(path: Path) -> int:

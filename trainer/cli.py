@@ -1,5 +1,6 @@
-"""`hdr` subcommands of the trainer package: `sft`, `train`, `calibrate`, `plan-memory`. Heavy
-imports happen inside the bodies."""
+"""`hdr` subcommands of the trainer package: `sft`, `train`, `calibrate`, `plan-memory` and
+`trl-train` (TRL's GRPOTrainer with hdr's rollout and replay). Heavy imports happen inside the
+bodies."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def train_command(
 ) -> None:
     """GRPO with Headroom-Drift Replay (or another arm): writes a run directory. Ctrl-C (or
     SIGTERM) stops after the current step with a checkpoint that --resume continues."""
+    from trainer.loop import train
     from trainer.run import load_train_config
-    from trainer.train import train
 
     cfg = load_train_config(
         config, [*server_overrides(server), *all_overrides(overrides, set_)], resume

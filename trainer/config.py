@@ -16,12 +16,19 @@ from agent_env.data import DataConfig
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
-from core.config import StrictModel, renamed_in
-from trainer.config_history import RENAMED_KEYS
-from trainer.gate import AdaptiveGate, FixedGate, Gate
-from trainer.replay import ORDERED_ARMS
-from trainer.selectors import SELECTORS, select_params
-from trainer.staleness import STALENESS_RULES
+from core.config import StrictModel, removed_in, renamed_in
+from headroom_drift import (
+    RULES,
+    STALENESS_RULES,
+    AdaptiveGate,
+    FixedGate,
+    Gate,
+    GroupReplay,
+    LateGroups,
+    is_gated,
+    rule_params,
+)
+from trainer.config_history import REMOVED_KEYS, RENAMED_KEYS
 
 
 class ModelConfig(StrictModel):
@@ -97,7 +104,7 @@ class GRPOConfig(StrictModel):
 
 
 class GateConfig(StrictModel):
-    """An adaptive drift gate (`trainer.gate.AdaptiveGate`): the target it holds, and how fast
+    """An adaptive drift gate (`headroom_drift.AdaptiveGate`): the target it holds, and how fast
     its tau moves. One set of names for both of its uses: the replay scan's gate
     (`replay.adaptive_gate`, with `replay.gate: adaptive`) and the staleness gate of late
     groups (`async_rollout.adaptive_gate`, with `async_rollout.rule: adaptive_drift_gate`);
@@ -182,8 +189,34 @@ class ReplayConfig(StrictModel):
         """The replay scan's drift gate (`GateConfig.build`), starting at `tau`."""
         return self.adaptive_gate.build(self.tau, adaptive=self.gate == "adaptive")
 
+    def replays(self, arm: str) -> bool:
+        """Whether rule `arm` replays at all under these settings (not `on_policy`, budget > 0,
+        capacity > 0)."""
+        return arm != "on_policy" and self.budget > 0 and self.capacity > 0
 
-class EvalConfig(StrictModel):
+    def make_replay(
+        self, arm: str, seed: int, total_steps: int, late: LateGroups | None = None
+    ) -> GroupReplay:
+        """The replay lifecycle these settings describe, for rule `arm` (budget 0 where it does
+        not `replay`) in a run of `total_steps` seeded by `seed`; `late`: its staleness gate."""
+        params = rule_params(
+            arm,
+            budget=self.budget if self.replays(arm) else 0,
+            tau=self.tau,
+            norm=self.drift_norm,
+            chunk=self.scan_chunk,
+            seed=seed,
+            total_steps=total_steps,
+            tau_age=self.tau_age,
+            is_beta_start=self.is_beta_start,
+        )
+        return GroupReplay.from_params(
+            self.capacity, arm, params, gate=self.make_gate(),
+            store_zero_advantage=self.store_zero_advantage, late=late,
+        )  # fmt: skip
+
+
+class HeldoutConfig(StrictModel):
     """The periodic held-out evaluation during training."""
 
     every: int = Field(10, ge=0, description="Evaluate every this many steps (0: never).")
@@ -208,7 +241,9 @@ class LogConfig(StrictModel):
 
 
 class DistributedConfig(StrictModel):
-    """Data-parallel training under `torchrun` (trainer/distributed.py); inert in one process."""
+    """Data-parallel training under `torchrun` (trainer/distributed.py): every process holds the
+    whole model (DistributedDataParallel); inert in one process. Sharded training (FSDP,
+    ZeRO-3) is the TRL integration's (docs/integrations.md)."""
 
     rollout_shards: int = Field(
         1,
@@ -218,23 +253,6 @@ class DistributedConfig(StrictModel):
         " results do not depend on how many processes run it. Must be a multiple of the"
         " number of processes.",
     )
-    strategy: Literal["ddp"] = Field(
-        "ddp",
-        description="ddp: every process holds the whole model (DistributedDataParallel). Sharded"
-        " training (FSDP, ZeRO) is the TRL integration's (docs/integrations.md).",
-    )
-
-    @field_validator("strategy", mode="before")
-    @classmethod
-    def _no_fsdp(cls, value: object) -> object:
-        if value == "fsdp":
-            raise ValueError(
-                "distributed.strategy=fsdp was removed: generation and scoring run outside the"
-                " sharded module, so ranks would gather weights at different times and hang."
-                " Train sharded models with the TRL integration (docs/integrations.md)"
-            )
-        return value
-
     timeout_s: float = Field(
         600.0,
         gt=0,
@@ -286,11 +304,6 @@ class AsyncConfig(StrictModel):
         description="adaptive_drift_gate: the target the staleness tau holds over the late"
         " groups (shares its names with replay.adaptive_gate).",
     )
-    over_gate: Literal["buffer", "drop"] = Field(
-        "buffer",
-        description="A late group the rule rejects enters the replay buffer (Headroom may bring"
-        " it back once its drift passes the replay gate) or is dropped.",
-    )
     start_timeout_s: float = Field(
         600.0, gt=0, description="Most seconds a worker may take to load and report ready."
     )
@@ -322,17 +335,21 @@ class AsyncConfig(StrictModel):
     @field_validator("rule")
     @classmethod
     def _known_rule(cls, v: str) -> str:
-        return STALENESS_RULES.check(v)
+        STALENESS_RULES.get(v)  # a ValueError listing the valid names on a miss
+        return v
 
     @property
     def enabled(self) -> bool:
         """Whether rollouts run in worker processes."""
         return self.workers > 0
 
-    def make_gate(self) -> Gate:
-        """The staleness rule's drift gate (`GateConfig.build`), starting at `tau`; adaptive
-        for a rule that adapts it (adaptive_drift_gate)."""
-        return self.adaptive_gate.build(self.tau, adaptive=STALENESS_RULES.get(self.rule).adaptive)
+    def late_groups(self, norm: str) -> LateGroups:
+        """The staleness rule and its drift gate (`GateConfig.build`, starting at `tau`;
+        adaptive for a rule that adapts it), under the replay gate's drift `norm`. A late
+        group the rule rejects enters the replay buffer, where the replay gate decides."""
+        adaptive = STALENESS_RULES.get(self.rule).adaptive
+        gate = self.adaptive_gate.build(self.tau, adaptive=adaptive)
+        return LateGroups(self.rule, gate, self.max_lag, norm, keep_rejected=True)
 
 
 class SFTConfig(StrictModel):
@@ -431,9 +448,7 @@ class TrainConfig(StrictModel):
 
     seed: int = Field(0, description="Seeds python, numpy, torch and the prompt order.")
     steps: int = Field(100, ge=1, description="Training steps.")
-    arm: str = Field(
-        "headroom_drift", description="Replay selector: " + ", ".join(SELECTORS.names())
-    )
+    arm: str = Field("headroom_drift", description="Replay rule: " + ", ".join(RULES.names()))
     out_dir: str = Field("runs/train", description="The run directory.")
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -442,7 +457,7 @@ class TrainConfig(StrictModel):
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    eval: HeldoutConfig = Field(default_factory=HeldoutConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
@@ -452,9 +467,9 @@ class TrainConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys_named(cls, data: Any) -> Any:
-        """A key of `RENAMED_KEYS` is answered with the key it is now (not silently dropped,
-        not as an unknown key)."""
-        renamed = renamed_in(data, RENAMED_KEYS)
+        """A key of `RENAMED_KEYS` is answered with the key it is now, one of `REMOVED_KEYS`
+        with why it went (not silently dropped, not as an unknown key)."""
+        renamed = renamed_in(data, RENAMED_KEYS) or removed_in(data, REMOVED_KEYS)
         if renamed is not None:
             raise ValueError(renamed)
         return data
@@ -477,7 +492,8 @@ class TrainConfig(StrictModel):
     @field_validator("arm")
     @classmethod
     def _known_arm(cls, v: str) -> str:
-        return SELECTORS.check(v)
+        RULES.get(v)  # a ValueError listing the valid names on a miss
+        return v
 
     @model_validator(mode="after")
     def _steps_cover_warmup(self) -> TrainConfig:
@@ -569,22 +585,20 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _adaptive_gate_has_a_tau(self) -> TrainConfig:
-        if self.replay.gate == "adaptive":
-            arm = ORDERED_ARMS.get(self.arm)
-            if arm is None or not arm.gated:
-                raise ValueError(
-                    f"replay.gate=adaptive adapts a drift gate, and arm {self.arm!r} has none:"
-                    " add replay.gate=fixed, or an arm that gates by drift (headroom_drift)"
-                )
+        if self.replay.gate == "adaptive" and not is_gated(self.arm):
+            raise ValueError(
+                f"replay.gate=adaptive adapts a drift gate, and arm {self.arm!r} has none:"
+                " add replay.gate=fixed, or an arm that gates by drift (headroom_drift)"
+            )
         return self
 
     @property
     def replays(self) -> bool:
         """Whether the arm replays at all (not `on_policy`, budget > 0, capacity > 0)."""
-        return self.arm != "on_policy" and self.replay.budget > 0 and self.replay.capacity > 0
+        return self.replay.replays(self.arm)
 
-    @property
-    def select_params(self):
-        """The arm's knobs, as its rule's own params dataclass (`select_params`)."""
-        budget = self.replay.budget if self.replays else 0
-        return select_params(self.arm, self.replay, budget, self.seed, self.steps)
+    def make_replay(self) -> GroupReplay:
+        """The run's replay lifecycle: its arm's rule with the `replay` knobs, the replay gate,
+        and the staleness gate of late groups (`async_rollout`)."""
+        late = self.async_rollout.late_groups(self.replay.drift_norm)
+        return self.replay.make_replay(self.arm, self.seed, self.steps, late)

@@ -1,7 +1,7 @@
 """`hdr plan-memory`: the GPU memory one training process needs, by component and phase,
 worked out from the config and the model's shape before any GPU is touched.
 
-A step has three phases with different residents (`trainer/loop.py`): the rollout (the
+A step has three phases with different residents (`trainer/step.py`): the rollout (the
 vLLM engine awake), behaviour scoring and replay selection (no-grad forwards), and the update
 (forward and backward of micro-batches, then the fused AdamW step). Under DDP every process
 holds all of it, so the plan is per GPU whatever the number of GPUs; `--gpus` adds NCCL's

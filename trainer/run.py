@@ -1,11 +1,13 @@
 """A training run's state and what happens around its steps: setup, the run directory,
-checkpoints and stop signals. The steps themselves are `trainer/loop.py`.
+checkpoints and stop signals. The steps themselves are `trainer/step.py`, the loop over them
+`trainer/loop.py`.
 
 `setup_run(config)` checks before it writes: the model path (one line, no hub asked, when a
 local path is missing), the run directory (`check_run_dir`), the training data and the
-retrieval server; then it loads the model and builds the optimizer, buffer, generator and
-logs into a `Run`. A resumed run restores all of it from a checkpoint
-(`trainer/checkpoint.py`), so its steps continue bit for bit on the CPU.
+retrieval server; then it loads the model and builds the optimizer, the replay lifecycle
+(`headroom_drift.GroupReplay`: buffer and gates), the generator and the logs into a `Run`. A
+resumed run restores all of it from a checkpoint (`trainer/checkpoint.py`), so its steps
+continue bit for bit on the CPU.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from core.config import build_config, dump_config, load_config, move_renamed, read_config_file
+from core.config import build_config, dump_config, load_config, read_config_file
 from core.errors import RunInterrupted, UserError
 from core.paths import RUN, check_output, local_model
 from core.progress import say
+from headroom_drift import GroupReplay, Selection, StoredGroup
 from trainer import distributed
 from trainer.checkpoint import (
     Checkpoint,
@@ -37,11 +40,8 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import TrainConfig
-from trainer.config_history import RENAMED_KEYS
+from trainer.config_history import read_as_today
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
-from trainer.gate import Gate
-from trainer.primitive import GroupReplay
-from trainer.replay import ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import distinct_tokens, score_groups
 from trainer.telemetry import RunLogs, StepCost
 
@@ -62,8 +62,6 @@ class RunCounters:
     billed_search_calls_total: int = 0  # 0 in a checkpoint from before the split: a resumed
     cached_search_calls_total: int = 0  # run's totals then count from the resume on
     wall_time_total: float = 0.0
-    staleness_gate: dict | None = None  # an adaptive staleness gate's state (its tau)
-    replay_gate: dict | None = None  # an adaptive replay gate's state (its tau)
 
 
 @dataclass
@@ -76,7 +74,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    buffer: ReplayBuffer  # the replay lifecycle's (`replay.buffer`)
+    replay: GroupReplay  # the buffer, the rule, the replay and staleness gates, their state
     generator: Generator
     client: RetrievalClient
     train_examples: list[QAExample]
@@ -88,20 +86,7 @@ class Run:
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
-    replay: GroupReplay | None = None  # the replay lifecycle: selector, gate, ingress; buffer
     workers: FreshSource | None = None  # rollout workers (trainer/async_rollout.py), if any
-    staleness_gate: Gate | None = None  # the staleness rule's tau (`async_rollout.make_gate`)
-
-    def __post_init__(self) -> None:
-        if self.replay is None:
-            self.replay = GroupReplay.from_params(
-                self.buffer.capacity, self.config.arm, self.config.select_params,
-                gate=self.config.replay.make_gate(),
-                store_zero_advantage=self.config.replay.store_zero_advantage,
-            )  # fmt: skip
-        self.replay.buffer = self.buffer
-        if self.staleness_gate is None:
-            self.staleness_gate = self.config.async_rollout.make_gate()
 
     @property
     def rollout_context(self) -> RolloutContext:
@@ -349,7 +334,7 @@ def setup_run(
         tokenizer=tokenizer,
         optimizer=optimizer,
         scheduler=scheduler,
-        buffer=ReplayBuffer(config.replay.capacity),
+        replay=config.make_replay(),
         generator=generator,
         client=client,
         train_examples=train_examples,
@@ -365,12 +350,8 @@ def setup_run(
     if ckpt is not None:
         run.optimizer.load_state_dict(ckpt.optimizer_state())
         scheduler.load_state_dict(ckpt.scheduler_state())
-        run.buffer = run.replay.buffer = ckpt.buffer()
+        ckpt.restore_replay(run.replay)
         run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
-        if run.counters.staleness_gate and hasattr(run.staleness_gate, "load_state_dict"):
-            run.staleness_gate.load_state_dict(run.counters.staleness_gate)
-        if run.counters.replay_gate and hasattr(run.replay.gate, "load_state_dict"):
-            run.replay.gate.load_state_dict(run.counters.replay_gate)
         ckpt.restore_rng(dist.rank, dist.world)
         start = ckpt.step + 1
     return run, start
@@ -390,10 +371,9 @@ def load_train_config(path: str | None, overrides: list[str], resume: str | None
 
 def read_run_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config a run wrote (its `config.yaml`, a checkpoint's), with `overrides`. A run of
-    an earlier hdr wrote keys renamed since (`trainer.config_history.RENAMED_KEYS`): their
-    values are read under the new keys."""
-    written = read_config_file(path)
-    return build_config(TrainConfig, move_renamed(written, RENAMED_KEYS), overrides)
+    an earlier hdr wrote keys renamed or removed since (`trainer.config_history`): it is read
+    under today's keys."""
+    return build_config(TrainConfig, read_as_today(read_config_file(path)), overrides)
 
 
 # --- checkpoints and the final model ------------------------------------------------------
@@ -404,16 +384,12 @@ def save(run: Run, step: int) -> Path | None:
     rng_states = distributed.gather_rng_states(run.dist)
     if not run.dist.is_main:
         return None
-    if hasattr(run.staleness_gate, "state_dict"):
-        run.counters.staleness_gate = run.staleness_gate.state_dict()
-    if hasattr(run.replay.gate, "state_dict"):
-        run.counters.replay_gate = run.replay.gate.state_dict()
     state = TrainState(
         model=run.model,
         tokenizer=run.tokenizer,
         optimizer=run.optimizer,
         scheduler=run.scheduler,
-        buffer=run.buffer,
+        replay=run.replay,
         counters=asdict(run.counters),
         config_yaml=dump_config(run.config),
         model_files=model_files(run.config),

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 
-from trainer.grpo import group_advantages, masked_mean, token_entropy
-from trainer.replay import GroupTensors, StoredGroup, make_group
+from headroom_drift import GroupTensors, StoredGroup, group_advantages, make_group, masked_mean
+from headroom_drift.groups import concat_left_padded
+from headroom_drift.objective import token_entropy
 
 # Positions per output-layer slice: bounds the `[positions, vocabulary]` logits a forward
 # holds (Qwen2.5's 151,936 entries x 4,096 positions are 2.5 GB per row in fp32).
@@ -238,13 +239,6 @@ def left_pad(
 def align(logprobs: Tensor) -> Tensor:
     """`[N, T-1]` scores of `input_ids[:, 1:]` -> `[N, T]` aligned with `input_ids`."""
     return F.pad(logprobs, (1, 0))
-
-
-def concat_left_padded(tensors: Sequence[Tensor]) -> Tensor:
-    """Concatenate `[n_k, T_k]` left-padded blocks into `[sum n_k, max T_k]` (zeros on the
-    left: left padding only prepends columns)."""
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([F.pad(t, (width - t.shape[1], 0)) for t in tensors], dim=0)
 
 
 def score_groups(

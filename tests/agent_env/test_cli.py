@@ -53,37 +53,26 @@ def test_hdr_rollout_writes_trajectories(tiny_policy_dir, retrieval_url, tmp_pat
     assert len((tmp_path / "hf.jsonl").read_text().splitlines()) == 6
 
 
-def test_the_old_option_names_still_work_and_say_the_new_ones(
-    tiny_policy_dir, retrieval_url, tmp_path
-) -> None:
+def test_the_old_option_names_are_refused_naming_the_new_ones(tiny_policy_dir, tmp_path) -> None:
     """`--task` and `--n` were renamed `--data` and `--max-questions` (the names `hdr eval`
-    uses); scripts that use the old ones still run, told the new names in one line each."""
+    uses), `hdr demo --runs R` is `--out R/demo`: each old name is one line naming the new."""
     import subprocess
     import sys
     from pathlib import Path
 
-    out = tmp_path / "old.jsonl"
-    result = subprocess.run(
-        [str(Path(sys.executable).with_name("hdr")), "rollout", "--model", str(tiny_policy_dir),
-         "--task", "wiki-vital", "--n", "3", "--backend", "scripted", "--server", retrieval_url,
-         "--prompt", "compact", "--out", str(out), "max_turns=1"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    notes = [line for line in result.stderr.splitlines() if line.startswith("hdr: note:")]
-    assert notes == [
-        "hdr: note: --task is now --data (the same in every subcommand); the old name still works",
-        "hdr: note: --n is now --max-questions (the same in every subcommand); the old name still"
-        " works",
-    ]
-    assert len(out.read_text().splitlines()) == 3
-    both = subprocess.run(
-        [str(Path(sys.executable).with_name("hdr")), "rollout", "--model", str(tiny_policy_dir),
-         "--task", "a.jsonl", "--data", "b.jsonl"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert both.returncode == 2
-    assert both.stderr.strip() == "hdr: error: --task is the old name of --data; give --data alone"
+    hdr = str(Path(sys.executable).with_name("hdr"))
+    for command, old, new in [
+        (["rollout", "--model", str(tiny_policy_dir), "--task", "wiki-vital"], "--task", "--data"),
+        (["rollout", "--model", str(tiny_policy_dir), "--n", "3"], "--n", "--max-questions"),
+        (["demo", "--runs", str(tmp_path)], "--runs", "--out (--runs R was --out R/demo)"),
+    ]:
+        done = subprocess.run([hdr, *command], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2
+        assert done.stderr.startswith(
+            f"hdr: error: No such option: {old}. It was renamed: use {new}. (see `hdr"
+        ), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
 
 
 def test_bad_override_is_one_line(tiny_policy_dir, retrieval_url) -> None:

@@ -179,14 +179,14 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
     renamed and before data.train_questions, rollout.max_query_words, sft.query, ... existed)
     is the same run under today's settings, which hold every key; a key added since, set to
     anything but what hdr did before it existed, is another run."""
-    from core.config import build_config, move_renamed
+    from core.config import build_config
     from trainer.config import TrainConfig
-    from trainer.config_history import ADDED_KEYS, RENAMED_KEYS
+    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS, read_as_today
 
     recorded = json.loads((RECORDED_BEFORE / "config_hash.json").read_text())["settings"]
     assert "train_questions" not in recorded["data"]  # recorded before the key existed
     train = {k: v for k, v in recorded.items() if k not in ("sft_start_sha256", "environment")}
-    config = build_config(TrainConfig, move_renamed(train, RENAMED_KEYS))
+    config = build_config(TrainConfig, read_as_today(train))
     now = config.model_dump(mode="json")
     for section, key in (("retrieval", "urls"), ("log", "progress"), ("log", "tensorboard")):
         now[section].pop(key)
@@ -197,7 +197,10 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
     }
     with pytest.raises(UserError, match="other settings"):
         check_reuse(RECORDED_BEFORE, now, "run", renamed=RENAMED_KEYS)  # the added keys differ
-    check_reuse(RECORDED_BEFORE, now, "run", renamed=RENAMED_KEYS, added=ADDED_KEYS)
+    with pytest.raises(UserError, match="other settings"):  # the removed keys differ
+        check_reuse(RECORDED_BEFORE, now, "run", renamed=RENAMED_KEYS, added=ADDED_KEYS)
+    removed = {"renamed": RENAMED_KEYS, "added": ADDED_KEYS, "removed": REMOVED_KEYS}
+    check_reuse(RECORDED_BEFORE, now, "run", **removed)
     now["data"]["train_questions"] = 32
     with pytest.raises(UserError, match=r"data\.train_questions None then, 32 now"):
-        check_reuse(RECORDED_BEFORE, now, "run", renamed=RENAMED_KEYS, added=ADDED_KEYS)
+        check_reuse(RECORDED_BEFORE, now, "run", **removed)

@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = {"core", "retrieval_server", "agent_env", "models", "trainer", "evaluation",
-            "experiment", "hdr"}  # fmt: skip
+PACKAGES = {"core", "headroom_drift", "retrieval_server", "agent_env", "models", "trainer",
+            "evaluation", "experiment", "hdr"}  # fmt: skip
 FOLDERS = PACKAGES | {"tests", "bench", "configs", "docker", "docs"}
 # `eval.jsonl` and `model.safetensors` are files, not the keys `eval.` and `model.` begin
 FILE_SUFFIX = re.compile(
@@ -139,6 +139,8 @@ def test_every_name_in_the_docs_resolves() -> None:
     [
         ("trainer.loop.rollout_fresh", "does not import"),
         ("trainer.nowhere", "does not import"),
+        ("trainer.replay.StoredGroup", "does not import"),
+        ("distributed.strategy", "no config key"),
         ("trainer/nowhere.py", "no such file"),
         ("replay.gate_target", "no config key"),
         ("async_rollout.adapt_rate=0.1", "no config key"),
@@ -153,7 +155,8 @@ def test_the_check_finds_a_stale_name(span: str, says: str) -> None:
     "span",
     [
         "trainer.fresh.FreshBatch",
-        "trainer.replay.StoredGroup.gen_logprobs",
+        "headroom_drift.StoredGroup.gen_logprobs",
+        "headroom_drift/lifecycle.py",
         "trainer/fresh.py",
         "replay.adaptive_gate.target=0.5",
         "trl.max_steps",

@@ -102,3 +102,24 @@ def sft_policy(tiny_policy, small_qa, retrieval_url, tmp_path_factory) -> Path:
         "sft.eval_questions=0",
     )
     return run_sft(load_config(TrainConfig, TINY_CPU, overrides))
+
+
+def replay_state(checkpoint: Path) -> dict:
+    """The replay lifecycle's state a checkpoint holds (`replay.pt`)."""
+    return torch.load(Path(checkpoint) / "replay.pt", weights_only=True)
+
+
+def same_state(a, b) -> bool:
+    """Whether two replay states (nested dicts and lists of tensors and plain values) are
+    equal: tensors element for element with their dtypes, NaN equal to NaN."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(map(same_state, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CPU, tiny_overrides
+from conftest import TINY_CPU, replay_state, tiny_overrides
 
 from core.config import load_config
 from core.errors import RunInterrupted, UserError
 from trainer.checkpoint import open_checkpoint
 from trainer.config import TrainConfig
+from trainer.loop import train
 from trainer.run import load_train_config
-from trainer.train import train
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -54,7 +54,10 @@ def config(url, model, qa, out, *extra: str) -> TrainConfig:
 def stored_tokens(run_dir: Path) -> list[list[list[int]]]:
     """Every fresh group's token ids, in step order (the buffer of the last checkpoint keeps
     them all: capacity 64, zero-advantage groups too)."""
-    return [g.input_ids.tolist() for g in open_checkpoint(run_dir).buffer()]
+    return [
+        g["tensors"]["input_ids"].tolist()
+        for g in replay_state(open_checkpoint(run_dir).path)["groups"]
+    ]
 
 
 WORKER_SETUPS = [
@@ -202,7 +205,8 @@ def test_resume_rolls_the_steps_in_flight_out_again_and_trains_no_group_twice(
     ckpt = open_checkpoint(out)
     first = rows(out)
     assert ckpt.step == len(first) >= 2
-    tau_after = json.loads((ckpt.path / "state.json").read_text())["staleness_gate"]["tau"]
+    saved = torch.load(ckpt.path / "replay.pt", weights_only=True)  # the lifecycle's state
+    tau_after = saved["late_gate"]["tau"]
     assert tau_after != 1e-3  # the late groups moved the adaptive tau
 
     resumed = train(load_train_config(None, ["steps=6"], str(out)), resume=out)

@@ -20,7 +20,7 @@ def test_tiny_cpu_config_loads_with_notes_settings():
     assert cfg.generation.backend == "hf" and cfg.model.device == "cpu"
     assert cfg.rollout.prompt.response_prefix == "<search>"
     assert cfg.grpo.fresh_rows == 128
-    assert cfg.select_params.budget == cfg.replay.budget
+    assert cfg.make_replay().params.budget == cfg.replay.budget
 
 
 def test_search_r1_config_is_the_papers_setting():
@@ -40,7 +40,7 @@ def test_search_r1_config_is_the_papers_setting():
         ["arm=on_policy", "grpo.batch_prompts=192"],
     )
     assert larger.grpo.batch_prompts == 192 and not larger.replays
-    assert larger.select_params.budget == 0
+    assert larger.make_replay().params.budget == 0
 
 
 def test_unknown_key_is_one_line_error():

@@ -17,12 +17,12 @@ import torch
 from conftest import TINY_CPU, tiny_overrides
 
 from core.config import load_config
+from headroom_drift import Selection, StoredGroup
 from trainer.config import TrainConfig
 from trainer.fresh import FreshBatch, sample_prompts
-from trainer.loop import record_cost
-from trainer.replay import Selection, StoredGroup
+from trainer.loop import train
+from trainer.step import record_cost
 from trainer.telemetry import COST_KEYS, COUNT_KEYS, StepCost, cost_totals
-from trainer.train import train
 
 B, G, R = 2, 3, 2
 

@@ -20,14 +20,13 @@ from conftest import tiny_llama
 from servers import free_port
 
 from core.errors import UserError
+from headroom_drift import GroupReplay, GroupTensors, assemble_batch, make_group
 from trainer import distributed, fresh
 from trainer.checkpoint import Checkpoint, TrainState, capture_rng, save_checkpoint
 from trainer.config import TrainConfig
-from trainer.loop import assemble_batch, update_policy
-from trainer.replay import GroupTensors, ReplayBuffer, make_group
 from trainer.run import Run, build_optimizer
 from trainer.scoring import score_groups
-from trainer.selectors import SELECTORS
+from trainer.update import update_policy
 
 STEPS = 3
 TIMEOUT_S = 480  # a hang guard; a loaded 2-core machine needs minutes to start torch twice
@@ -95,7 +94,7 @@ def bare_run(dist: distributed.Dist, config: TrainConfig, model, run_dir=Path(".
         tokenizer=None,
         optimizer=optimizer,
         scheduler=scheduler,
-        buffer=ReplayBuffer(config.replay.capacity),
+        replay=config.make_replay(),
         generator=None,
         client=None,
         train_examples=[],
@@ -120,17 +119,13 @@ def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> di
     selected, scanned, grad_norms, losses, update_rows = [], [], [], [], []
     for step in range(1, STEPS + 1):
         fresh = make_groups(model, step, count=4, seed=step)
-        selection = SELECTORS.get("headroom_drift")(
-            run.buffer, step, config.select_params, run.score
-        )
+        selection = run.replay.select(step, run.score)
         dist.agree([g.group_id for g in selection.groups], "selection")
         forwarded.clear()
         batch = assemble_batch(fresh, selection.groups)
         update = update_policy(run, batch, scanned=run.scan_graphs(selection))
         update_rows.append(sum(forwarded))
-        for g in selection.groups:
-            g.replay_count += 1
-        run.buffer.ingest(fresh)
+        run.replay.ingest(fresh)
         selected.append([g.group_id for g in selection.groups])
         scanned.append(selection.scanned)
         grad_norms.append(update.grad_norm)
@@ -142,7 +137,7 @@ def run_protocol(dist: distributed.Dist, reuse_scan_forward: bool = False) -> di
         "losses": losses,
         "update_rows": update_rows,
         "weights": {k: v.tolist() for k, v in model.state_dict().items()},
-        "buffer_headroom": [g.headroom for g in run.buffer],
+        "buffer_headroom": [g.headroom for g in run.replay.buffer],
         **gradient_memory(model, run.policy),
     }
 
@@ -284,9 +279,10 @@ def test_shard_count_the_world_does_not_divide_is_refused(monkeypatch):
         distributed.init_distributed(small_config())
 
 
-def test_fsdp_is_refused_with_a_pointer_to_the_supported_path():
-    with pytest.raises(ValueError, match=r"fsdp was removed.*TRL integration"):
-        TrainConfig.model_validate({"model": {"path": "x"}, "distributed": {"strategy": "fsdp"}})
+def test_the_removed_strategy_key_is_refused_with_a_pointer_to_the_supported_path():
+    for value in ("fsdp", "ddp"):
+        with pytest.raises(ValueError, match=r"distributed\.strategy was removed.*TRL integration"):
+            TrainConfig.model_validate({"model": {"path": "x"}, "distributed": {"strategy": value}})
 
 
 def test_more_shards_than_prompts_is_refused():
@@ -310,7 +306,7 @@ def test_resume_under_another_world_size(tmp_path):
         tokenizer=None,
         optimizer=optimizer,
         scheduler=scheduler,
-        buffer=ReplayBuffer(4),
+        replay=GroupReplay(4, budget=1),
         counters={"env_calls_total": 0},
         config_yaml="",
     )

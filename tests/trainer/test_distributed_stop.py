@@ -17,11 +17,12 @@ from conftest import tiny_llama
 from test_distributed import bare_run, make_groups, run_ranks, small_config
 
 from core.errors import RunInterrupted
+from headroom_drift import assemble_batch
 from trainer import distributed
 from trainer.checkpoint import list_checkpoints, open_checkpoint
-from trainer.loop import assemble_batch, update_policy
 from trainer.run import StopSignals
 from trainer.telemetry import RunLogs
+from trainer.update import update_policy
 
 SIGNALLED_RANK, SIGNALLED_STEP = 1, 2
 

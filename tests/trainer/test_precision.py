@@ -96,7 +96,7 @@ def test_bf16_autocast_run_moves_the_weights_at_lr_1e6(
     """Two real steps (rollout, scoring, update) with bf16 compute on fp32 master weights."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.train import train
+    from trainer.loop import train
 
     overrides = tiny_overrides(
         retrieval_url, sft_policy, small_qa, tmp_path / "run",
@@ -130,8 +130,8 @@ def perturbed_copy(model, scale: float, seed: int = 1):
 
 def test_truncated_is_corrects_a_perturbed_sampler(sft_policy, small_qa, retrieval_url, tmp_path):
     from agent_env.generation.hf import HFGenerator
-    from trainer.loop import train_step
     from trainer.run import setup_run
+    from trainer.step import train_step
 
     def one_step(name: str, perturb: float | None, *extra: str) -> dict:
         overrides = tiny_overrides(

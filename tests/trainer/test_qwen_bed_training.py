@@ -35,8 +35,8 @@ def test_sft_then_train_on_the_qwen_bed(qwen_policy_dir, small_qa, retrieval_url
     """`hdr sft` on scripted trajectories, then 3 GRPO steps with replay, on the real BPE."""
     from transformers import AutoModelForCausalLM
 
+    from trainer.loop import train
     from trainer.sft import run_sft
-    from trainer.train import train
 
     sft_dir = tmp_path / "sft"
     sft_cfg = load_config(
@@ -106,7 +106,7 @@ def test_search_r1_3b_config_runs_end_to_end_on_a_tiny_qwen2(
     shards), and no periodic evaluation."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.train import train
+    from trainer.loop import train
 
     model_dir = tmp_path / "tiny-qwen2"
     shutil.copytree(qwen_policy_dir, model_dir)

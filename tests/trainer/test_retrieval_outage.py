@@ -19,7 +19,7 @@ from core.config import load_config
 from core.errors import UserError
 from trainer.checkpoint import list_checkpoints, open_checkpoint
 from trainer.config import TrainConfig
-from trainer.train import train
+from trainer.loop import train
 
 OUTAGE_S = 20.0
 pytestmark = pytest.mark.slow

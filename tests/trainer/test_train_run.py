@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_CPU, tiny_overrides
+from conftest import TINY_CPU, replay_state, tiny_overrides
 
 from core.config import load_config
 from trainer.checkpoint import list_checkpoints, open_checkpoint
 from trainer.config import TrainConfig
-from trainer.train import train
+from trainer.loop import train
 
 METRIC_KEYS = [
     "step",
@@ -113,7 +113,8 @@ def test_checkpoints_and_final_model(short_run, sft_policy):
     assert [step for step, _ in found] == [4, 5]  # keep_last=2
     ckpt = open_checkpoint(short_run)
     assert ckpt.step == 5
-    assert len(ckpt.buffer()) == read_jsonl(short_run / "metrics.jsonl")[-1]["buffer_size"]
+    groups = replay_state(ckpt.path)["groups"]
+    assert len(groups) == read_jsonl(short_run / "metrics.jsonl")[-1]["buffer_size"]
     final = AutoModelForCausalLM.from_pretrained(str(short_run / "final"))
     AutoTokenizer.from_pretrained(str(short_run / "final"))
     start = AutoModelForCausalLM.from_pretrained(str(sft_policy))

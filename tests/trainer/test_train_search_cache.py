@@ -10,7 +10,7 @@ import sys
 
 import httpx
 import pytest
-from conftest import TINY_CPU, tiny_overrides
+from conftest import TINY_CPU, replay_state, same_state, tiny_overrides
 from safetensors.torch import load_file
 from servers import running_server
 
@@ -68,7 +68,9 @@ def test_training_with_and_without_the_cache_is_identical(runs) -> None:
             steady(r) for r in rows(cold / "metrics.jsonl")
         ]
         assert example_ids(rows(other / "groups.jsonl")) == example_ids(rows(cold / "groups.jsonl"))
-        for name in ("final/model.safetensors", "checkpoints/step-000003/buffer.safetensors"):
+        step = "checkpoints/step-000003"
+        assert same_state(replay_state(other / step), replay_state(cold / step))
+        for name in ("final/model.safetensors",):
             tensors, reference = load_file(other / name), load_file(cold / name)
             assert tensors.keys() == reference.keys()
             assert all(torch_equal(tensors[k], reference[k]) for k in tensors), name

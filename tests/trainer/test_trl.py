@@ -27,8 +27,9 @@ from agent_env.data import QAExample, load_flashrag_jsonl
 from agent_env.prompts import PromptConfig
 from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
 from agent_env.rollout import RolloutConfig, rollout_groups
+from headroom_drift import assemble_batch
+from headroom_drift.objective import group_advantages, kl_k3, policy_loss
 from trainer.config import ReplayConfig
-from trainer.grpo import group_advantages, kl_k3, policy_loss
 from trainer.integrations.trl import ReplayGRPOTrainer, TRLReplayConfig
 from trainer.integrations.trl_layout import rows_from_trl, trl_inputs
 from trainer.integrations.trl_rollout import (
@@ -38,9 +39,7 @@ from trainer.integrations.trl_rollout import (
     search_r1_dataset,
     search_r1_reward,
 )
-from trainer.loop import assemble_batch
 from trainer.scoring import align, behaviour_groups, forward_logprobs, score_groups
-from trainer.selectors import SELECTORS, select_params
 
 G = 4
 
@@ -101,15 +100,17 @@ class Snapshots(TrainerCallback):
 
 
 def hdr_selection(trainer, snapshot, step: int, policy_dir):
-    """What hdr's loop selects at `step` from the snapshot: its registered selector, its
-    `select_params`, and its ScoreFn (`score_groups` under the snapshot's weights)."""
+    """What hdr's loop selects at `step` from the snapshot: the replay lifecycle its config
+    makes (`ReplayConfig.make_replay`, the rule and its params) over the snapshot's buffer,
+    and its ScoreFn (`score_groups` under the snapshot's weights)."""
     buffer, weights = snapshot
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
     model.load_state_dict(weights)
     cfg = trainer.replay.config
-    params = select_params(cfg.arm, cfg.replay, cfg.replay.budget, 0, trainer.state.max_steps)
+    replay = cfg.replay.make_replay(cfg.arm, 0, trainer.state.max_steps)
+    replay.buffer = buffer
     score = lambda groups: score_groups(model.eval(), groups, cfg.score_chunk, 1.0)  # noqa: E731
-    return SELECTORS.get(cfg.arm)(buffer, step, params, score)
+    return replay.select(step, score)
 
 
 def check_replay_run(trainer, snapshots, policy_dir, fresh_rows: int) -> None:

@@ -19,6 +19,7 @@ from trl import GRPOConfig
 
 from agent_env.data import QAExample
 from agent_env.rollout import Trajectory
+from trainer.checkpoint import Checkpoint
 from trainer.config import ReplayConfig
 from trainer.integrations.trl import TRLReplayConfig
 from trainer.integrations.trl_rollout import check_sampling_settings, check_vllm_settings, ended
@@ -106,7 +107,12 @@ def test_resume_from_a_trl_checkpoint_keeps_the_buffer(
                          save_strategy="steps", save_steps=2)  # fmt: skip
     first.train()
     saved = [(g.group_id, g.replay_count, g.headroom) for g in first.replay.buffer]
-    assert saved and (tmp_path / "trl" / "checkpoint-2" / "hdr_replay.json").is_file()
+    checkpoint = tmp_path / "trl" / "checkpoint-2"
+    # the replay state in the one format hdr's own checkpoints hold, read by their reader
+    assert saved and (checkpoint / "replay.pt").is_file()
+    read_back = replay.replay.make_replay(replay.arm, 0, 2)
+    Checkpoint(checkpoint, 2).restore_replay(read_back)
+    assert [(g.group_id, g.replay_count, g.headroom) for g in read_back.buffer] == saved
     again = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=3)
     again.train(resume_from_checkpoint=str(tmp_path / "trl" / "checkpoint-2"))
     assert [h["step"] for h in again.replay.history] == [1, 2, 3]  # restored, then step 3

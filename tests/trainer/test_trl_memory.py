@@ -27,8 +27,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from test_trl import grpo_args, length_reward, questions_stub
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from headroom_drift.objective import token_entropy
 from trainer import scoring
-from trainer.grpo import token_entropy
 from trainer.integrations.trl_rollout import search_r1_dataset
 
 

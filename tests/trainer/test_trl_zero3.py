@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
+from conftest import replay_state
 from servers import free_port
 
 pytest.importorskip("deepspeed")
@@ -81,7 +82,7 @@ def tiny_model(seed: int = 0):
 def scored_groups(model, ids, attn, mask, rewards, advantages, names, agree=None) -> list:
     """Groups of rows as the TRL trainer makes them: behaviour log-probs under `model` (`agree`:
     each process's forwards paired for ZeRO-3), step 1, chunks of 4 rows."""
-    from trainer.replay import GroupTensors
+    from headroom_drift import GroupTensors
     from trainer.scoring import behaviour_logprobs, groups_of_rows
 
     lp, _, _ = behaviour_logprobs(model, ids, attn, mask, 4, 1.0, agree=agree)
@@ -287,7 +288,7 @@ def test_trl_train_under_zero3_replays_uneven_ranks_and_resumes_after_a_kill(
     # first launch: killed (SIGKILL to rank 1) once checkpoint-2 holds the replay state
     first_log = tmp_path / "first.log"
     first = launch(command(), env, first_log)
-    saved = out / "checkpoint-2" / "hdr_replay.json"
+    saved = out / "checkpoint-2" / "replay_history.json"  # the replay files' last
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while not saved.exists() and first.poll() is None and time.monotonic() < deadline:
@@ -302,8 +303,8 @@ def test_trl_train_under_zero3_replays_uneven_ranks_and_resumes_after_a_kill(
         rc = finish(first, first_log)
     assert rc != 0
     assert not (out / "checkpoint-4").exists(), "the first run ended before the kill"
-    meta = json.loads(saved.read_text())
-    buffered = [g["group_id"] for g in meta["groups"]]
+    buffered = [g["group_id"] for g in replay_state(out / "checkpoint-2")["groups"]]
+    histories = json.loads((out / "checkpoint-2" / "replay_history.json").read_text())["histories"]
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and buffered
 
@@ -317,7 +318,7 @@ def test_trl_train_under_zero3_replays_uneven_ranks_and_resumes_after_a_kill(
     ]
     for rank, log in enumerate(logs):
         assert [r["step"] for r in log] == [1, 2, 3, 4]
-        assert log[:2] == meta["histories"][rank]  # steps 1-2 as the checkpoint holds them
+        assert log[:2] == histories[rank]  # steps 1-2 as the checkpoint holds them
         assert log[2]["buffer"] == buffered  # the buffer came back intact
         assert all(name.startswith("s3/") for name in log[2]["fresh"])
     for mine, theirs in zip(*logs, strict=True):
@@ -419,8 +420,8 @@ def _selection_case(rank: int, world: int, out_dir: str, policy_dir: str, case: 
     while rank 0 waited in the next collective)."""
     from accelerate.utils import gather_object
 
+    from headroom_drift import policy_drift
     from trainer.integrations.trl_layout import rows_from_trl
-    from trainer.replay import policy_drift
     from trainer.scoring import score_groups
 
     straddle = case == "straddle"

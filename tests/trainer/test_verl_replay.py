@@ -128,8 +128,8 @@ REWARDS_2 = [0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 
 
 def test_veRLs_rows_become_hdrs_groups_and_come_back_the_same(policy, qwen_tokenizer) -> None:
+    from headroom_drift import GroupReplay
     from trainer.integrations.verl_replay import batch_from_groups, groups_from_batch
-    from trainer.primitive import GroupReplay
 
     fresh = scored_fresh_batch(policy, qwen_tokenizer, 1, "step1-", REWARDS_1)
     replay = GroupReplay(capacity=8, rule="headroom_drift", budget=2, tau=1.0)
@@ -161,9 +161,9 @@ def test_replay_scans_with_veRLs_log_probs_and_its_rows_train_in_veRLs_loss(
     from verl.trainer.ppo.core_algos import AdvantageEstimator
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    from trainer.grpo import policy_loss
+    from headroom_drift import GroupReplay
+    from headroom_drift.objective import policy_loss
     from trainer.integrations.verl_replay import batch_from_groups, groups_from_batch, score_with
-    from trainer.primitive import GroupReplay
 
     log_probs = response_log_probs(policy)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)

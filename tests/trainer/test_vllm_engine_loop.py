@@ -216,8 +216,8 @@ def test_training_sleeps_the_engine_for_scoring_and_update_and_wakes_it_to_sync(
     from agent_env.rollout import turn_seed
     from core.config import load_config
     from trainer.config import TrainConfig
+    from trainer.loop import train_steps
     from trainer.run import StopSignals, setup_run
-    from trainer.train import train_steps
 
     steps = 2
     config = load_config(

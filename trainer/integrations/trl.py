@@ -11,12 +11,14 @@ Three pieces, each usable alone:
 - `ReplayGRPOTrainer`: a `GRPOTrainer` whose update also trains on replayed groups. After TRL
   has generated and scored a batch, `ReplayStep.extend` turns it into hdr's stored groups
   (behaviour log-probs teacher-forced under the current weights by `trainer.scoring`, TRL's
-  rewards and advantages), lets an hdr selector pick stored groups (`trainer.selectors`: the
-  same `headroom_drift`, scan, Headroom and Drift code as hdr's loop), assembles fresh +
-  replayed rows with hdr's `assemble_batch`, and hands TRL's loss a batch whose old log-probs
+  rewards and advantages), lets the run's `headroom_drift.GroupReplay` pick stored groups (the
+  same rules, scan, Headroom and Drift code as hdr's loop), assembles fresh + replayed rows
+  with `headroom_drift.assemble_batch`, and hands TRL's loss a batch whose old log-probs
   are the fresh groups' behaviour log-probs and the replayed groups' stored ones. The fresh
   groups enter the buffer after the optimizer step (a callback), so a group is never replayed
-  in the step that made it.
+  in the step that made it. A checkpoint holds the lifecycle's state in the format hdr's own
+  checkpoints use (`replay.pt`, `GroupReplay.save`); one written before that format
+  (`hdr_replay.safetensors` + `hdr_replay.json`) still resumes.
 
 Departures from hdr's loop, all TRL's conventions (docs/integrations.md lists them with the
 tests that pin them): TRL's advantages divide by `std + 1e-4` (hdr: `1e-6`) and follow its
@@ -35,7 +37,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +49,17 @@ from trl import GRPOTrainer
 
 from core.config import StrictModel
 from core.errors import UserError
+from headroom_drift import (
+    RULES,
+    GroupReplay,
+    GroupTensors,
+    ReplayBuffer,
+    Selection,
+    StoredGroup,
+    assemble_batch,
+    rule_params,
+)
+from trainer.checkpoint import REPLAY_STATE, legacy_replay_state
 from trainer.config import ReplayConfig
 from trainer.integrations.trl_layout import TRLRows, rows_from_trl, trl_inputs
 from trainer.integrations.trl_rollout import (
@@ -54,16 +68,12 @@ from trainer.integrations.trl_rollout import (
     check_vllm_settings,
 )
 from trainer.integrations.trl_vllm import route_colocate_sync
-from trainer.loop import assemble_batch
-from trainer.primitive import GroupReplay
-from trainer.replay import GroupTensors, ReplayBuffer, Selection, StoredGroup
 from trainer.scoring import (
     behaviour_logprobs,
     concat_left_padded,
     groups_of_rows,
     score_groups,
 )
-from trainer.selectors import SELECTORS, select_params
 
 # --- replay ----------------------------------------------------------------------------------
 
@@ -71,16 +81,14 @@ from trainer.selectors import SELECTORS, select_params
 class TRLReplayConfig(StrictModel):
     """hdr's replay inside TRL: the selector and its knobs (hdr's `replay` section)."""
 
-    arm: str = Field(
-        "headroom_drift", description="Replay selector: " + ", ".join(SELECTORS.names())
-    )
+    arm: str = Field("headroom_drift", description="Replay rule: " + ", ".join(RULES.names()))
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Buffer and knobs.")
     score_chunk: int = Field(16, ge=1, description="Rows per teacher-forced scoring forward.")
 
     @field_validator("arm")
     @classmethod
     def _known_arm(cls, v: str) -> str:
-        SELECTORS.get(v)  # one line listing the valid names on a miss
+        RULES.get(v)  # one line listing the valid names on a miss
         return v
 
     @field_validator("replay")
@@ -132,7 +140,7 @@ class ReplayStep:
     ingress (then `last`), and a record per step."""
 
     config: TRLReplayConfig
-    lifecycle: GroupReplay  # buffer, selector, gate and ingress (trainer.primitive)
+    lifecycle: GroupReplay  # buffer, rule, gate, ingress and their state (headroom_drift)
     pending: StepReplay | None = None
     last: StepReplay | None = None
     history: list[dict] = field(default_factory=list)
@@ -140,12 +148,7 @@ class ReplayStep:
 
     @classmethod
     def build(cls, config: TRLReplayConfig, seed: int, total_steps: int) -> ReplayStep:
-        params = select_params(config.arm, config.replay, config.replay.budget, seed, total_steps)
-        lifecycle = GroupReplay.from_params(
-            config.replay.capacity, config.arm, params,
-            store_zero_advantage=config.replay.store_zero_advantage,
-        )  # fmt: skip
-        return cls(config, lifecycle)
+        return cls(config, config.replay.make_replay(config.arm, seed, total_steps))
 
     @property
     def buffer(self) -> ReplayBuffer:
@@ -185,10 +188,10 @@ class ReplayStep:
         for group, weights in zip(fresh, ratio or [None] * b, strict=True):
             group.token_weights = weights  # TRL's fresh-step weights travel with the group
         everyone = gather(fresh, world)
-        self.lifecycle.params = select_params(  # the run's length is known once training starts
-            self.config.arm, self.config.replay, self.config.replay.budget, trainer.args.seed,
-            trainer.state.max_steps,
-        )  # fmt: skip
+        known = asdict(self.lifecycle.params)  # the run's length is known once training starts
+        self.lifecycle.params = rule_params(
+            self.config.arm, **{**known, "total_steps": trainer.state.max_steps}
+        )
         buffered = [g.group_id for g in self.buffer]
         with self.scoring(trainer):
             selection = self.lifecycle.select(
@@ -446,7 +449,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
     """TRL's `GRPOTrainer` with hdr's replay (see the module docstring). Two overrides, each
     calling TRL's method first and adding to its result; nothing of TRL's is copied."""
 
-    REPLAY_STATE = ("hdr_replay.safetensors", "hdr_replay.json")  # in each checkpoint
+    REPLAY_HISTORY = "replay_history.json"  # beside `replay.pt` in each checkpoint
+    LEGACY_REPLAY_STATE = ("hdr_replay.safetensors", "hdr_replay.json")  # before replay.pt
 
     def __init__(self, *args, replay: TRLReplayConfig | None = None, **kwargs) -> None:
         if kwargs.get("args") is not None:
@@ -465,53 +469,50 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, then the replay state beside it (every process holds the same
-        buffer; the main one writes it). Ingress ran at `on_step_end`, before TRL saves."""
+        buffer; the main one writes it), in hdr's one format (`replay.pt`), and each process's
+        step records. Ingress ran at `on_step_end`, before TRL saves."""
         super()._save_checkpoint(model, trial)
-        import json
-        import os
-
         from accelerate.utils import gather_object
 
         # each process's own step records (rows, tokens), so each resumes with its own
         histories = gather_object([self.replay.history])
         if not self.args.should_save:
             return
-
-        from safetensors.torch import save_file
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        folder = os.path.join(
-            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        from core.paths import write_json_atomic
+
+        folder = Path(self._get_output_dir(trial=trial)) / (
+            f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         )
-        tensors, meta = self.replay.lifecycle.state()
-        tensors_name, meta_name = self.REPLAY_STATE
-        save_file(tensors, os.path.join(folder, tensors_name + ".tmp"))
-        with open(os.path.join(folder, meta_name + ".tmp"), "w") as f:
-            json.dump({**meta, "history": self.replay.history, "histories": histories}, f)
-        for name in self.REPLAY_STATE:  # whole files only: a kill mid-write leaves .tmp
-            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+        self.replay.lifecycle.save(folder / REPLAY_STATE)  # whole files only, each
+        write_json_atomic(folder / self.REPLAY_HISTORY, {"histories": histories})
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """TRL's resume, and the replay state its checkpoint holds (as TRL restores its own
-        extra state here)."""
+        extra state here): `replay.pt`, or the files a checkpoint held before it."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         import json
-        import os
 
         from safetensors.torch import load_file
 
-        tensors_name, meta_name = self.REPLAY_STATE
-        if not os.path.exists(os.path.join(checkpoint, meta_name)):
-            raise ValueError(f"{checkpoint} holds no replay state ({meta_name}): not hdr's")
-        with open(os.path.join(checkpoint, meta_name)) as f:
-            meta = json.load(f)
-        history = meta.pop("history", [])
-        histories = meta.pop("histories", None)  # absent from checkpoints before it was kept
-        rank = self.accelerator.process_index
-        self.replay.history = histories[rank] if histories else history
-        self.replay.lifecycle.load_state(load_file(os.path.join(checkpoint, tensors_name)), meta)
+        folder, rank = Path(checkpoint), self.accelerator.process_index
+        legacy_tensors, legacy_meta = (folder / name for name in self.LEGACY_REPLAY_STATE)
+        if (folder / REPLAY_STATE).is_file():
+            self.replay.lifecycle.load(folder / REPLAY_STATE)
+            histories = json.loads((folder / self.REPLAY_HISTORY).read_text())["histories"]
+            self.replay.history = histories[rank]
+        elif legacy_meta.is_file():
+            meta = json.loads(legacy_meta.read_text())
+            history = meta.pop("history", [])
+            histories = meta.pop("histories", None)  # absent from the oldest checkpoints
+            self.replay.history = histories[rank] if histories else history
+            state = legacy_replay_state(load_file(legacy_tensors), meta)
+            self.replay.lifecycle.load_state_dict(state)
+        else:
+            raise ValueError(f"{checkpoint} holds no replay state ({REPLAY_STATE}): not hdr's")
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL's batch keeps the advantages only; the buffer keeps the rewards too

@@ -6,12 +6,12 @@ prompt block `prompt_ids`/`prompt_mask` `[B, P]` beside a right-padded completio
 (`tool_mask`: 1 on model tokens, `old_per_token_logps`, `sampling_per_token_logps`,
 `importance_sampling_ratio`, `ref_per_token_logps`) and `advantages` `[B]`. hdr keeps a row
 as one left-padded sequence, prompt then response, with a loss mask and log-probs aligned
-with its tokens (`trainer.replay.StoredGroup`).
+with its tokens (`headroom_drift.StoredGroup`).
 
 - `rows_from_trl`: TRL's two blocks -> hdr's left-padded rows (each row's real prompt tokens
   followed by its real completion tokens), the completion tensors moved to their tokens'
   columns (0 on the prompt and the padding).
-- `trl_inputs`: hdr's `Rows` (`trainer.loop.Batch.rows`) -> the dict TRL's `compute_loss`
+- `trl_inputs`: hdr's `Rows` (`headroom_drift.Batch.rows`) -> the dict TRL's `compute_loss`
   reads. Every row stays one left-padded sequence: the prompt block is the columns before the
   first policy token of any row, the completion block the rest, and `tool_mask` carries the
   loss mask, so prompt tokens of other rows that fall in the completion block never count.

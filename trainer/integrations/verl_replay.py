@@ -1,5 +1,5 @@
 """Headroom-Drift Replay's rows inside veRL 0.9.1's batch (`hdr[verl]`): the conversions
-between veRL's `DataProto` rows and `trainer.primitive.GroupReplay`'s groups.
+between veRL's `DataProto` rows and `headroom_drift.GroupReplay`'s groups.
 
 veRL keeps a trajectory as a row: `prompts` `[N, P]` (left padded), `responses` `[N, R]`
 (right padded), `input_ids` = both, `attention_mask`, `position_ids`, `response_mask` (1 on the
@@ -33,7 +33,7 @@ from torch import Tensor
 from verl.protocol import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
-from trainer.replay import ScoreFn, StoredGroup
+from headroom_drift import ScoreFn, StoredGroup
 
 
 def groups_from_batch(batch: DataProto) -> list[dict]:

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from core.errors import UserError
-from trainer.gate import AdaptiveGate, Gate, adapt_tau
-from trainer.staleness import STALENESS_RULES, as_tensors, decide
+from headroom_drift.gates import AdaptiveGate, Gate, adapt_tau
+from headroom_drift.staleness import STALENESS_RULES, as_tensors, decide
 
 # five groups: on time, then late by 1, 1, 2 and 3 updates
 DRIFTS, LAGS = as_tensors([0.30, 0.01, 0.20, 0.02, 0.001], [0, 1, 1, 2, 3])
@@ -55,7 +54,7 @@ def test_decide_uses_the_gates_tau_and_shows_it_only_the_late_groups():
 
 
 def test_unknown_rule_lists_the_valid_ones():
-    with pytest.raises(UserError, match="adaptive_drift_gate, drift_gate, version_bound"):
+    with pytest.raises(ValueError, match="adaptive_drift_gate, drift_gate, version_bound"):
         STALENESS_RULES.get("max_staleness")
 
 

@@ -6,7 +6,7 @@ trainer's version) is `lag = u - v` updates late. With rollouts running ahead of
 (lag >= 1) is, to the drift gate, the same object as a replayed group: its tokens and the
 log-probs of an older policy. Its Policy Drift under the current weights is
 `D(g) = mean over policy tokens of (logprob_current - logprob_sampler)^2` (L2; L1: `|.|`),
-the same `trainer.replay.policy_drift` the replay gate reads.
+the same `policy_drift` the replay gate reads.
 
 Three rules, registered by name in `STALENESS_RULES` (configs name them as `async_rollout.rule`):
 
@@ -25,12 +25,12 @@ How it departs from the counting rules it is compared with: they decide by the l
 the drift rules pay one teacher-forced pass per late group for the decision (hdr's loop
 already runs that pass over every fresh group for the behaviour log-probs, so the pass costs
 nothing extra there; the ledger counts it as `cost_gate_tf_tokens`). The gates themselves
-(`FixedGate`, `AdaptiveGate`) are `trainer.gate`'s, shared with the replay lifecycle.
+(`FixedGate`, `AdaptiveGate`) are `headroom_drift.gates`', shared with the replay scan; the
+lifecycle (`GroupReplay.admit_late`) owns the staleness gate beside the replay gate.
 
 `admit_late` applies a rule to a step's fresh groups: an admitted late group trains with the
 sampler's log-probs as its behaviour log-probs (the clipped ratio then corrects for the policy
 that really sampled it); a rejected one goes to the replay buffer with them, or is dropped.
-Pure: imports torch, core.registry and the replay primitive (`trainer.replay`) only.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from core.registry import Registry
-from trainer.replay import StoredGroup, policy_drift
+from headroom_drift.groups import StoredGroup
+from headroom_drift.rules import Names
+from headroom_drift.scores import policy_drift
 
 AdmitFn = Callable[[Tensor, Tensor, float, int], Tensor]
 """`admit(drifts [n], lags [n], tau, max_lag) -> admitted [n] bool`."""
@@ -57,9 +58,6 @@ class StalenessRule:
     admit: AdmitFn
     adaptive: bool = False
     uses_drift: bool = True
-
-
-STALENESS_RULES: Registry[StalenessRule] = Registry("staleness rule")
 
 
 def version_bound(drifts: Tensor, lags: Tensor, tau: float, max_lag: int) -> Tensor:
@@ -75,9 +73,14 @@ def drift_gate(drifts: Tensor, lags: Tensor, tau: float, max_lag: int) -> Tensor
     return on_time | ((drifts <= tau) & (lags <= max_lag))
 
 
-STALENESS_RULES.register("version_bound")(StalenessRule(version_bound, uses_drift=False))
-STALENESS_RULES.register("drift_gate")(StalenessRule(drift_gate))
-STALENESS_RULES.register("adaptive_drift_gate")(StalenessRule(drift_gate, adaptive=True))
+STALENESS_RULES: Names[StalenessRule] = Names(
+    "staleness rule",
+    {
+        "version_bound": StalenessRule(version_bound, uses_drift=False),
+        "drift_gate": StalenessRule(drift_gate),
+        "adaptive_drift_gate": StalenessRule(drift_gate, adaptive=True),
+    },
+)
 
 
 @dataclass

@@ -1,26 +1,27 @@
-"""Headroom, drift, the FIFO buffer and the selectors on hand-built groups (no model)."""
+"""Headroom, drift, the FIFO buffer and the replay rules on hand-built groups (no model)."""
 
 import math
 
 import pytest
 import torch
 
-from core.errors import UserError
-from trainer.replay import (
-    FreshnessParams,
+from headroom_drift import (
+    RULES,
     GroupTensors,
     ReplayBuffer,
     ScanParams,
     StoredGroup,
-    SwapParams,
-    freshness_priority,
     headroom,
-    importance_weights,
     make_group,
     policy_drift,
+)
+from headroom_drift.published import (
+    FreshnessParams,
+    SwapParams,
+    freshness_priority,
+    importance_weights,
     zero_variance_swap_score,
 )
-from trainer.selectors import SELECTORS
 
 LN = math.log
 
@@ -107,7 +108,7 @@ def buffer_of(*groups, capacity=10) -> ReplayBuffer:
 
 
 def select(arm, buf, step, policy, **params):
-    return SELECTORS.get(arm)(buf, step, ScanParams(**params), policy)
+    return RULES.get(arm)(buf, step, ScanParams(**params), policy)
 
 
 def test_headroom_drift_ranks_by_stored_headroom():
@@ -217,7 +218,7 @@ def test_on_policy_replays_nothing():
 
 
 def test_registry_names_and_unknown_arm():
-    assert SELECTORS.names() == sorted(
+    assert RULES.names() == sorted(
         [
             "on_policy",
             "replay_recency",
@@ -229,8 +230,12 @@ def test_registry_names_and_unknown_arm():
             "replay_zero_variance_swap",
         ]
     )
-    with pytest.raises(UserError, match="headroom_drift"):
-        SELECTORS.get("headroom-drift")
+    with pytest.raises(
+        ValueError, match=r"unknown replay rule 'headroom-drift'; valid: .*headroom_drift"
+    ):
+        RULES.get("headroom-drift")
+    with pytest.raises(ValueError, match="already registered"):
+        RULES.register("headroom_drift", RULES.get("on_policy"))
 
 
 def test_ingest_skips_zero_advantage_groups_unless_asked():
@@ -256,11 +261,10 @@ def test_make_group_stores_headroom_from_generation_logprobs():
     assert g.entered_step == 7 and g.replay_count == 0
 
 
-def test_buffer_state_roundtrip():
+def test_stored_group_state_roundtrip():
     buf = buffer_of(group("a", 0.3, 0), group("b", 0.4, 1), capacity=5)
     buf.groups()[0].replay_count = 2
-    tensors, meta = buf.state()
-    back = ReplayBuffer.from_state(5, tensors, meta)
+    back = ReplayBuffer(5, [StoredGroup.from_state_dict(g.state_dict()) for g in buf])
     assert [(g.group_id, g.headroom, g.replay_count) for g in back] == [
         ("a", 0.3, 2),
         ("b", 0.4, 0),
@@ -299,11 +303,11 @@ def test_freshness_per_samples_by_priority_and_weights_without_rescoring():
     def no_scoring(groups):
         raise AssertionError("freshness PER must not re-score")
 
-    sel = SELECTORS.get("replay_freshness_per")(buf, 6, params, no_scoring)
+    sel = RULES.get("replay_freshness_per")(buf, 6, params, no_scoring)
     # a group of zero rewards has priority 0 and is never drawn: the other two are
     assert sorted(g.group_id for g in sel.groups) == ["new", "old"]
     assert sel.scanned == 0 and len(sel.weights) == 2 and max(sel.weights) == 1.0
-    again = SELECTORS.get("replay_freshness_per")(buf, 6, params, no_scoring)
+    again = RULES.get("replay_freshness_per")(buf, 6, params, no_scoring)
     assert [g.group_id for g in again.groups] == [g.group_id for g in sel.groups]  # seeded
 
 
@@ -317,12 +321,12 @@ def test_zero_variance_swap_replaces_only_flat_fresh_groups():
     ]
     score = zero_variance_swap_score(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.7, -0.7]]))
     assert score.item() == pytest.approx(1.4 * math.sqrt(0.5))
-    sel = SELECTORS.get("replay_zero_variance_swap")(
+    sel = RULES.get("replay_zero_variance_swap")(
         stored, 1, SwapParams(), lambda gs: [], fresh=fresh
     )
     # two flat fresh groups, but only one stored group has a positive score
     assert [g.group_id for g in sel.groups] == ["a"] and sel.swap_out == [1]
-    none_flat = SELECTORS.get("replay_zero_variance_swap")(
+    none_flat = RULES.get("replay_zero_variance_swap")(
         stored, 1, SwapParams(seed=4), lambda gs: [], fresh=fresh[:1]
     )
     assert none_flat.groups == [] and none_flat.swap_out == []
@@ -340,7 +344,7 @@ def test_zero_variance_swap_draws_from_the_shared_fifo_not_a_top_k_heap():
     assert [g.group_id for g in buf] == ["b", "c"]  # FIFO: "best" left first
     flat = [group("f", 0.0, 3, adv=(0.0, 0.0))]
     for seed in range(20):
-        sel = SELECTORS.get("replay_zero_variance_swap")(
+        sel = RULES.get("replay_zero_variance_swap")(
             buf, 3, SwapParams(seed=seed), lambda gs: [], fresh=flat
         )
         assert [g.group_id for g in sel.groups] in (["b"], ["c"])

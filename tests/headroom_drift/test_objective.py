@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.grpo import group_advantages, kl_k3, policy_loss, token_entropy
+from headroom_drift.objective import group_advantages, kl_k3, policy_loss, token_entropy
 
 
 def test_equal_rewards_give_zero_advantages():
@@ -84,7 +84,7 @@ def test_token_entropy_uniform_and_peaked():
 
 
 def test_truncated_is_weights_and_weighted_loss():
-    from trainer.grpo import logprob_gap, truncated_is_weights
+    from headroom_drift.objective import logprob_gap, truncated_is_weights
 
     trainer = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.3]]))
     sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1, 0.3]]))

@@ -22,8 +22,7 @@ What is implemented (docs/design.md, normative):
 Departure from the paper: none in the formulas. A group of one response (G=1) has no defined
 sample std; its advantage is 0 rather than NaN.
 
-The functions take plain tensors and know nothing of models, so they can be lifted into
-another trainer.
+The functions take plain tensors and know nothing of models.
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ drifts `[n]` of the `n` candidates the scan scored and whether each was admitted
 both empty when the rule scored nothing). `FixedGate` is the paper's constant tau;
 `AdaptiveGate` moves tau online (a log-space controller, `adapt_tau`) to hold a declared
 target: an acceptance rate, or a drift budget (the admitted groups' mean drift). The same
-gates decide late groups of an asynchronous rollout (`trainer.staleness`). A gate with
-state of its own may add `state_dict() -> dict` and `load_state_dict(dict)` (JSON values); the
-replay lifecycle (`trainer.primitive.GroupReplay`) saves and restores them with its buffer.
-Pure: imports torch only.
+gates decide late groups of an asynchronous rollout (`headroom_drift.staleness`). A gate with
+state of its own may add `state_dict() -> dict` and `load_state_dict(dict)` (plain values);
+the replay lifecycle (`headroom_drift.GroupReplay`) saves and restores them with its buffer.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def adapt_tau(
 
 @dataclass
 class AdaptiveGate:
-    """A drift gate whose `tau` holds `target` online (the `trainer.gate` interface: `tau`,
+    """A drift gate whose `tau` holds `target` online (the `Gate` interface: `tau`,
     `update(drifts, admitted)`, and `state_dict` / `load_state_dict` for checkpoints).
 
     `kind="acceptance"`: `target` is the share of scored groups admitted (in (0, 1]);

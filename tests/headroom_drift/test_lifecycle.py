@@ -1,18 +1,25 @@
-"""The replay lifecycle's one owner, `trainer.primitive.GroupReplay`: store, select by a rule,
+"""The replay lifecycle's one owner, `headroom_drift.GroupReplay`: store, select by a rule,
 gate by measured drift through a gate object, ingest after the update, weights that travel with
 a stored group, and its state for checkpoints (hand-built groups, no model)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from trainer.gate import FixedGate, Gate
-from trainer.loop import assemble_batch
-from trainer.primitive import GroupReplay
-from trainer.replay import GroupTensors, make_group
+from headroom_drift import (
+    FixedGate,
+    Gate,
+    GroupReplay,
+    GroupTensors,
+    LateGroups,
+    assemble_batch,
+    make_group,
+)
+from headroom_drift.gates import AdaptiveGate
 
 G, T = 2, 4
 MASK = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
@@ -132,7 +139,7 @@ def test_stored_token_weights_travel_into_the_replayed_rows():
     assert torch.equal(rows.token_weights[:G], torch.ones(G, T))  # fresh: no weights given
 
 
-def test_state_round_trip_keeps_groups_weights_and_gate():
+def test_state_round_trip_keeps_groups_weights_and_gate(tmp_path):
     gate = RecordingGate(tau=0.5)
     replay = GroupReplay(4, "headroom_drift", gate=gate, budget=2)
     weights = torch.full((G, T), 0.25)
@@ -140,9 +147,9 @@ def test_state_round_trip_keeps_groups_weights_and_gate():
     replay.store(1, **tensors(1), group_id="b")
     replay.select(2, shifted({"a": 0.9, "b": 0.1}))
     replay.ingest([])
-    tensors_, meta = replay.state()
+    path = replay.save(tmp_path / "replay.pt")
     restored = GroupReplay(4, "headroom_drift", gate=RecordingGate(tau=1.0), budget=2)
-    restored.load_state(tensors_, meta)
+    restored.load(path)
     assert [g.group_id for g in restored.buffer] == ["a", "b"]
     assert [g.replay_count for g in restored.buffer] == [g.replay_count for g in replay.buffer]
     assert torch.equal(restored.buffer.groups()[0].token_weights, weights)
@@ -151,5 +158,59 @@ def test_state_round_trip_keeps_groups_weights_and_gate():
     assert restored.stored == 2
     # a fixed gate keeps its own tau (a resumed run may change it by config)
     fixed = GroupReplay(4, "headroom_drift", budget=2, tau=0.01)
-    fixed.load_state(tensors_, meta)
+    fixed.load_state_dict(torch.load(path, weights_only=True))
     assert fixed.gate.tau == 0.01 and math.isfinite(fixed.buffer.groups()[0].headroom)
+
+
+def test_the_staleness_gate_is_part_of_the_state(tmp_path):
+    late = LateGroups("adaptive_drift_gate", AdaptiveGate(tau=0.1, target=0.5), max_lag=1)
+    replay = GroupReplay(4, "headroom_drift", budget=2, tau=0.5, late=late)
+    fresh = [make_group(f"s3/{k}", group_tensors(k), 3) for k in range(2)]
+    far = [g.gen_logprobs + 2.0 * g.loss_mask for g in fresh]  # the sampler was far off
+    decision = replay.admit_late(fresh, far, [1, 1])
+    assert decision.admission.admitted.tolist() == [False, False]
+    assert len(decision.to_buffer) == 2 and not decision.trained
+    assert late.gate.tau > 0.1  # nothing admitted against a target of 0.5: tau rises
+    replay.ingest(decision.to_buffer)
+    restored = GroupReplay(
+        4, "headroom_drift", budget=2, tau=0.5,
+        late=LateGroups("adaptive_drift_gate", AdaptiveGate(tau=0.1, target=0.5), max_lag=1),
+    )  # fmt: skip
+    restored.load(replay.save(tmp_path / "replay.pt"))
+    assert restored.late.gate.tau == late.gate.tau
+    assert [g.group_id for g in restored.buffer] == ["s3/0", "s3/1"]
+
+
+def test_a_state_is_taken_between_steps_and_of_its_own_format():
+    replay = GroupReplay(4, "headroom_drift", budget=2, tau=0.5)
+    replay.store(1, **tensors(0), group_id="a")
+    replay.select(2, shifted({}))
+    with pytest.raises(ValueError, match="between steps"):
+        replay.state_dict()
+    replay.ingest([])
+    with pytest.raises(ValueError, match=r"not a headroom_drift\.GroupReplay state"):
+        replay.load_state_dict({"capacity": 4, "groups": []})
+    newer = {**replay.state_dict(), "version": 99}
+    with pytest.raises(ValueError, match="newer"):
+        replay.load_state_dict(newer)
+
+
+def test_through_the_lifecycle_tau_settles_where_half_the_scanned_groups_pass():
+    # four stored groups with L2 drifts 0.01, 0.04, 0.09, 0.16; target: half of them admitted
+    gate = AdaptiveGate(tau=1e-3, target=0.5, rate=0.2)
+    replay = GroupReplay(8, "headroom_drift", gate=gate, budget=4, chunk=8)
+    offsets = {f"g{k}": 0.1 * (k + 1) for k in range(4)}
+    for k, name in enumerate(offsets):
+        replay.store(1, **tensors(k), group_id=name)
+    taus, shares = [], []
+    for step in range(2, 62):
+        sel = replay.select(step, shifted(offsets))
+        replay.ingest([])
+        assert sel.scanned == 4  # the budget never stops the scan early: the share is fair
+        shares.append(sel.acceptance_rate)
+        taus.append(gate.tau)
+    assert shares[0] == 0.0 and taus[0] > 1e-3  # nothing passed: tau rose
+    assert all(b > a for a, b in itertools.pairwise(taus[:10]))  # climbing
+    late = shares[-20:]
+    assert 0.25 <= sum(late) / len(late) <= 0.75  # held around the target
+    assert 0.03 <= taus[-1] <= 0.12  # between the 2nd and 3rd drift, up to one step past

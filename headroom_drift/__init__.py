@@ -1,0 +1,60 @@
+"""Headroom-Drift Replay: a replay control primitive for GRPO, in plain PyTorch.
+
+The method of "Headroom-Drift Replay: A Primitive for Principled Replay Control in GRPO"
+(arXiv 2609.03941): a buffer of whole GRPO groups, re-scored teacher-forced instead of rolled
+out again; Headroom ranks them by the learning value the current policy leaves, Policy Drift
+gates them by how far it has moved from the policy that sampled them. This package imports
+torch and numpy only (no model, config or HTTP), so any GRPO trainer can call it:
+
+- `objective`: group advantages, the clipped token-mean policy loss, k3 KL, truncated IS;
+- `scores`: `headroom`, `policy_drift`;
+- `groups`: the group value (`GroupTensors`, `StoredGroup`) and the FIFO `ReplayBuffer`;
+- `gates`: `FixedGate` (the paper's tau) and `AdaptiveGate` (tau held to a target online);
+- `selection`, `published`, `rules`: the scan, the comparison arms and two published replay
+  rules, every one by name in `RULES`;
+- `staleness`: the same gate for late groups of rollouts that run ahead of the trainer;
+- `batch`: fresh and replayed groups as one update's rows;
+- `lifecycle`: `GroupReplay`, the one owner of the buffer, the gates and their state.
+"""
+
+from headroom_drift.batch import Batch, Rows, assemble_batch
+from headroom_drift.gates import AdaptiveGate, FixedGate, Gate, adapt_tau
+from headroom_drift.groups import GroupTensors, ReplayBuffer, StoredGroup, make_group
+from headroom_drift.lifecycle import GroupReplay, LateGroups
+from headroom_drift.objective import group_advantages, kl_k3, masked_mean, policy_loss
+from headroom_drift.rules import ARMS, RULES, is_gated, register_rule, rule_params
+from headroom_drift.scores import headroom, policy_drift
+from headroom_drift.selection import ScanParams, ScoreFn, Selection
+from headroom_drift.staleness import STALENESS_RULES, LateDecision
+
+__all__ = [
+    "ARMS",
+    "RULES",
+    "STALENESS_RULES",
+    "AdaptiveGate",
+    "Batch",
+    "FixedGate",
+    "Gate",
+    "GroupReplay",
+    "GroupTensors",
+    "LateDecision",
+    "LateGroups",
+    "ReplayBuffer",
+    "Rows",
+    "ScanParams",
+    "ScoreFn",
+    "Selection",
+    "StoredGroup",
+    "adapt_tau",
+    "assemble_batch",
+    "group_advantages",
+    "headroom",
+    "is_gated",
+    "kl_k3",
+    "make_group",
+    "masked_mean",
+    "policy_drift",
+    "policy_loss",
+    "register_rule",
+    "rule_params",
+]

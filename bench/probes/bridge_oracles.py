@@ -1,7 +1,8 @@
 """Scripted oracles on the multi-turn `wiki-bridge` task: two searches against one.
 
     .venv/bin/hdr serve --index data/index --retriever bm25 --port 8000 &
-    .venv/bin/python bench/bridge_oracles.py --url http://127.0.0.1:8000 --model data/tiny-policy
+    .venv/bin/python bench/probes/bridge_oracles.py --url http://127.0.0.1:8000 \
+        --model data/tiny-policy
 
 The one-search oracle searches the question and answers the gold title when it was
 retrieved (else Doc 1's); the two-search oracle then searches Doc 1's title (the bridge hop)

@@ -1,7 +1,7 @@
 """The dose screen, applied after the fact to the committed pilots: would it have predicted
 each bed's 1.5x step, and said "no pilot" where the gate said NO-GO?
 
-    .venv/bin/python bench/dose_screen_pilots.py
+    .venv/bin/python bench/probes/dose_screen_pilots.py
 
 For every committed dose-response pilot (`docs/results/pilot-*`, recomputed from its per-run
 files as `hdr report --from` does) it takes b = 16 against b = 4 at equal updates, projects
@@ -23,7 +23,7 @@ from rich.table import Table
 from experiment.diagnostics import DoseScreen, dose_screen
 from experiment.recompute import read_config, read_runs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def per_question(root: Path) -> dict[str, dict[int, np.ndarray]]:

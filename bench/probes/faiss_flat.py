@@ -3,7 +3,8 @@ BLAS product by batch size (`dense.blas_from_queries`), a lone query's scan with
 the cache and right after an encoder pass, and the encoder called directly and through
 `asyncio.to_thread` (the server's hand-off). One thread for FAISS, in this process.
 
-    .venv/bin/python bench/faiss_flat.py --index data/index   # writes bench/results/faiss_flat.json
+    # writes bench/results/faiss_flat.json
+    .venv/bin/python bench/probes/faiss_flat.py --index data/index
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main(
     }
     lone["search_after_encode_ms"] = round(lone["encode_then_search_ms"] - encode_ms, 3)
     report = {
-        "command": "bench/faiss_flat.py",
+        "command": "bench/probes/faiss_flat.py",
         "index": str(index),
         "vectors": [dense.ntotal, dense.d],
         "faiss": faiss.__version__,

@@ -7,7 +7,7 @@ variance bound (MS_S + MS_Q) / (S Q) at that sum's own Satterthwaite df. The df 
 from the observed mean squares, so with two seeds, when the seed mean square comes out small
 by chance, it is large and the interval narrow: this script measures what that costs.
 
-    .venv/bin/python bench/interval_coverage.py            # 4,000 draws a row, seconds
+    .venv/bin/python bench/probes/interval_coverage.py            # 4,000 draws a row, seconds
 
 Writes bench/results/interval_coverage.json and prints a table. Counts, not times.
 """
@@ -24,7 +24,7 @@ from rich.table import Table
 
 from evaluation.statistics import crossed_interval
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # (seed variance, question variance), residual variance 1: the pilots' question term is
 # about a tenth of the residual, their seed term small
 CASES = [(0.0, 0.09), (0.005, 0.09), (0.02, 0.09), (0.05, 0.09)]

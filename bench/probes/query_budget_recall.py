@@ -2,7 +2,7 @@
 search when only the first N reach the retriever (`rollout.max_query_words`).
 
     .venv/bin/hdr serve --index data/index --retriever bm25 --port 8000 &
-    .venv/bin/python bench/query_budget_recall.py --url http://127.0.0.1:8000 \
+    .venv/bin/python bench/probes/query_budget_recall.py --url http://127.0.0.1:8000 \
         --corpus data/wiki-vital.jsonl
 
 For every question of the split (a vital article's description; answer: its title) and each

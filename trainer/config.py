@@ -49,6 +49,20 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (large models on a GPU)."
     )
+    train_layers: int | None = Field(
+        None,
+        ge=1,
+        description="Train only the top N decoder layers and the final norm (the embeddings and"
+        " the layers below frozen), and keep the frozen bottom's output per stored group, so"
+        " scans and updates run the top N layers only (trainer/frozen_bottom.py); None: train"
+        " every parameter.",
+    )
+    bottom_cache_dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="train_layers: the dtype the frozen bottom's states are kept in."
+    )
+    bottom_cache_mib: int = Field(
+        1024, ge=1, description="train_layers: most MiB of frozen-bottom states kept (LRU)."
+    )
 
     @field_validator("dtype")
     @classmethod

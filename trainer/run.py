@@ -190,6 +190,14 @@ def load_policy(model_dir: str | Path, config: TrainConfig, frozen: bool = False
     model = model.to(config.model.device).eval()
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if config.model.train_layers is not None and not frozen:
+        from trainer.frozen_bottom import attach
+
+        dtype = getattr(torch, config.model.bottom_cache_dtype)
+        try:
+            attach(model, config.model.train_layers, dtype, config.model.bottom_cache_mib << 20)
+        except ValueError as err:
+            raise UserError(f"model.{err}") from None
     return model, load_tokenizer(path)
 
 
@@ -198,8 +206,9 @@ def build_optimizer(model, config: TrainConfig):
     and the warmup schedule."""
     g = config.grpo
     fused = next(model.parameters()).is_cuda
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, unless model.train_layers
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=g.lr, betas=g.betas, weight_decay=g.weight_decay, fused=fused
+        trained, lr=g.lr, betas=g.betas, weight_decay=g.weight_decay, fused=fused
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     return optimizer, scheduler

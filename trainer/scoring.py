@@ -33,15 +33,11 @@ from torch import Tensor
 from headroom_drift import GroupTensors, StoredGroup, group_advantages, make_group, masked_mean
 from headroom_drift.groups import concat_left_padded
 from headroom_drift.objective import token_entropy
+from trainer.frozen_bottom import attached, backbone
 
 # Positions per output-layer slice: bounds the `[positions, vocabulary]` logits a forward
 # holds (Qwen2.5's 151,936 entries x 4,096 positions are 2.5 GB per row in fp32).
 HEAD_SLICE = 512
-
-
-def position_ids_for(attention_mask: Tensor) -> Tensor:
-    """`cumsum(attention_mask) - 1`, clamped at 0 on the padding. `[N, T]` -> `[N, T]`."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 CallAgreement = Callable[[list[int]], list[int]]
@@ -88,9 +84,7 @@ def forward_logprobs(
     used = (attention_mask.sum(dim=0) > 0).nonzero()
     start = int(used[0]) if len(used) else T - 1  # first column any row uses
     ids, mask = input_ids[:, start:], attention_mask[:, start:]
-    hidden = model.base_model(
-        input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False
-    ).last_hidden_state  # (n, T - start, H)
+    hidden = backbone(model, ids, mask)  # (n, T - start, H)
     real = mask.bool()
     # a target is wanted when marked, and real with a real token before it to predict it from
     wanted = target_mask[:, start + 1 :].bool() & real[:, 1:] & real[:, :-1]  # (n, T-start-1)
@@ -258,6 +252,8 @@ def score_groups(
             token_logprobs(model, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2),
                            None, chunk_size, temperature, agree=agree)  # fmt: skip
         return []
+    if (bottom := attached(model)) is not None:
+        bottom.fill(model, groups)  # each group's frozen-bottom states, from its own rows
     ids = concat_left_padded([g.input_ids for g in groups])
     attn = concat_left_padded([g.attention_mask for g in groups])
     target = concat_left_padded([g.loss_mask for g in groups])
@@ -322,6 +318,11 @@ def behaviour_groups(
     ids, attn, mask = trajectory_rows(groups)
     rewards = torch.tensor([[t.reward for t in group] for group in groups])  # (b, G)
     names = [f"s{step}/{indices[k]}/{group[0].example.id}" for k, group in enumerate(groups)]
+    if (bottom := attached(model)) is not None:  # the groups' own rows, as they will be stored
+        G = len(groups[0])
+        rows = GroupTensors(ids, attn, mask, torch.zeros_like(mask), rewards.flatten(),
+                            rewards.flatten())  # fmt: skip
+        bottom.fill(model, [rows.take(slice(k * G, (k + 1) * G)) for k in range(len(groups))])
     lp, entropy, forwarded = behaviour_logprobs(
         model, ids, attn, mask, chunk_size, temperature, compute
     )

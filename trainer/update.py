@@ -20,6 +20,7 @@ from torch import Tensor
 
 from headroom_drift import Batch, Rows, headroom, kl_k3, policy_drift, policy_loss
 from trainer import distributed
+from trainer.frozen_bottom import attached
 from trainer.run import Run
 from trainer.scoring import align, forward_logprobs
 
@@ -55,6 +56,8 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
         return UpdateStats(0.0, 0.0, 0.0, [], [])
     total = batch.policy_tokens  # global: every process divides by the whole batch's tokens
     shard = batch.shard(run.dist.rank, run.dist.world)
+    if (bottom := attached(run.model)) is not None:  # kept from the behaviour pass and scans
+        bottom.fill(run.model, shard.groups)
     rows = shard.rows()
     first_pass = torch.zeros_like(rows.gen_logprobs)
     run.model.train()

@@ -193,6 +193,7 @@ class VLLMGenerator:
         self.probe = probe
         self.dtype = dtype  # the engine's
         self.asleep = False
+        self.synced_once = False  # the first sync loads every tensor, later ones what trains
         self.last_sync_gap: float | None = None  # the check's mean gap at the last sync
 
     def generate(
@@ -247,6 +248,16 @@ class VLLMGenerator:
             kwargs=dict(weights_iterator=iter(state.items()), is_checkpoint_format=True),
         )
 
+    def changed_state(self, model) -> dict:
+        """What the engine must load: the whole state at the first sync, after it only the
+        tensors of parameters that train (a model trained above a frozen bottom changes a few
+        layers; the engine's in-place reload takes any subset of names)."""
+        if not self.synced_once:
+            self.synced_once = True
+            return model.state_dict()
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        return {name: t for name, t in model.state_dict().items() if name in trained}
+
     def check_weights(self, model) -> float:
         """The probe's log-probs, engine against `model`; one line when they differ."""
         import torch
@@ -266,7 +277,7 @@ class VLLMGenerator:
         if self.asleep:
             torch.cuda.empty_cache()  # the trainer's freed blocks go back for the engine's wake
             self.llm.wake_up(tags=["weights"])
-        self.load_state(model.state_dict())
+        self.load_state(self.changed_state(model))
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

@@ -23,13 +23,13 @@ each on a crowded machine; the step's figures are then scaled to 40). What is ti
   Policy Drift (docs/design.md) the gap alone would give each group;
 - the update (`update_*`): forward + backward + AdamW on one micro-batch of 8 rows (the
   figure for 40 or 80 rows is x5 / x10: rows are similar in length), with the GRPO loss
-  (trainer.grpo.policy_loss): full fine-tune float32 / bf16; LoRA through peft (ranks 8 and
+  (headroom_drift.policy_loss): full fine-tune float32 / bf16; LoRA through peft (ranks 8 and
   32, attention-only or all linear layers); only the top K layers trainable (K = 4, 8) with
   the frozen bottom under no_grad; LoRA on the top K only; and the top K from cached boundary
   states (no bottom forward at all). Embeddings are tied to the output layer, so they are
   frozen in every top-K variant (else the cached states would go stale);
 - the replay scan of 8 stored groups x 5: the scoring forward of the 40 stored rows plus the
-  primitive's Headroom and Drift (trainer.replay), per variant;
+  primitive's Headroom and Drift (headroom_drift), per variant;
 - memory of the cached boundary states per token (bf16 and float32) and for a buffer.
 
     nice -n 19 .venv/bin/python bench/probes/smollm2_levers.py \\
@@ -244,7 +244,7 @@ def gaps(lp, ref, pol, attn) -> dict:
 def part_scoring(model, fresh, stored, repeats: int) -> dict:
     import torch
 
-    from trainer.replay import headroom, policy_drift
+    from headroom_drift import headroom, policy_drift
     from trainer.scoring import forward_logprobs
 
     res: dict = {}
@@ -343,7 +343,7 @@ def part_update(model_dir: str, fresh, repeats: int, dtype_filter=None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.grpo import policy_loss
+    from headroom_drift import policy_loss
     from trainer.scoring import forward_logprobs
 
     rows = fresh[:MICRO]

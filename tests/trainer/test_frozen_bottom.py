@@ -1,0 +1,84 @@
+"""Training above a frozen bottom (`model.train_layers`) on a real tiny Llama: the kept
+states give the scores the whole backbone gives, only the top layers train, a group's states
+are the same numbers however often they are computed, and the vLLM sync sends what trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from headroom_drift import GroupTensors, make_group
+from trainer.frozen_bottom import attach, attached, freeze_below
+from trainer.scoring import left_pad, score_groups, token_logprobs
+
+
+def groups(seed: int, count: int = 3) -> list:
+    """`count` groups of 3 left-padded rows of different lengths, a loss mask on the tail."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(count):
+        rows = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (6 + k, 9, 5 + 2 * k)]
+        ids, attn = left_pad(rows), left_pad([[1] * len(r) for r in rows])
+        mask = attn.float() * (torch.arange(ids.shape[1]) >= ids.shape[1] - 3).float()
+        zeros = torch.zeros(3)
+        tensors = GroupTensors(ids, attn, mask, torch.zeros_like(mask), zeros, zeros)
+        out.append(make_group(f"g{seed}/{k}", tensors, 1))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_states_score_as_the_whole_backbone(dtype):
+    plain, split = tiny_llama(seed=3), tiny_llama(seed=3)
+    attach(split, 1, dtype, 1 << 20)
+    stored = groups(0)
+    with torch.no_grad():
+        want = score_groups(plain, stored)
+        got = score_groups(split, stored)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2  # bf16 keeps ~3 significant digits
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
+    bottom = attached(split)
+    assert bottom.computed_tokens == sum(int(g.attention_mask.sum()) for g in stored)
+    with torch.no_grad():
+        score_groups(split, stored)  # a second scan: no bottom forward at all
+    assert bottom.computed_tokens == sum(int(g.attention_mask.sum()) for g in stored)
+
+
+def test_only_the_top_layers_train_and_get_gradients():
+    model = tiny_llama(seed=1)
+    trainable = freeze_below(model, 1)
+    assert trainable and all(n.startswith(("model.layers.1.", "model.norm.")) for n in trainable)
+    attach(model, 1, torch.float32, 1 << 20)
+    stored = groups(1)
+    lp = score_groups(model, stored, with_grad=True)
+    torch.stack([x.sum() for x in lp]).sum().backward()
+    got_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert got_grad == set(trainable)
+    with pytest.raises(ValueError, match="the model has 2 layers"):
+        freeze_below(tiny_llama(), 3)
+
+
+def test_a_groups_states_are_the_same_whenever_computed():
+    model = tiny_llama(seed=2)
+    bottom = attach(model, 1, torch.float32, max_bytes=1)  # keeps nothing: every call recomputes
+    stored = groups(2)
+    with torch.no_grad():
+        first = score_groups(model, stored)
+        again = score_groups(model, list(reversed(stored)))[::-1]  # other groups beside it
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    assert bottom.computed_tokens > 2 * sum(int(g.attention_mask.sum()) for g in stored) - 1
+
+
+def test_rows_never_filled_are_computed_alone_and_kept():
+    model = tiny_llama(seed=4)
+    plain = tiny_llama(seed=4)
+    bottom = attach(model, 1, torch.float32, 1 << 20)
+    ids = left_pad([[5, 6, 7, 8], [9, 10, 11]])
+    attn = left_pad([[1] * 4, [1] * 3])
+    with torch.no_grad():
+        got, _ = token_logprobs(model, ids, attn)
+        want, _ = token_logprobs(plain, ids, attn)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert bottom.computed_tokens == 7

@@ -28,11 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from retrieval_server.batching import MicroBatcher
+from retrieval_server.batching import MicroBatcher, Passage
 from retrieval_server.cache import CacheKey, ResultCache
 from retrieval_server.emulated_cost import CostEmulator
-
-Passage = tuple[bytes, float]  # a hit's document as response JSON, and its score
 
 
 class Backend(Protocol):

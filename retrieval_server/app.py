@@ -47,7 +47,6 @@ from retrieval_server.answers import (
     Answered,
     Answers,
     BatcherBackend,
-    Passage,
     join_answers,
 )
 from retrieval_server.api import (
@@ -61,7 +60,7 @@ from retrieval_server.api import (
     ScoredResponse,
     profile_request_model,
 )
-from retrieval_server.batching import MicroBatcher, Overloaded, SearchFailed
+from retrieval_server.batching import MicroBatcher, Overloaded, Passage, SearchFailed
 from retrieval_server.cache import ResultCache, open_persisted
 from retrieval_server.config import ServerConfig
 from retrieval_server.connections import ARRIVAL

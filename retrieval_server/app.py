@@ -250,7 +250,7 @@ class RequestGuard:
                 return
             self.in_flight += limited
             try:
-                await self.app(scope, replay(body, receive), send)
+                await self.app(scope, receive_buffered(body, receive), send)
             finally:
                 self.in_flight -= limited
         finally:
@@ -332,19 +332,19 @@ class RequestGuard:
         await error_response(status, detail, headers)(scope, receive, send)
 
 
-def replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that yields the buffered body once, then the server's own messages (so the
-    app still learns of a disconnect)."""
-    sent = False
+def receive_buffered(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the body `RequestGuard` buffered, in one message, then
+    the server's own messages (so the app still learns of a disconnect)."""
+    handed = False
 
-    async def replayed() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
+    async def receive_body_then_server() -> Message:
+        nonlocal handed
+        if not handed:
+            handed = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    return replayed
+    return receive_body_then_server
 
 
 class RequestMetricsMiddleware:

@@ -16,6 +16,13 @@ needed more of the spend budget than is left, the upstream refused its request),
 waiter looks its keys up again and leads them itself: at worst one call for its own keys, as
 without coalescing.
 
+A backend that bills what it was sent (the upstream of proxy mode: `finishes_abandoned`) has
+its computations run to the end even when every request waiting for them has left: the leader
+computes in a task of its own and waits on it, so a client that disconnects cannot leave a paid
+call unbilled, and its answer is cached and given to the waiters instead of being paid for a
+second time. The local index's searches stop with their last client instead (its queue drops
+them).
+
 With the cache disabled every query goes to the backend as it came (no lookup, no
 coalescing): every query billed, as before the cache existed.
 """
@@ -69,6 +76,8 @@ class BatcherBackend:
     """The local index: queries searched through the micro-batcher (passages read in its
     search thread) and rendered."""
 
+    finishes_abandoned = False  # a search nobody waits for leaves the queue
+
     def __init__(self, batcher: MicroBatcher) -> None:
         self.batcher = batcher
 
@@ -91,6 +100,9 @@ class Answered:
         return len(self.answers) - self.billed
 
 
+Led = tuple[dict[CacheKey, bytes], int]  # a leader's answers, and how many it computed
+
+
 class LeaderGone(Exception):
     """The request computing a key stopped before it had the answer; look the key up again."""
 
@@ -108,6 +120,8 @@ class Answers:
         self.cache = cache
         self.emulator = emulator
         self.in_flight: dict[CacheKey, asyncio.Future[bytes]] = {}
+        # computations that outlive their requests (`finishes_abandoned`), awaited at close
+        self.detached: set[asyncio.Task[Led]] = set()
 
     async def get(
         self,
@@ -129,9 +143,9 @@ class Answers:
             hits += cached
             unresolved = []
             if led:
-                answers = await self._lead(led)
-                found.update(zip(led, answers, strict=True))
-                billed += len(led)
+                answers, computed = await self._lead_to_the_end(led)
+                found.update(answers)
+                billed += computed
             for key, future in waits.items():
                 try:
                     found[key] = await asyncio.shield(future)  # never cancel another's work
@@ -164,24 +178,57 @@ class Answers:
                 self.in_flight[key] = loop.create_future()
         return led, waits, hits
 
-    async def _lead(self, keys: list[CacheKey]) -> list[bytes]:
+    async def _lead_to_the_end(self, keys: list[CacheKey]) -> Led:
+        """`_lead`, in a task of its own for a backend that bills what it was sent: the
+        request may stop waiting (its client left), the computation goes on."""
+        if not getattr(self.backend, "finishes_abandoned", False):
+            return await self._lead(keys)
+        task = asyncio.get_running_loop().create_task(self._lead(keys))
+        self.detached.add(task)
+        task.add_done_callback(self._detached_done)
+        return await asyncio.shield(task)
+
+    def _detached_done(self, task: asyncio.Task) -> None:
+        self.detached.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the request that awaited it may have left
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let the computations that outlive their requests finish (at shutdown), then
+        cancel what is left (a cancelled forward is billed if it was sent)."""
+        if self.detached:
+            await asyncio.wait(set(self.detached), timeout=timeout_s)
+        for task in list(self.detached):
+            task.cancel()
+        if self.detached:
+            await asyncio.wait(set(self.detached))
+
+    async def _lead(self, keys: list[CacheKey]) -> Led:
         """Compute the keys this request leads, store and publish their answers. A key left
         unpublished (an error, a cancellation) is handed back: its waiters look it up again."""
         assert self.cache is not None
+        found: dict[CacheKey, bytes] = {}
         first = keys[0]
         queries = [key.query for key in keys]
         try:
             answers = await self._compute(queries, first.topk, first.retriever, first.return_scores)
             self.cache.stats.misses += len(keys)
-            for key, answer in zip(keys, answers, strict=True):
-                self.cache.put(key, answer)
-                self.in_flight.pop(key).set_result(answer)
-            return answers
+            self._publish(dict(zip(keys, answers, strict=True)), found)
+            return found, len(keys)
         finally:  # no key may stay in flight with nobody to resolve it
             for key in keys:
                 if (future := self.in_flight.pop(key, None)) is not None:
                     future.set_exception(LeaderGone())
                     future.exception()  # retrieved: nobody may be waiting
+
+    def _publish(self, answers: dict[CacheKey, bytes], found: dict[CacheKey, bytes]) -> None:
+        """Store answers in this replica's cache and resolve their waiters."""
+        assert self.cache is not None
+        for key, answer in answers.items():
+            self.cache.put(key, answer)
+            found[key] = answer
+            if (future := self.in_flight.pop(key, None)) is not None:
+                future.set_result(answer)
 
     async def _compute(
         self, queries: list[str], topk: int, retriever: str, return_scores: bool

@@ -117,18 +117,24 @@ class CacheReport(BaseModel):
 
 
 class UpstreamReport(BaseModel):
-    """`/health`'s account of proxy mode: what was forwarded and what it cost."""
+    """`/health`'s account of proxy mode: what was forwarded and what it cost. `calls` and
+    `spent` are the ledger's (since the spend file began; this process alone without one);
+    `requests` to `refused_unavailable` count this process's."""
 
-    url: str
+    url: str  # without user, password or query values
     requests: int  # HTTP requests the upstream answered
-    calls: int  # queries forwarded and answered: the billed calls
+    calls: int  # queries billed: answered, or sent and unanswered (upstream.bill_timeouts)
+    committed_calls: int  # what the budget counts: billed, in flight, unsettled by a stopped server
     retries: int
     failures: int  # forwards that failed after their retries (answered 502/504)
     refused_over_budget: int  # requests answered 429
+    refused_unavailable: int  # requests answered 503: the spend file could not be written
     price_per_call: float
     spent: float
+    committed_spend: float
     max_calls: int | None
     max_spend: float | None
+    ledger: Literal["memory", "file"]  # where the spend is kept
 
 
 class HealthResponse(BaseModel):
@@ -139,6 +145,8 @@ class HealthResponse(BaseModel):
     index_type: str | None  # None: no dense index (BM25 only), or not known (proxy)
     retrievers: list[str]
     default_retriever: str | None  # None: a proxy leaves it to its upstream
+    profile: Literal["search-r1", "strict"]
+    max_query_chars: int  # queries are cut to it (search-r1) or refused past it (strict)
     emulated_cost: EmulatedCostReport
     cache: CacheReport
     upstream: UpstreamReport | None = None  # proxy mode only

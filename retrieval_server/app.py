@@ -69,7 +69,13 @@ from retrieval_server.index import DocumentStore, IndexManifest, LoadedIndex, lo
 from retrieval_server.metrics import BatcherCollector, CacheCollector, ServerMetrics
 from retrieval_server.query_log import QueryLog
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
-from retrieval_server.upstream import BudgetSpent, UpstreamBackend, UpstreamError
+from retrieval_server.spend import BudgetSpent, BudgetUnavailable
+from retrieval_server.upstream import (
+    UpstreamBackend,
+    UpstreamError,
+    default_ledger,
+    upstream_description,
+)
 
 KNOWN_PATHS = {"/retrieve", "/health", "/metrics"}
 UNLIMITED_PATHS = {"/health", "/metrics"}  # answered even at the concurrency limit
@@ -423,7 +429,11 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         fetch=lambda hits: fetch_passages(index.documents, hits),
     )
     fingerprint = index_fingerprint(index.manifest, config)
-    answers = make_answers(BatcherBackend(batcher), config, fingerprint)
+    try:
+        answers = make_answers(BatcherBackend(batcher), config, fingerprint)
+    except BaseException:
+        index.close()
+        raise
     return ServingState(
         answers=answers,
         fingerprint=fingerprint,
@@ -451,34 +461,44 @@ def index_fingerprint(manifest: IndexManifest, config: ServerConfig) -> str:
     )
 
 
-def make_answers(backend, config: ServerConfig, fingerprint: str) -> Answers:
+def make_answers(
+    backend,
+    config: ServerConfig,
+    fingerprint: str,
+    description: dict[str, Any] | None = None,
+) -> Answers:
     """The cache (persisted answers of the same fingerprint loaded) in front of `backend`."""
     settings = config.cache
     cache = None
     if settings.enabled:
-        cache = ResultCache(settings.max_bytes, fingerprint, settings.ttl_s)
+        cache = ResultCache(
+            settings.max_bytes, fingerprint, settings.ttl_s, description=description
+        )
         open_persisted(cache, settings.persist_path)
     return Answers(backend, cache, CostEmulator(config.emulated_cost))
 
 
 async def open_upstream_state(config: ServerConfig) -> ServingState:
-    """Proxy mode: the upstream (asked for its /health, so its index's fingerprint becomes
-    part of ours) with the answers' cache in front."""
+    """Proxy mode: the upstream (asked for its /health, so what decides its answers becomes
+    part of our fingerprint) with the answers' cache in front, and the spend's ledger."""
     assert config.upstream is not None
-    upstream = UpstreamBackend(config.upstream)
+    upstream = None
     try:
+        ledger = await asyncio.to_thread(default_ledger, config.upstream)
+        upstream = UpstreamBackend(config.upstream, ledger)
         health = await upstream.describe()
+        description = upstream_description(config.upstream, health)
+        fingerprint = digest(description, length=FINGERPRINT_DIGITS)
+        answers = await asyncio.to_thread(make_answers, upstream, config, fingerprint, description)
     except BaseException:
-        await upstream.close()
+        if upstream is not None:
+            await upstream.close()
         raise
-    served = health.get("cache") if isinstance(health.get("cache"), dict) else {}
-    fingerprint = digest(
-        {"upstream": config.upstream.url, "fingerprint": served.get("fingerprint")},
-        length=FINGERPRINT_DIGITS,
-    )
-    answers = await asyncio.to_thread(make_answers, upstream, config, fingerprint)
     return ServingState(
-        answers=answers, fingerprint=fingerprint, upstream=upstream, upstream_health=health
+        answers=answers,
+        fingerprint=fingerprint,
+        upstream=upstream,
+        upstream_health=health,
     )
 
 
@@ -526,6 +546,8 @@ async def answer_or_give_up(
         return error_response(503, f"{err}; retry", retry)
     except BudgetSpent as err:
         return error_response(429, str(err))
+    except BudgetUnavailable as err:
+        return error_response(503, str(err), retry)
     except UpstreamError as err:
         return error_response(err.status, err.detail)
 
@@ -616,13 +638,18 @@ def create_app(config: ServerConfig) -> FastAPI:
         reason = state.unhealthy_reason()
         if reason is not None:
             response.status_code = 503
+        upstream = None
+        if state.upstream is not None:
+            upstream = state.upstream.report(await state.upstream.ledger.refresh())
         return HealthResponse(
             status="ok" if reason is None else "unhealthy",
             reason=reason,
             **served_index(state, config),
+            profile=config.profile,
+            max_query_chars=config.max_query_chars,
             emulated_cost=state.answers.emulator.report(),
             cache=cache_report(state, config),
-            upstream=None if state.upstream is None else state.upstream.report(),
+            upstream=upstream,
         )
 
     @app.get("/metrics", response_class=Response)
@@ -634,11 +661,12 @@ def create_app(config: ServerConfig) -> FastAPI:
 
 
 async def close_serving_state(state: ServingState, config: ServerConfig) -> None:
-    """Stop the batcher (or the upstream's client), close the index, save the cache if it
-    persists."""
+    """Stop the batcher (or let the upstream's forwards in flight end, and close its client
+    and its ledger), close the index, save the cache if it persists."""
     if state.batcher is not None:
         await state.batcher.stop()
     if state.upstream is not None:
+        await state.answers.drain(config.upstream.worst_case_s())
         await state.upstream.close()
     if state.index is not None:
         state.index.close()

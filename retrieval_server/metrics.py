@@ -237,32 +237,63 @@ class CacheCollector:
                 "hdr_retrieval_cache_entries", "Answers cached.", value=len(cache)
             )
         if state.upstream is not None:
-            counts = state.upstream.counts
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_calls",
-                "Queries forwarded to the upstream and answered: the billed calls.",
-                value=counts.calls,
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_requests",
-                "HTTP requests the upstream answered.",
-                value=counts.requests,
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_retries", "Forwards retried.", value=counts.retries
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_failures",
-                "Forwards that failed after their retries (answered 502 or 504).",
-                value=counts.failures,
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_over_budget",
-                "Requests answered 429: the spend budget had run out.",
-                value=counts.refused_over_budget,
-            )
-            yield GaugeMetricFamily(
-                "hdr_retrieval_upstream_spent",
-                "Billed calls x price_per_call.",
-                value=state.upstream.budget.spent,
-            )
+            yield from upstream_metrics(state.upstream)
+
+
+def upstream_metrics(upstream: UpstreamBackend) -> Iterator[Any]:
+    """The spend (the ledger's totals: the spend file's, across restarts) and this
+    process's forwarding counts."""
+    counts, totals, config = upstream.counts, upstream.ledger.totals(), upstream.config
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_calls",
+        "Queries billed by the upstream (answered, or sent and unanswered with "
+        "upstream.bill_timeouts), in the ledger: since the spend file began.",
+        value=totals.calls,
+    )
+    yield GaugeMetricFamily(
+        "hdr_retrieval_upstream_committed_calls",
+        "What the budget counts: billed calls, calls in flight, and calls a stopped server "
+        "left unsettled.",
+        value=totals.committed_calls,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_requests",
+        "HTTP requests the upstream answered (this process).",
+        value=counts.requests,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_retries", "Forwards retried.", value=counts.retries
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_failures",
+        "Forwards that failed after their retries (answered 502 or 504).",
+        value=counts.failures,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_over_budget",
+        "Requests answered 429: the spend budget had run out.",
+        value=counts.refused_over_budget,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_budget_unavailable",
+        "Requests answered 503: the budget could not be checked (its spend file not writable).",
+        value=counts.refused_unavailable,
+    )
+    yield GaugeMetricFamily(
+        "hdr_retrieval_upstream_spent",
+        "Billed calls x price_per_call, in the ledger.",
+        value=totals.spent,
+    )
+    yield GaugeMetricFamily(
+        "hdr_retrieval_upstream_committed_spend",
+        "The spend the budget counts (billed, in flight, unsettled).",
+        value=totals.committed_spend,
+    )
+    if config.max_calls is not None:
+        yield GaugeMetricFamily(
+            "hdr_retrieval_upstream_max_calls", "upstream.max_calls.", value=config.max_calls
+        )
+    if config.max_spend is not None:
+        yield GaugeMetricFamily(
+            "hdr_retrieval_upstream_max_spend", "upstream.max_spend.", value=config.max_spend
+        )

@@ -86,7 +86,7 @@ def describe(app: FastAPI, config: ServerConfig) -> str:
     if state.index is not None:
         served = f"{len(state.index.documents)} passages"
     else:
-        served = f"proxy of {config.upstream.url}"
+        served = f"proxy of {config.upstream.shown_url}"
     cache = state.answers.cache
     if cache is None:
         return f"{served}, no cache"

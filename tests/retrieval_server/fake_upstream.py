@@ -36,11 +36,20 @@ class FakeUpstream:
     health: bytes = b'{"status": "ok", "default_retriever": "dense"}'
     health_status: int = 200
     queries: int = 0  # queries received in POST /retrieve bodies
+    received: list[str] = field(default_factory=list)  # those queries, in arrival order
     requests: int = 0
     paths: list[str] = field(default_factory=list)  # of every request, query string included
     authorizations: list[str | None] = field(default_factory=list)
     released: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wait_for_queries(self, count: int, timeout_s: float = 30) -> None:
+        """Return once `count` queries have arrived (a forward is known to be on its way)."""
+        deadline = time.monotonic() + timeout_s
+        while self.queries < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the fake upstream received {self.queries} of {count}")
+            time.sleep(0.01)
 
     def answer(self, request: dict[str, Any]) -> bytes:
         retriever = request.get("retriever") or "default"
@@ -69,6 +78,7 @@ def handler_for(fake: FakeUpstream) -> type[BaseHTTPRequestHandler]:
             with fake.lock:
                 fake.requests += 1
                 fake.queries += len(request["queries"])
+                fake.received += request["queries"]
             if fake.stall:
                 fake.released.wait(60)
                 return

@@ -68,11 +68,11 @@ def test_clients_that_leave_cannot_overspend_or_go_unbilled(tmp_path: Path) -> N
         left = asyncio.run(give_up_early())
         report = settled(proxy.url)
         normal = [post(proxy.url, [f"normal query {i}"]) for i in range(4)]
-        paid = [f"leaving query {i}" for i, status in enumerate(left) if status is None]
-        again = post(proxy.url, paid)
+        again = post(proxy.url, api.received)  # the queries that were paid for
         final = upstream_health(proxy.url)
-    assert left.count(None) == 3 and left.count(429) == 7, left  # 3 in flight, 7 over budget
-    assert api.queries == 3
+    # 3 forwarded (their clients left), 7 refused (a loaded machine may let them leave too)
+    assert left.count(None) >= 3 and set(left) <= {None, 429}, left
+    assert api.queries == 3 and len(set(api.received)) == 3
     assert report["calls"] == 3 == report["committed_calls"]
     assert [r.status_code for r in normal] == [429] * 4
     assert "upstream.max_calls 3 leaves 0 calls" in normal[0].json()["detail"]
@@ -98,7 +98,7 @@ def test_a_leader_that_leaves_hands_its_paid_answer_to_the_waiting_request() -> 
 
         thread = threading.Thread(target=leader)
         thread.start()
-        time.sleep(0.1)  # the leader's forward is on its way
+        api.wait_for_queries(1)  # the leader's forward is on its way
         waited = post(proxy.url, ["Haiku"])
         thread.join()
         report = settled(proxy.url)
@@ -184,10 +184,7 @@ def test_a_proxy_killed_in_the_middle_of_a_call_has_that_call_counted(tmp_path: 
 
             caller = threading.Thread(target=call_that_dies_with_the_proxy)
             caller.start()
-            deadline = time.monotonic() + 30
-            while api.queries < 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert api.queries == 1
+            api.wait_for_queries(1)
             os.kill(proxy.process.pid, signal.SIGKILL)
             proxy.process.wait(timeout=30)
             caller.join(timeout=30)

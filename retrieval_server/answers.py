@@ -23,6 +23,11 @@ call unbilled, and its answer is cached and given to the waiters instead of bein
 second time. The local index's searches stop with their last client instead (its queue drops
 them).
 
+With a shared cache (`retrieval_server.shared`, `cache.backend: redis`), a leader looks its
+keys up there before computing, takes the fleet's lock of the ones it computes and writes
+their answers back; a key another replica holds the lock of is waited for, and taken over if
+that lock goes without an answer. Redis unreachable: the leader computes, as without it.
+
 With the cache disabled every query goes to the backend as it came (no lookup, no
 coalescing): every query billed, as before the cache existed.
 """
@@ -33,11 +38,14 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from retrieval_server.batching import MicroBatcher, Passage
 from retrieval_server.cache import CacheKey, ResultCache
 from retrieval_server.emulated_cost import CostEmulator
+
+if TYPE_CHECKING:
+    from retrieval_server.shared import SharedCache
 
 
 class Backend(Protocol):
@@ -100,7 +108,7 @@ class Answered:
         return len(self.answers) - self.billed
 
 
-Led = tuple[dict[CacheKey, bytes], int]  # a leader's answers, and how many it computed
+Led = tuple[dict[CacheKey, bytes], int, int]  # a leader's answers, computed here, shared hits
 
 
 class LeaderGone(Exception):
@@ -115,10 +123,12 @@ class Answers:
         backend: Backend,
         cache: ResultCache | None,
         emulator: CostEmulator | None = None,
+        shared: SharedCache | None = None,
     ) -> None:
         self.backend = backend
         self.cache = cache
         self.emulator = emulator
+        self.shared = shared if cache is not None else None
         self.in_flight: dict[CacheKey, asyncio.Future[bytes]] = {}
         # computations that outlive their requests (`finishes_abandoned`), awaited at close
         self.detached: set[asyncio.Task[Led]] = set()
@@ -143,9 +153,10 @@ class Answers:
             hits += cached
             unresolved = []
             if led:
-                answers, computed = await self._lead_to_the_end(led)
+                answers, computed, from_fleet = await self._lead_to_the_end(led)
                 found.update(answers)
                 billed += computed
+                hits += from_fleet
             for key, future in waits.items():
                 try:
                     found[key] = await asyncio.shield(future)  # never cancel another's work
@@ -204,22 +215,57 @@ class Answers:
             await asyncio.wait(set(self.detached))
 
     async def _lead(self, keys: list[CacheKey]) -> Led:
-        """Compute the keys this request leads, store and publish their answers. A key left
+        """Answer the keys this request leads: from the shared cache, from another
+        replica's computation, or computed here; store and publish each answer. Returns the
+        answers, how many were computed here (billed to this request) and how many came from
+        the shared cache (hits). A key left
         unpublished (an error, a cancellation) is handed back: its waiters look it up again."""
         assert self.cache is not None
+        shared = self.shared
         found: dict[CacheKey, bytes] = {}
-        first = keys[0]
-        queries = [key.query for key in keys]
+        computed = hits = 0
         try:
-            answers = await self._compute(queries, first.topk, first.retriever, first.return_scores)
-            self.cache.stats.misses += len(keys)
-            self._publish(dict(zip(keys, answers, strict=True)), found)
-            return found, len(keys)
+            pending = keys
+            if shared is not None:
+                from_fleet = await shared.fetch(pending)
+                hits = len(from_fleet)
+                self.cache.stats.shared_hits += hits
+                self._publish(from_fleet, found)
+                pending = [key for key in pending if key not in from_fleet]
+            while pending:
+                mine, theirs = await shared.claim(pending) if shared else (pending, [])
+                if mine:
+                    self._publish(await self._compute_led(mine), found)
+                    computed += len(mine)
+                pending = []
+                if theirs:
+                    answered, pending = await shared.wait(theirs)  # type: ignore[union-attr]
+                    self.cache.stats.shared_waits += len(answered)
+                    self._publish(answered, found)
+            return found, computed, hits
         finally:  # no key may stay in flight with nobody to resolve it
             for key in keys:
                 if (future := self.in_flight.pop(key, None)) is not None:
                     future.set_exception(LeaderGone())
                     future.exception()  # retrieved: nobody may be waiting
+
+    async def _compute_led(self, keys: list[CacheKey]) -> dict[CacheKey, bytes]:
+        """The backend's answers for `keys` (whose locks this replica holds, if shared),
+        written to the shared cache; on failure the locks are let go."""
+        assert self.cache is not None
+        first = keys[0]
+        queries = [key.query for key in keys]
+        try:
+            answers = await self._compute(queries, first.topk, first.retriever, first.return_scores)
+        except BaseException:
+            if self.shared is not None:
+                await asyncio.shield(self.shared.release(keys))
+            raise
+        self.cache.stats.misses += len(keys)
+        computed = dict(zip(keys, answers, strict=True))
+        if self.shared is not None:
+            await self.shared.store(computed)  # before answering: the next replica finds it
+        return computed
 
     def _publish(self, answers: dict[CacheKey, bytes], found: dict[CacheKey, bytes]) -> None:
         """Store answers in this replica's cache and resolve their waiters."""

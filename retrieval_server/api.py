@@ -99,13 +99,26 @@ class EmulatedCostReport(BaseModel):
     seconds_waited: float
 
 
+class SharedReport(BaseModel):
+    """`/health`'s account of the cache shared by a fleet (`cache.backend: redis`)."""
+
+    backend: Literal["redis"]
+    url: str  # without its password
+    reachable: bool  # false: serving from this replica's cache and searches alone
+    reason: str | None  # why not, one line
+    down_since: float | None  # unix time it stopped answering
+    took_over: int  # queries computed here after another replica's lock went unanswered
+
+
 class CacheReport(BaseModel):
     """`/health`'s account of the result cache (queries since start; see docs/retrieval.md)."""
 
     enabled: bool
-    hits: int  # queries answered from the cache
+    hits: int  # queries answered from the cache (this replica's or the shared one)
     misses: int  # queries computed: the billed ones
     coalesced: int  # queries answered by a computation in flight (or a duplicate in a request)
+    shared_hits: int = 0  # of the hits: found in the shared cache
+    shared_waits: int = 0  # of the coalesced: computed by another replica meanwhile
     entries: int
     bytes: int
     max_bytes: int
@@ -114,12 +127,13 @@ class CacheReport(BaseModel):
     loaded: int  # entries read from persist_path at start
     ttl_s: float | None
     fingerprint: str  # of the index and the settings that decide answers (part of every key)
+    shared: SharedReport | None = None  # cache.backend redis only
 
 
 class UpstreamReport(BaseModel):
     """`/health`'s account of proxy mode: what was forwarded and what it cost. `calls` and
-    `spent` are the ledger's (since the spend file began; this process alone without one);
-    `requests` to `refused_unavailable` count this process's."""
+    `spent` are the ledger's (since the spend file began, or the fleet's in Redis; this process
+    alone without either); `requests` to `refused_unavailable` count this process's."""
 
     url: str  # without user, password or query values
     requests: int  # HTTP requests the upstream answered
@@ -128,13 +142,13 @@ class UpstreamReport(BaseModel):
     retries: int
     failures: int  # forwards that failed after their retries (answered 502/504)
     refused_over_budget: int  # requests answered 429
-    refused_unavailable: int  # requests answered 503: the spend file could not be written
+    refused_unavailable: int  # requests answered 503: the shared budget was unreachable
     price_per_call: float
     spent: float
     committed_spend: float
     max_calls: int | None
     max_spend: float | None
-    ledger: Literal["memory", "file"]  # where the spend is kept
+    ledger: Literal["memory", "file", "redis"]  # where the spend is kept
 
 
 class HealthResponse(BaseModel):

@@ -23,6 +23,9 @@ distinct scope string once, however many entries share it; and the ordered dict 
 table, which grows in steps, and its linked nodes). A test holds it within 1.1x of what
 tracemalloc sees for small answers and for many scopes; `bench/search_cache.py` measures it at
 the default bound.
+
+Beside this process's cache, `cache.backend: redis` adds one shared by a fleet of replicas
+(`retrieval_server.shared`); this cache stays in front of it.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import orjson
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from core.config import StrictModel
 from core.errors import UserError
@@ -87,6 +90,55 @@ class CacheConfig(StrictModel):
         description="File the cache is saved to when the server stops and loaded from when it "
         "starts (only answers of the same index fingerprint); None: memory only.",
     )
+    backend: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="memory: this server's cache alone. redis: also one cache shared by every "
+        "replica pointed at redis_url (a miss one replica computed or paid for is a hit on all; "
+        "identical queries in flight on several replicas are computed once), and, in proxy "
+        "mode, one spend budget for all of them. This server's cache stays in front of it.",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="The Redis of cache.backend=redis (redis://[:password@]host:port/db; "
+        "rediss:// for TLS). Its password is never shown.",
+    )
+    redis_namespace: str = Field(
+        default="hdr",
+        min_length=1,
+        description="Prefix of every key hdr writes in Redis: fleets that must not share a "
+        "cache or a budget use different ones.",
+    )
+    redis_lock_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Expiry of the lock a replica holds while it computes a query (renewed "
+        "while it lives): a replica that dies holding it delays the others this long at most, "
+        "then one of them takes the query over.",
+    )
+    redis_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Deadline of one Redis command; past it (or on a refused connection) Redis "
+        "counts as unreachable: the replica serves from its own cache and searches, the budget "
+        "refuses misses (503), and Redis is tried again after redis_retry_s.",
+    )
+    redis_retry_s: float = Field(
+        default=1.0, gt=0, description="Wait before an unreachable Redis is tried again."
+    )
+    redis_ttl_s: float = Field(
+        default=30 * 86400.0,
+        gt=0,
+        description="Expiry of an answer in Redis when ttl_s is not set: every answer expires, "
+        "so a Redis run with maxmemory-policy volatile-lru evicts answers and never the budget, "
+        "which has no expiry.",
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("cache.redis_url must start with redis://, rediss:// or unix://")
+        return url
 
 
 @dataclass
@@ -100,6 +152,8 @@ class CacheStats:
     evictions: int = 0
     expired: int = 0
     loaded: int = 0  # entries read from persist_path at start
+    shared_hits: int = 0  # of the hits: found in the shared cache (another replica's answer)
+    shared_waits: int = 0  # of the coalesced: computed by another replica while we waited
 
 
 STORED_AT = sys.getsizeof(0.0)

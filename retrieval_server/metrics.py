@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from retrieval_server.answers import Answers
     from retrieval_server.batching import MicroBatcher
+    from retrieval_server.shared import RedisLink
     from retrieval_server.upstream import UpstreamBackend
 
 # about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
@@ -136,6 +137,7 @@ class ScrapedState(Protocol):
     answers: Answers
     batcher: MicroBatcher | None
     upstream: UpstreamBackend | None
+    redis: RedisLink | None
 
 
 def serving_state(app: FastAPI) -> ScrapedState | None:
@@ -236,18 +238,42 @@ class CacheCollector:
             yield GaugeMetricFamily(
                 "hdr_retrieval_cache_entries", "Answers cached.", value=len(cache)
             )
+        shared = state.answers.shared
+        if cache is not None and shared is not None:
+            yield CounterMetricFamily(
+                "hdr_retrieval_cache_shared_hits",
+                "Of the hits: answers found in the fleet's shared cache (another replica's).",
+                value=cache.stats.shared_hits,
+            )
+            yield CounterMetricFamily(
+                "hdr_retrieval_cache_shared_waits",
+                "Of the coalesced: answers another replica computed while this one waited.",
+                value=cache.stats.shared_waits,
+            )
+            yield CounterMetricFamily(
+                "hdr_retrieval_cache_shared_took_over",
+                "Queries computed here after another replica's lock went without an answer.",
+                value=shared.took_over,
+            )
+        if state.redis is not None:
+            yield GaugeMetricFamily(
+                "hdr_retrieval_redis_reachable",
+                "1 while the fleet's Redis answers (0: this replica serves alone, and a budget "
+                "kept there refuses misses).",
+                value=state.redis.reachable,
+            )
         if state.upstream is not None:
             yield from upstream_metrics(state.upstream)
 
 
 def upstream_metrics(upstream: UpstreamBackend) -> Iterator[Any]:
-    """The spend (the ledger's totals: the spend file's, across restarts) and this
-    process's forwarding counts."""
+    """The spend (the ledger's totals as last seen: the spend file's or the fleet's, across
+    restarts) and this process's forwarding counts."""
     counts, totals, config = upstream.counts, upstream.ledger.totals(), upstream.config
     yield CounterMetricFamily(
         "hdr_retrieval_upstream_calls",
         "Queries billed by the upstream (answered, or sent and unanswered with "
-        "upstream.bill_timeouts), in the ledger: since the spend file began.",
+        "upstream.bill_timeouts), in the ledger: since the spend file began, or the fleet's.",
         value=totals.calls,
     )
     yield GaugeMetricFamily(
@@ -276,7 +302,8 @@ def upstream_metrics(upstream: UpstreamBackend) -> Iterator[Any]:
     )
     yield CounterMetricFamily(
         "hdr_retrieval_upstream_budget_unavailable",
-        "Requests answered 503: the budget could not be checked (its spend file not writable).",
+        "Requests answered 503: the budget could not be checked (its Redis unreachable, its "
+        "spend file not writable).",
         value=counts.refused_unavailable,
     )
     yield GaugeMetricFamily(

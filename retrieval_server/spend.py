@@ -9,7 +9,7 @@ what it received); released unbilled when it was never sent or the upstream refu
 error status. The budget counts what is *committed*: billed, plus reserved, plus what a server
 that stopped without settling had reserved (`unsettled`: those calls may have been billed).
 
-Two ledgers with one behaviour:
+Three ledgers with one behaviour:
 
 - `MemoryLedger`: this process's counts, forgotten at exit; only without a budget (hdr refuses
   a budget that a restart would forget: `ServerConfig` asks for a place to keep it).
@@ -18,6 +18,8 @@ Two ledgers with one behaviour:
   middle of a call, starts from everything spent and reserved; its settlements are written
   afterwards, in the background (a crash before they are written leaves them counted as
   unsettled, never as unspent).
+- `RedisLedger` (`cache.backend: redis`, in `retrieval_server.shared`): one ledger for a fleet
+  of replicas, checked and spent in one atomic step by Lua scripts.
 
 Spend is counted in whole calls: `max_spend` buys `floor(max_spend / price_per_call)` calls
 (so 0.3 at 0.1 a call buys three calls, although 0.1 x 3 > 0.3 in binary floats).
@@ -51,8 +53,8 @@ class BudgetSpent(Exception):
 
 
 class BudgetUnavailable(Exception):
-    """The budget cannot be checked (its file cannot be written): calls are refused rather
-    than spent without a count (answered 503)."""
+    """The budget cannot be checked (its shared store does not answer, its file cannot be
+    written): calls are refused rather than spent without a count (answered 503)."""
 
 
 @dataclass

@@ -125,7 +125,8 @@ class UpstreamConfig(StrictModel):
     spend_path: Path | None = Field(
         default=None,
         description="File the spend is kept in across restarts (written before every call is "
-        "sent, whole, never half-written). Needed with max_calls or max_spend.",
+        "sent, whole, never half-written). Needed with max_calls or max_spend, unless the "
+        "budget is the fleet's (cache.backend: redis).",
     )
     token_env: str = Field(
         default="HDR_UPSTREAM_TOKEN",

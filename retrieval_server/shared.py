@@ -23,7 +23,8 @@ commands are not retried by the client: a reservation sent twice would spend twi
 
 Redis unreachable (a refused connection, or no answer within `cache.redis_timeout_s`): the
 replica says so in one log line and in /health, serves from its own cache and its own searches
-(as `cache.backend: memory` would), and tries Redis again after `cache.redis_retry_s`. A budget
+(as `cache.backend: memory` would; what it computes meanwhile is written to Redis once Redis is
+back), and tries Redis again after `cache.redis_retry_s`. A budget
 kept in Redis fails closed meanwhile: reservations are refused (misses answered 503, cached
 queries still served), and the settlements of calls already sent wait in memory, each with an
 id that makes it count once, until Redis is back. A budget is only kept in a Redis that
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FIRST_POLL_S, LAST_POLL_S = 0.002, 0.05  # a waiter's polls for another replica's answer
 SETTLED_KEEP_S = 86400  # how long a settlement's id is kept (it counts once within that)
+UNPUBLISHED_KEEP = 10_000  # answers kept to write once Redis is back (the oldest go first)
 
 CLAIM = """
 local won = {}
@@ -251,7 +253,11 @@ class SharedCache:
         self.token = secrets.token_hex(16)  # this replica's, in every lock it holds
         self.held: dict[str, int] = {}  # lock key -> this replica's leaders holding it
         self.took_over = 0  # queries computed here after their lock went without an answer
+        # answers computed while Redis did not answer: written when it is back, so another
+        # replica does not pay for them again (name of the answer -> (its lock, the answer))
+        self.unpublished: dict[str, tuple[str, bytes]] = {}
         self._renewer: asyncio.Task[None] | None = None
+        link.on_reachable.append(self._publish_the_unpublished)
         client = link.client
         self._claim, self._peek = client.register_script(CLAIM), client.register_script(PEEK)
         self._publish = client.register_script(PUBLISH)
@@ -295,12 +301,32 @@ class SharedCache:
                 self.held[lock] -= 1
 
     async def store(self, answers: dict[CacheKey, bytes]) -> None:
-        """Write the answers this replica computed and release their locks."""
+        """Write the answers this replica computed and release their locks; while Redis does
+        not answer they wait (at most UNPUBLISHED_KEEP of them) until it is back."""
         names = [name for key in answers for name in self._names(key)]
         self._let_go(names[1::2])
-        args = [self.token, self.answer_ms, *answers.values()]
-        with contextlib.suppress(SharedUnavailable):
-            await self.link.call(lambda r: self._publish(keys=names, args=args, client=r))
+        try:
+            await self._write(names, list(answers.values()))
+        except SharedUnavailable:
+            for (answer, lock), value in zip(
+                zip(names[::2], names[1::2], strict=True), answers.values(), strict=True
+            ):
+                self.unpublished[answer] = (lock, value)
+            while len(self.unpublished) > UNPUBLISHED_KEEP:
+                self.unpublished.pop(next(iter(self.unpublished)))
+
+    async def _write(self, names: list[str], values: list[bytes]) -> None:
+        args = [self.token, self.answer_ms, *values]
+        await self.link.call(lambda r: self._publish(keys=names, args=args, client=r))
+
+    async def _publish_the_unpublished(self) -> None:
+        waiting, self.unpublished = self.unpublished, {}
+        if waiting:
+            names = [name for answer, (lock, _) in waiting.items() for name in (answer, lock)]
+            try:
+                await self._write(names, [value for _, value in waiting.values()])
+            except SharedUnavailable:
+                self.unpublished = {**waiting, **self.unpublished}
 
     async def release(self, keys: list[CacheKey]) -> None:
         """Give up the locks of `keys` without an answer (a failed computation): a waiting

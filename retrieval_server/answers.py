@@ -218,22 +218,21 @@ class Answers:
         """Answer the keys this request leads: from the shared cache, from another
         replica's computation, or computed here; store and publish each answer. Returns the
         answers, how many were computed here (billed to this request) and how many came from
-        the shared cache (hits). A key left
-        unpublished (an error, a cancellation) is handed back: its waiters look it up again."""
+        the shared cache (hits). A key left unpublished (an error, a cancellation) is handed
+        back: its waiters look it up again."""
         assert self.cache is not None
         shared = self.shared
         found: dict[CacheKey, bytes] = {}
         computed = hits = 0
         try:
             pending = keys
-            if shared is not None:
-                from_fleet = await shared.fetch(pending)
-                hits = len(from_fleet)
-                self.cache.stats.shared_hits += hits
-                self._publish(from_fleet, found)
-                pending = [key for key in pending if key not in from_fleet]
             while pending:
-                mine, theirs = await shared.claim(pending) if shared else (pending, [])
+                from_fleet, mine, theirs = (
+                    await shared.claim(pending) if shared else ({}, pending, [])
+                )
+                hits += len(from_fleet)
+                self.cache.stats.shared_hits += len(from_fleet)
+                self._publish(from_fleet, found)
                 if mine:
                     self._publish(await self._compute_led(mine), found)
                     computed += len(mine)

@@ -489,8 +489,9 @@ def make_answers(
 
 
 def open_redis(config: ServerConfig) -> RedisLink | None:
-    """The link to the fleet's Redis (cache.backend redis), or None."""
-    if config.cache.backend != "redis":
+    """The link to the fleet's Redis (cache.backend redis), or None: also when nothing would
+    use it (an index server with its cache disabled; a proxy keeps its budget there)."""
+    if config.cache.backend != "redis" or not (config.cache.enabled or config.upstream):
         return None
     if config.upstream is not None and config.upstream.limited:
         consequence = (

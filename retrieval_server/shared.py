@@ -10,8 +10,9 @@ one script must share a slot):
   index and the settings that decide answers, or its upstream's description), so replicas of
   different indexes never share an answer;
 - locks, `NS:lock:FINGERPRINT:SHA256(key)`: set if absent (with an expiry, `cache.redis_lock_s`,
-  renewed while the holder lives) by the replica that computes a query, deleted by that holder
-  alone when it writes the answer or gives up. A replica that finds a query locked waits for
+  renewed while the holder lives), in the same step that finds no answer (CLAIM), by the
+  replica that computes a query, and deleted by that holder alone when it writes the answer or
+  gives up. A replica that finds a query locked waits for
   its answer (polling, 2 ms growing to 50 ms); when the lock goes without an answer (its
   holder failed, or died and the lock expired) it takes the query over. So identical queries
   in flight on several replicas are computed once;
@@ -63,12 +64,20 @@ FIRST_POLL_S, LAST_POLL_S = 0.002, 0.05  # a waiter's polls for another replica'
 SETTLED_KEEP_S = 86400  # how long a settlement's id is kept (it counts once within that)
 UNPUBLISHED_KEEP = 10_000  # answers kept to write once Redis is back (the oldest go first)
 
+# KEYS: answer, lock, answer, lock, ...; ARGV: token, expiry (ms) -> per pair the answer if
+# there is one, else 1 if this replica took the lock, else 0 (another holds it). One step, so
+# an answer written between a lookup and a lock can never be computed again
 CLAIM = """
-local won = {}
-for i, key in ipairs(KEYS) do
-  won[i] = redis.call('SET', key, ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+local out = {}
+for i = 1, #KEYS, 2 do
+  local answer = redis.call('GET', KEYS[i])
+  if answer then
+    out[#out + 1] = answer
+  else
+    out[#out + 1] = redis.call('SET', KEYS[i + 1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+  end
 end
-return won
+return out
 """
 # KEYS: answer, lock, answer, lock, ... -> per pair the answer, else 1 if locked, else 0
 PEEK = """
@@ -242,8 +251,8 @@ class RedisLink:
 
 class SharedCache:
     """The fleet's answers and locks (see the module docstring). Every method degrades to
-    "nothing shared" when Redis is unreachable: `fetch` finds nothing, `claim` gives every
-    query to this replica, `wait` hands the queries back, writes are dropped."""
+    "nothing shared" when Redis is unreachable: `claim` finds no answer and gives every query
+    to this replica, `wait` hands the queries back, writes wait until Redis is back."""
 
     def __init__(self, link: RedisLink, settings: CacheConfig, fingerprint: str) -> None:
         self.link = link
@@ -267,31 +276,30 @@ class SharedCache:
         digest = hashlib.sha256(orjson.dumps(list(key))).hexdigest()
         return self.prefix % "answer" + digest, self.prefix % "lock" + digest
 
-    async def fetch(self, keys: list[CacheKey]) -> dict[CacheKey, bytes]:
-        """The answers Redis holds for `keys`."""
-        names = [self._names(key)[0] for key in keys]
+    async def claim(
+        self, keys: list[CacheKey]
+    ) -> tuple[dict[CacheKey, bytes], list[CacheKey], list[CacheKey]]:
+        """In one step: (the answers Redis holds, the keys this replica now holds the lock of,
+        the keys another replica holds the lock of)."""
+        names = [name for key in keys for name in self._names(key)]
         try:
-            values = await self.link.call(lambda r: r.mget(names))
-        except SharedUnavailable:
-            return {}
-        return {key: value for key, value in zip(keys, values, strict=True) if value is not None}
-
-    async def claim(self, keys: list[CacheKey]) -> tuple[list[CacheKey], list[CacheKey]]:
-        """(the keys this replica now holds the lock of, the keys another replica holds)."""
-        locks = [self._names(key)[1] for key in keys]
-        try:
-            won = await self.link.call(
-                lambda r: self._claim(keys=locks, args=[self.token, self.lock_ms], client=r)
+            replies = await self.link.call(
+                lambda r: self._claim(keys=names, args=[self.token, self.lock_ms], client=r)
             )
         except SharedUnavailable:
-            return list(keys), []
-        mine = [key for key, w in zip(keys, won, strict=True) if w]
-        for lock, w in zip(locks, won, strict=True):
-            if w:
+            return {}, list(keys), []
+        answered, mine, theirs = {}, [], []
+        for key, lock, reply in zip(keys, names[1::2], replies, strict=True):
+            if isinstance(reply, bytes):
+                answered[key] = reply
+            elif reply == 1:
+                mine.append(key)
                 self.held[lock] = self.held.get(lock, 0) + 1
+            else:
+                theirs.append(key)
         if mine and (self._renewer is None or self._renewer.done()):
             self._renewer = asyncio.get_running_loop().create_task(self._renew_held())
-        return mine, [key for key, w in zip(keys, won, strict=True) if not w]
+        return answered, mine, theirs
 
     def _let_go(self, locks: list[str]) -> None:
         for lock in locks:

@@ -124,27 +124,22 @@ log "builder: ${BUILD[*]} (DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0})"
 # network otherwise; on any other engine it is the host's network, as pip would have.
 BUILD+=(--network host "${BUILD_ARGS[@]}")
 
-phase_start "build $HDR_STACK_RETRIEVAL_IMAGE (docker/retrieval.Dockerfile)"
-"${BUILD[@]}" -f docker/retrieval.Dockerfile -t "$HDR_STACK_RETRIEVAL_IMAGE" . \
-    >"${TMPDIR:-/tmp}/hdr-stack-build-retrieval.log" 2>&1 || {
-    tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-retrieval.log"
-    exit 1
+# One image: its phase, the build's output kept in a log and its last lines shown if it fails.
+build_image() {
+    local name="$1" tag="$2" what="$3"
+    shift 3
+    phase_start "build $tag ($what)"
+    "${BUILD[@]}" "$@" -t "$tag" . >"${TMPDIR:-/tmp}/hdr-stack-build-$name.log" 2>&1 || {
+        tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-$name.log"
+        exit 1
+    }
+    phase_end
 }
-phase_end
-phase_start "build $HDR_STACK_TRAINER_IMAGE (docker/trainer.Dockerfile, target cpu)"
-"${BUILD[@]}" -f docker/trainer.Dockerfile --target cpu -t "$HDR_STACK_TRAINER_IMAGE" . \
-    >"${TMPDIR:-/tmp}/hdr-stack-build-trainer.log" 2>&1 || {
-    tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-trainer.log"
-    exit 1
-}
-phase_end
-phase_start "build $HDR_STACK_REDIS_IMAGE (docker/redis.Dockerfile)"
-"${BUILD[@]}" -f docker/redis.Dockerfile -t "$HDR_STACK_REDIS_IMAGE" . \
-    >"${TMPDIR:-/tmp}/hdr-stack-build-redis.log" 2>&1 || {
-    tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-redis.log"
-    exit 1
-}
-phase_end
+build_image retrieval "$HDR_STACK_RETRIEVAL_IMAGE" docker/retrieval.Dockerfile \
+    -f docker/retrieval.Dockerfile
+build_image trainer "$HDR_STACK_TRAINER_IMAGE" "docker/trainer.Dockerfile, target cpu" \
+    -f docker/trainer.Dockerfile --target cpu
+build_image redis "$HDR_STACK_REDIS_IMAGE" docker/redis.Dockerfile -f docker/redis.Dockerfile
 SIZES="$(docker image ls --format '  image {{.Repository}}:{{.Tag}}  {{.Size}}' |
     grep -E "$HDR_STACK_RETRIEVAL_IMAGE|$HDR_STACK_TRAINER_IMAGE|$HDR_STACK_REDIS_IMAGE|$BASE" ||
     true)"

@@ -40,7 +40,7 @@ class RedisServer:
     """One redis-server process on 127.0.0.1:`port`, its data in `folder`."""
 
     def __init__(self, folder: Path, persist: bool, port: int | None = None) -> None:
-        self.folder = folder
+        self.folder = Path(folder).resolve()  # redis-server chdirs into it before the log opens
         self.persist = persist
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None

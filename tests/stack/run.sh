@@ -17,8 +17,8 @@
 #     training over the compose network, a retrieval restart mid-run, checkpoints and metrics
 #     in the volume, teardown with volumes; the `redis` profile: two replicas sharing one cache
 #     in Redis, and one of them serving alone once Redis is stopped;
-#  6. under Compose v1: `up` until healthy, one Search-R1 request, `down` (HDR_STACK_V1=full:
-#     the whole run of step 5 again).
+#  6. under Compose v1: `up` until healthy, one Search-R1 request, `down`, and the `redis`
+#     profile's test (HDR_STACK_V1=full: the whole run of step 5 again).
 # It prints each phase's duration, the image sizes and the machine's load.
 #
 # Settings: HDR_STACK_COMPOSE_V2 and HDR_STACK_COMPOSE_V1 (the two clients' commands; default:
@@ -156,11 +156,12 @@ stack_tests() {
 phase_start "pytest -m stack, Compose v2 (up, train, restart, resume, down; redis profile)"
 stack_tests "$COMPOSE_V2" tests/stack -k "not up_to_healthy"
 phase_end
+# the redis profile's test under v1 too: under a minute, and v1 reads profiles its own way
 if [[ "$V1_RUN" == full ]]; then
-    phase_start "pytest -m stack, Compose v1 (up, train, restart, resume, down)"
-    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "serves_trains"
+    phase_start "pytest -m stack, Compose v1 (up, train, restart, resume, down; redis profile)"
+    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "serves_trains or redis_profile"
 else
-    phase_start "pytest -m stack, Compose v1 (up until healthy, one request, down)"
-    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "up_to_healthy"
+    phase_start "pytest -m stack, Compose v1 (up until healthy, one request, down; redis profile)"
+    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "up_to_healthy or redis_profile"
 fi
 phase_end

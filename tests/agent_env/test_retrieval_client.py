@@ -295,3 +295,11 @@ def test_rendezvous_moves_only_the_queries_of_a_url_that_goes() -> None:
     moved = [q for q in queries if fewer[rendezvous(fewer, q)[0]] != owners[q]]
     assert moved and all(owners[q] == urls[2] for q in moved)
     assert len(moved) == shares[2]
+
+
+def test_routing_is_recorded_only_when_not_the_default() -> None:
+    """Runs recorded before `routing` existed routed in rotation: a default config dumps as
+    they did (so their recorded settings still match), a hashing one keeps its routing."""
+    assert "routing" not in RetrievalConfig().model_dump(mode="json")
+    dumped = RetrievalConfig(routing="hash").model_dump(mode="json")
+    assert RetrievalConfig.model_validate(dumped).routing == "hash"

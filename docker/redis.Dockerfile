@@ -25,6 +25,8 @@ VOLUME ["/data"]
 WORKDIR /data
 EXPOSE 6379
 HEALTHCHECK --interval=5s --timeout=3s --retries=5 CMD ["redis-cli", "ping"]
-ENTRYPOINT ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--dir", "/data", \
-    "--appendonly", "yes", "--maxmemory-policy", "volatile-lru"]
-CMD ["--maxmemory", "1gb", "--appendfsync", "always"]
+# HDR_REDIS_MAXMEMORY and HDR_REDIS_APPENDFSYNC (compose passes them) set the two that vary;
+# arguments after the image name are added to redis-server's.
+ENV HDR_REDIS_MAXMEMORY=1gb \
+    HDR_REDIS_APPENDFSYNC=always
+ENTRYPOINT ["sh", "-c", "exec redis-server --bind 0.0.0.0 --protected-mode no --dir /data --appendonly yes --maxmemory-policy volatile-lru --maxmemory \"$HDR_REDIS_MAXMEMORY\" --appendfsync \"$HDR_REDIS_APPENDFSYNC\" \"$@\"", "redis-server"]

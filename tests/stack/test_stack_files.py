@@ -141,7 +141,10 @@ def test_the_redis_profile_gives_the_replicas_one_persistent_cache(compose, repl
     assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE_IMAGE}"]
     assert "ARG BASE_IMAGE=python:3.11-slim" in text and re.search(r"^USER redis$", text, re.M)
     # what hdr serve requires of a Redis that keeps a budget: persisted, the budget not evicted
-    assert '"--appendonly", "yes"' in text and '"--maxmemory-policy", "volatile-lru"' in text
+    assert "--appendonly yes" in text and "--maxmemory-policy volatile-lru" in text
+    assert set(redis["environment"]) == {"HDR_REDIS_MAXMEMORY", "HDR_REDIS_APPENDFSYNC"}
+    for name in redis["environment"]:
+        assert f'\\"${name}\\"' in text, name  # read by the image's entrypoint
     for service in (compose["services"]["retrieval"], replicas["services"]["retrieval-2"]):
         assert service["environment"]["HDR_CACHE_BACKEND"] == "memory"  # the defaults
         assert service["environment"]["HDR_REDIS_URL"] == "redis://redis:6379/0"

@@ -1,8 +1,9 @@
 # Two entry points for a fresh machine (see README.md and docs/guide.md):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
-#   make test   sets up .venv and runs lint plus the default (not slow) tests; beside them it
-#               sets up .venv-vllm (the real vLLM engine, CPU build) and runs the tests marked vllm,
-#               and .venv-verl (veRL 0.9.1) and the tests marked verl
+#   make test   sets up .venv (and redis-server where missing) and runs lint plus the default
+#               (not slow) tests; beside them it sets up .venv-vllm (the real vLLM engine, CPU
+#               build) and runs the tests marked vllm, and .venv-verl (veRL 0.9.1) and the
+#               tests marked verl
 # and the container stack, end to end (docs/stack.md):
 #   make test-stack   builds both CPU images and runs docker compose up, train, restart, down
 #                     under Compose v2, and up, one request, down under Compose v1
@@ -29,7 +30,7 @@ BIN_VLLM  := $(VENV_VLLM)/bin
 VENV_VERL ?= .venv-verl
 BIN_VERL  := $(VENV_VERL)/bin
 
-.PHONY: setup setup-vllm setup-verl setup-gpu test test-envs test-vllm test-verl test-slow test-stack lint demo serve index experiment powered ablations clean
+.PHONY: setup setup-vllm setup-verl setup-gpu redis-server test test-envs test-vllm test-verl test-slow test-stack lint demo serve index experiment powered ablations clean
 
 setup: $(VENV)/.installed
 
@@ -94,6 +95,21 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The shared cache's tests start real redis-server processes (tests/retrieval_server/
+# redis_servers.py): Debian's package (7.0) is installed where the command is missing, as root
+# with apt-get; elsewhere one line says how, and `make test` stops.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing redis-server (apt-get)"; \
+			DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+				redis-server >/dev/null; \
+		else \
+			echo "FAILED: redis-server is missing: apt-get install redis-server (as root)"; \
+			exit 1; \
+		fi; }
+
 # The tests marked vllm and those marked verl (each with its environment's setup) run beside
 # the main suite: the main suite keeps about one of two cores busy, so the second one is mostly
 # free for them. Their output is kept in $(VLLM_LOG) and $(VERL_LOG) and printed after the main
@@ -101,7 +117,7 @@ lint: setup
 VLLM_LOG := $(VENV_VLLM).test.log
 VERL_LOG := $(VENV_VERL).test.log
 
-test: lint
+test: lint redis-server
 	@$(MAKE) --no-print-directory test-envs & envs=$$!; \
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q; main=$$?; \
 	wait $$envs; other_envs=$$?; \

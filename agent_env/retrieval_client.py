@@ -2,10 +2,21 @@
 circuit breaker and an outage grace period.
 
 One call = one turn's queries. Each query is first cut to `max_query_chars` (counted), as the
-server's encoder would cut it anyway. The queries are split into at most `len(urls)` contiguous
-chunks (or chunks of `max_batch_queries`), one batched `POST /retrieve` per chunk, sent
-concurrently to the URLs in rotation, with `return_scores: true` (the one mode every
-Search-R1-contract server answers correctly). What can happen to a chunk:
+server's encoder would cut it anyway. The queries are split into chunks, one batched
+`POST /retrieve` per chunk, sent concurrently, with `return_scores: true` (the one mode every
+Search-R1-contract server answers correctly). `routing` decides which URL a query goes to:
+
+- `rotate` (the default): at most `len(urls)` contiguous chunks (or chunks of
+  `max_batch_queries`), sent to the URLs in rotation: the load spreads evenly, and each
+  replica's cache sees a share of every query;
+- `hash`: each query to the URL that ranks first for it by rendezvous hashing (the highest
+  hash of URL and query), so every client that lists the same URLs sends a query to the same
+  replica and the replicas' caches partition the queries instead of each holding them all
+  (without Redis: `cache.backend: redis` shares one cache whatever the routing); a chunk that
+  fails goes on to its queries' second-ranked URL, so a replica's queries spread over the
+  others when it is down. Clients other than hdr's (a load balancer, veRL's tool) do not hash.
+
+What can happen to a chunk:
 
 - connection error, attempt deadline (`timeout_s`, connect to last byte), 5xx or 429: retried
   with exponential backoff and full jitter, each retry on the next URL. A URL that refused a
@@ -38,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -47,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_serializer
 
 from core.config import StrictModel
 from core.errors import UserError
@@ -88,6 +100,12 @@ class RetrievalConfig(StrictModel):
     topk: int = Field(3, ge=1, description="Documents per query.")
     retriever: Literal["dense", "bm25"] | None = Field(
         None, description="Retriever to ask for; None: the server's default."
+    )
+    routing: Literal["rotate", "hash"] = Field(
+        "rotate",
+        description="rotate: each call's queries split over the URLs in turn. hash: each query "
+        "to the URL rendezvous hashing ranks first for it (the next one if it fails), so "
+        "several URLs' caches partition the queries instead of duplicating them.",
     )
     timeout_s: float = Field(
         90.0,
@@ -138,6 +156,17 @@ class RetrievalConfig(StrictModel):
     expect_documents: int | None = Field(
         None, ge=1, description="The passages every server must serve (/health); None: any."
     )
+
+    @model_serializer(mode="wrap")
+    def _default_routing_unwritten(self, handler: Any) -> Any:
+        """`routing` is written (in a run's config.yaml, its recorded settings) only when it
+        is not the default: every run recorded before the key existed routed in rotation, so
+        its recorded settings still compare equal, as keys listed in
+        `trainer.config_history.ADDED_KEYS` do."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("routing") == "rotate":
+            del data["routing"]
+        return data
 
     @field_validator("urls", mode="before")
     @classmethod
@@ -197,6 +226,23 @@ class _Refused(Exception):
 
 class _Unreachable(Exception):
     """Retries ran out on connection errors, deadlines, 5xx or 429."""
+
+
+def rotation(first: int, n: int) -> tuple[int, ...]:
+    """URL indices from `first` on, in turn."""
+    return tuple((first + k) % n for k in range(n))
+
+
+def rendezvous(urls: list[str], query: str) -> tuple[int, ...]:
+    """URL indices by rendezvous (highest random weight) hashing: the highest hash of URL
+    and query first. Each query has one owner that every client listing the same URLs agrees
+    on, and when a URL goes, only its queries move, spread over the others."""
+
+    def weight(i: int) -> int:
+        digest = hashlib.blake2b(f"{urls[i]}\n{query}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
+
+    return tuple(sorted(range(len(urls)), key=weight, reverse=True))
 
 
 def _chunks(n: int, parts: int, size: int | None) -> list[tuple[int, int]]:
@@ -299,39 +345,62 @@ class RetrievalClient:
         if limit is not None:
             self.stats.truncated_queries += sum(len(query) > limit for query in queries)
             queries = [query[:limit] for query in queries]
-        ranges = _chunks(len(queries), len(self.config.urls), self.config.max_batch_queries)
-        first_url = self._next_url
-        self._next_url = (self._next_url + len(ranges)) % len(self.config.urls)
+        chunks = self._route(queries)
         try:
             parts = await asyncio.gather(
-                *(
-                    self._search_chunk(queries[lo:hi], first_url + i)
-                    for i, (lo, hi) in enumerate(ranges)
-                )
+                *(self._search_chunk([queries[i] for i in at], route) for at, route in chunks)
             )
         finally:
             self.stats.calls += 1
             self.stats.queries += len(queries)
             self.stats.latency_s += time.perf_counter() - start
-        results = [docs for part in parts for docs in part]
+        results: list[list[Document] | None] = [None] * len(queries)
+        for (at, _), part in zip(chunks, parts, strict=True):
+            for i, docs in zip(at, part, strict=True):
+                results[i] = docs
         self.stats.passages += sum(len(docs) for docs in results if docs is not None)
         self.stats.failed_queries += sum(docs is None for docs in results)
         return results
 
-    async def _search_chunk(self, queries: list[str], url_index: int):
+    def _route(self, queries: list[str]) -> list[tuple[list[int], tuple[int, ...]]]:
+        """The call's chunks: (positions of its queries, the URLs to try, in order)."""
+        c, n = self.config, len(self.config.urls)
+        if c.routing == "rotate":
+            ranges = _chunks(len(queries), n, c.max_batch_queries)
+            first = self._next_url
+            self._next_url = (first + len(ranges)) % n
+            return [
+                (list(range(lo, hi)), rotation(first + i, n)) for i, (lo, hi) in enumerate(ranges)
+            ]
+        by_route: dict[tuple[int, ...], list[int]] = {}
+        for i, query in enumerate(queries):
+            # by its first two URLs (then the rest in turn): at most n x (n - 1) chunks
+            head = rendezvous(c.urls, query)[:2]
+            route = head + tuple(j for j in rotation(head[-1], n) if j not in head)
+            by_route.setdefault(route, []).append(i)
+        size = c.max_batch_queries or len(queries)
+        return [
+            (at[lo : lo + size], route)
+            for route, at in by_route.items()
+            for lo in range(0, len(at), size)
+        ]
+
+    async def _search_chunk(self, queries: list[str], route: tuple[int, ...]):
         """One chunk's results; waits out an outage, bisects a content refusal."""
         while True:
             try:
-                return await self._post_with_retries(queries, url_index)
+                return await self._post_with_retries(queries, route)
             except _Refused as err:
                 if len(queries) == 1:
                     self.stats.refused_queries += 1
                     log.warning("retrieval refused a query: %s", err)
                     return [None]
                 mid = len(queries) // 2
+                # rotation: the halves to two URLs; hashing: both to the queries' own
+                other = route if self.config.routing == "hash" else route[1:] + route[:1]
                 left, right = await asyncio.gather(
-                    self._search_chunk(queries[:mid], url_index),
-                    self._search_chunk(queries[mid:], url_index + 1),
+                    self._search_chunk(queries[:mid], route),
+                    self._search_chunk(queries[mid:], other),
                 )
                 return left + right
             except _Unreachable as err:
@@ -341,14 +410,16 @@ class RetrievalClient:
                     return [None] * len(queries)
                 await self._wait_for_recovery(str(err))
 
-    async def _post_with_retries(self, queries: list[str], url_index: int) -> list[list[Document]]:
+    async def _post_with_retries(
+        self, queries: list[str], route: tuple[int, ...]
+    ) -> list[list[Document]]:
         c = self.config
         body = RetrieveRequest(
             queries=queries, topk=c.topk, return_scores=True, retriever=c.retriever
         ).model_dump(exclude_none=True)
         last_error, wait_floor = "", 0.0
         for attempt in range(c.max_retries + 1):
-            base = self._pick_url(url_index + attempt)
+            base = self._pick_url(route, attempt)
             url = base + "/retrieve"
             if attempt:
                 self.stats.retries += 1
@@ -392,16 +463,17 @@ class RetrievalClient:
             return result
         raise _Unreachable(f"after {c.max_retries + 1} attempts: {last_error}")
 
-    def _pick_url(self, index: int) -> str:
-        """The URL at `index` in rotation, skipping any whose breaker is open while another's
-        is closed; if all are open, the one that closes first."""
+    def _pick_url(self, route: tuple[int, ...], attempt: int) -> str:
+        """The URL of `route` for this attempt (the first, then the next on each retry),
+        skipping any whose breaker is open while another's is closed; if all are open, the one
+        that closes first."""
         urls = [url.rstrip("/") for url in self.config.urls]
         now = time.monotonic()
-        rotation = [urls[(index + k) % len(urls)] for k in range(len(urls))]
-        for url in rotation:
+        order = [urls[route[(attempt + k) % len(route)]] for k in range(len(route))]
+        for url in order:
             if self._broken_until.get(url, 0.0) <= now:
                 return url
-        return min(rotation, key=lambda url: self._broken_until[url])
+        return min(order, key=lambda url: self._broken_until[url])
 
     async def _health(self, base: str) -> bool:
         """Whether `base` answers: hdr's /health says 200 (503 once unhealthy); a server

@@ -27,6 +27,8 @@
 #   HDR_PORT          8000                       port
 #   HDR_RETRIEVER     dense                      dense | bm25
 #   HDR_API_TOKEN     (empty: no auth)           bearer token; read by `hdr serve` itself
+#   HDR_CACHE_BACKEND memory                     memory | redis: one cache shared by the replicas
+#   HDR_REDIS_URL     redis://redis:6379/0       the Redis of HDR_CACHE_BACKEND=redis
 # Extra arguments to this script are passed on to `hdr serve`.
 set -euo pipefail
 
@@ -41,6 +43,8 @@ HDR_BUILD_INDEX="${HDR_BUILD_INDEX:-1}"
 HDR_HOST="${HDR_HOST:-127.0.0.1}"
 HDR_PORT="${HDR_PORT:-8000}"
 HDR_RETRIEVER="${HDR_RETRIEVER:-dense}"
+HDR_CACHE_BACKEND="${HDR_CACHE_BACKEND:-memory}"
+HDR_REDIS_URL="${HDR_REDIS_URL:-redis://redis:6379/0}"
 HDR_BIN="${HDR_BIN:-hdr}"
 
 MANIFEST="$HDR_INDEX_DIR/manifest.json"
@@ -95,6 +99,15 @@ if [[ ! -f "$MANIFEST" ]]; then
 fi
 
 exit_if_stopped
-log "serving $HDR_INDEX_DIR ($HDR_RETRIEVER) on $HDR_HOST:$HDR_PORT"
+cache=() # memory: hdr serve's own default, so a --config file among the arguments decides
+case "$HDR_CACHE_BACKEND" in
+memory) ;;
+redis) cache=(cache.backend=redis "cache.redis_url=$HDR_REDIS_URL") ;;
+*)
+    log "HDR_CACHE_BACKEND must be memory or redis, not '$HDR_CACHE_BACKEND'"
+    exit 2
+    ;;
+esac
+log "serving $HDR_INDEX_DIR ($HDR_RETRIEVER, cache $HDR_CACHE_BACKEND) on $HDR_HOST:$HDR_PORT"
 exec "$HDR_BIN" serve --index "$HDR_INDEX_DIR" --host "$HDR_HOST" --port "$HDR_PORT" \
-    --retriever "$HDR_RETRIEVER" "$@"
+    --retriever "$HDR_RETRIEVER" "${cache[@]}" "$@"

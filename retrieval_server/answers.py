@@ -16,6 +16,18 @@ needed more of the spend budget than is left, the upstream refused its request),
 waiter looks its keys up again and leads them itself: at worst one call for its own keys, as
 without coalescing.
 
+A backend that bills what it was sent (the upstream of proxy mode: `finishes_abandoned`) has
+its computations run to the end even when every request waiting for them has left: the leader
+computes in a task of its own and waits on it, so a client that disconnects cannot leave a paid
+call unbilled, and its answer is cached and given to the waiters instead of being paid for a
+second time. The local index's searches stop with their last client instead (its queue drops
+them).
+
+With a shared cache (`retrieval_server.shared`, `cache.backend: redis`), a leader looks its
+keys up there before computing, takes the fleet's lock of the ones it computes and writes
+their answers back; a key another replica holds the lock of is waited for, and taken over if
+that lock goes without an answer. Redis unreachable: the leader computes, as without it.
+
 With the cache disabled every query goes to the backend as it came (no lookup, no
 coalescing): every query billed, as before the cache existed.
 """
@@ -26,13 +38,14 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from retrieval_server.batching import MicroBatcher
+from retrieval_server.batching import MicroBatcher, Passage
 from retrieval_server.cache import CacheKey, ResultCache
 from retrieval_server.emulated_cost import CostEmulator
 
-Passage = tuple[bytes, float]  # a hit's document as response JSON, and its score
+if TYPE_CHECKING:
+    from retrieval_server.shared import SharedCache
 
 
 class Backend(Protocol):
@@ -71,6 +84,8 @@ class BatcherBackend:
     """The local index: queries searched through the micro-batcher (passages read in its
     search thread) and rendered."""
 
+    finishes_abandoned = False  # a search nobody waits for leaves the queue
+
     def __init__(self, batcher: MicroBatcher) -> None:
         self.batcher = batcher
 
@@ -93,6 +108,9 @@ class Answered:
         return len(self.answers) - self.billed
 
 
+Led = tuple[dict[CacheKey, bytes], int, int]  # a leader's answers, computed here, shared hits
+
+
 class LeaderGone(Exception):
     """The request computing a key stopped before it had the answer; look the key up again."""
 
@@ -105,11 +123,15 @@ class Answers:
         backend: Backend,
         cache: ResultCache | None,
         emulator: CostEmulator | None = None,
+        shared: SharedCache | None = None,
     ) -> None:
         self.backend = backend
         self.cache = cache
         self.emulator = emulator
+        self.shared = shared if cache is not None else None
         self.in_flight: dict[CacheKey, asyncio.Future[bytes]] = {}
+        # computations that outlive their requests (`finishes_abandoned`), awaited at close
+        self.detached: set[asyncio.Task[Led]] = set()
 
     async def get(
         self,
@@ -131,9 +153,10 @@ class Answers:
             hits += cached
             unresolved = []
             if led:
-                answers = await self._lead(led)
-                found.update(zip(led, answers, strict=True))
-                billed += len(led)
+                answers, computed, from_fleet = await self._lead_to_the_end(led)
+                found.update(answers)
+                billed += computed
+                hits += from_fleet
             for key, future in waits.items():
                 try:
                     found[key] = await asyncio.shield(future)  # never cancel another's work
@@ -166,24 +189,91 @@ class Answers:
                 self.in_flight[key] = loop.create_future()
         return led, waits, hits
 
-    async def _lead(self, keys: list[CacheKey]) -> list[bytes]:
-        """Compute the keys this request leads, store and publish their answers. A key left
-        unpublished (an error, a cancellation) is handed back: its waiters look it up again."""
+    async def _lead_to_the_end(self, keys: list[CacheKey]) -> Led:
+        """`_lead`, in a task of its own for a backend that bills what it was sent: the
+        request may stop waiting (its client left), the computation goes on."""
+        if not getattr(self.backend, "finishes_abandoned", False):
+            return await self._lead(keys)
+        task = asyncio.get_running_loop().create_task(self._lead(keys))
+        self.detached.add(task)
+        task.add_done_callback(self._detached_done)
+        return await asyncio.shield(task)
+
+    def _detached_done(self, task: asyncio.Task) -> None:
+        self.detached.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the request that awaited it may have left
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let the computations that outlive their requests finish (at shutdown), then
+        cancel what is left (a cancelled forward is billed if it was sent)."""
+        if self.detached:
+            await asyncio.wait(set(self.detached), timeout=timeout_s)
+        for task in list(self.detached):
+            task.cancel()
+        if self.detached:
+            await asyncio.wait(set(self.detached))
+
+    async def _lead(self, keys: list[CacheKey]) -> Led:
+        """Answer the keys this request leads: from the shared cache, from another
+        replica's computation, or computed here; store and publish each answer. Returns the
+        answers, how many were computed here (billed to this request) and how many came from
+        the shared cache (hits). A key left unpublished (an error, a cancellation) is handed
+        back: its waiters look it up again."""
         assert self.cache is not None
-        first = keys[0]
-        queries = [key.query for key in keys]
+        shared = self.shared
+        found: dict[CacheKey, bytes] = {}
+        computed = hits = 0
         try:
-            answers = await self._compute(queries, first.topk, first.retriever, first.return_scores)
-            self.cache.stats.misses += len(keys)
-            for key, answer in zip(keys, answers, strict=True):
-                self.cache.put(key, answer)
-                self.in_flight.pop(key).set_result(answer)
-            return answers
+            pending = keys
+            while pending:
+                from_fleet, mine, theirs = (
+                    await shared.claim(pending) if shared else ({}, pending, [])
+                )
+                hits += len(from_fleet)
+                self.cache.stats.shared_hits += len(from_fleet)
+                self._publish(from_fleet, found)
+                if mine:
+                    self._publish(await self._compute_led(mine), found)
+                    computed += len(mine)
+                pending = []
+                if theirs:
+                    answered, pending = await shared.wait(theirs)  # type: ignore[union-attr]
+                    self.cache.stats.shared_waits += len(answered)
+                    self._publish(answered, found)
+            return found, computed, hits
         finally:  # no key may stay in flight with nobody to resolve it
             for key in keys:
                 if (future := self.in_flight.pop(key, None)) is not None:
                     future.set_exception(LeaderGone())
                     future.exception()  # retrieved: nobody may be waiting
+
+    async def _compute_led(self, keys: list[CacheKey]) -> dict[CacheKey, bytes]:
+        """The backend's answers for `keys` (whose locks this replica holds, if shared),
+        written to the shared cache; on failure the locks are let go."""
+        assert self.cache is not None
+        first = keys[0]
+        queries = [key.query for key in keys]
+        try:
+            answers = await self._compute(queries, first.topk, first.retriever, first.return_scores)
+        except BaseException:
+            if self.shared is not None:
+                await asyncio.shield(self.shared.release(keys))
+            raise
+        self.cache.stats.misses += len(keys)
+        computed = dict(zip(keys, answers, strict=True))
+        if self.shared is not None:
+            await self.shared.store(computed)  # before answering: the next replica finds it
+        return computed
+
+    def _publish(self, answers: dict[CacheKey, bytes], found: dict[CacheKey, bytes]) -> None:
+        """Store answers in this replica's cache and resolve their waiters."""
+        assert self.cache is not None
+        for key, answer in answers.items():
+            self.cache.put(key, answer)
+            found[key] = answer
+            if (future := self.in_flight.pop(key, None)) is not None:
+                future.set_result(answer)
 
     async def _compute(
         self, queries: list[str], topk: int, retriever: str, return_scores: bool

@@ -99,13 +99,26 @@ class EmulatedCostReport(BaseModel):
     seconds_waited: float
 
 
+class SharedReport(BaseModel):
+    """`/health`'s account of the cache shared by a fleet (`cache.backend: redis`)."""
+
+    backend: Literal["redis"]
+    url: str  # without its password
+    reachable: bool  # false: serving from this replica's cache and searches alone
+    reason: str | None  # why not, one line
+    down_since: float | None  # unix time it stopped answering
+    took_over: int  # queries computed here after another replica's lock went unanswered
+
+
 class CacheReport(BaseModel):
     """`/health`'s account of the result cache (queries since start; see docs/retrieval.md)."""
 
     enabled: bool
-    hits: int  # queries answered from the cache
+    hits: int  # queries answered from the cache (this replica's or the shared one)
     misses: int  # queries computed: the billed ones
     coalesced: int  # queries answered by a computation in flight (or a duplicate in a request)
+    shared_hits: int = 0  # of the hits: found in the shared cache
+    shared_waits: int = 0  # of the coalesced: computed by another replica meanwhile
     entries: int
     bytes: int
     max_bytes: int
@@ -114,21 +127,28 @@ class CacheReport(BaseModel):
     loaded: int  # entries read from persist_path at start
     ttl_s: float | None
     fingerprint: str  # of the index and the settings that decide answers (part of every key)
+    shared: SharedReport | None = None  # cache.backend redis only
 
 
 class UpstreamReport(BaseModel):
-    """`/health`'s account of proxy mode: what was forwarded and what it cost."""
+    """`/health`'s account of proxy mode: what was forwarded and what it cost. `calls` and
+    `spent` are the ledger's (since the spend file began, or the fleet's in Redis; this process
+    alone without either); `requests` to `refused_unavailable` count this process's."""
 
-    url: str
+    url: str  # without user, password or query values
     requests: int  # HTTP requests the upstream answered
-    calls: int  # queries forwarded and answered: the billed calls
+    calls: int  # queries billed: answered, or sent and unanswered (upstream.bill_timeouts)
+    committed_calls: int  # what the budget counts: billed, in flight, unsettled by a stopped server
     retries: int
     failures: int  # forwards that failed after their retries (answered 502/504)
     refused_over_budget: int  # requests answered 429
+    refused_unavailable: int  # requests answered 503: the shared budget was unreachable
     price_per_call: float
     spent: float
+    committed_spend: float
     max_calls: int | None
     max_spend: float | None
+    ledger: Literal["memory", "file", "redis"]  # where the spend is kept
 
 
 class HealthResponse(BaseModel):
@@ -139,6 +159,8 @@ class HealthResponse(BaseModel):
     index_type: str | None  # None: no dense index (BM25 only), or not known (proxy)
     retrievers: list[str]
     default_retriever: str | None  # None: a proxy leaves it to its upstream
+    profile: Literal["search-r1", "strict"]
+    max_query_chars: int  # queries are cut to it (search-r1) or refused past it (strict)
     emulated_cost: EmulatedCostReport
     cache: CacheReport
     upstream: UpstreamReport | None = None  # proxy mode only

@@ -47,7 +47,6 @@ from retrieval_server.answers import (
     Answered,
     Answers,
     BatcherBackend,
-    Passage,
     join_answers,
 )
 from retrieval_server.api import (
@@ -59,9 +58,10 @@ from retrieval_server.api import (
     HealthResponse,
     PlainResponse,
     ScoredResponse,
+    SharedReport,
     profile_request_model,
 )
-from retrieval_server.batching import MicroBatcher, Overloaded, SearchFailed
+from retrieval_server.batching import MicroBatcher, Overloaded, Passage, SearchFailed
 from retrieval_server.cache import ResultCache, open_persisted
 from retrieval_server.config import ServerConfig
 from retrieval_server.connections import ARRIVAL
@@ -70,7 +70,14 @@ from retrieval_server.index import DocumentStore, IndexManifest, LoadedIndex, lo
 from retrieval_server.metrics import BatcherCollector, CacheCollector, ServerMetrics
 from retrieval_server.query_log import QueryLog
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
-from retrieval_server.upstream import BudgetSpent, UpstreamBackend, UpstreamError
+from retrieval_server.shared import RedisLedger, RedisLink, SharedCache
+from retrieval_server.spend import BudgetSpent, BudgetUnavailable, MemoryLedger
+from retrieval_server.upstream import (
+    UpstreamBackend,
+    UpstreamError,
+    default_ledger,
+    upstream_description,
+)
 
 KNOWN_PATHS = {"/retrieve", "/health", "/metrics"}
 UNLIMITED_PATHS = {"/health", "/metrics"}  # answered even at the concurrency limit
@@ -102,6 +109,7 @@ class ServingState:
     upstream: UpstreamBackend | None = None
     upstream_health: dict[str, Any] | None = None  # the upstream's /health at start
     query_log: QueryLog | None = None
+    redis: RedisLink | None = None  # cache.backend redis: the fleet's cache (and budget)
 
     def unhealthy_reason(self) -> str | None:
         return None if self.batcher is None else self.batcher.unhealthy_reason()
@@ -251,7 +259,7 @@ class RequestGuard:
                 return
             self.in_flight += limited
             try:
-                await self.app(scope, replay(body, receive), send)
+                await self.app(scope, receive_buffered(body, receive), send)
             finally:
                 self.in_flight -= limited
         finally:
@@ -333,19 +341,19 @@ class RequestGuard:
         await error_response(status, detail, headers)(scope, receive, send)
 
 
-def replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that yields the buffered body once, then the server's own messages (so the
-    app still learns of a disconnect)."""
-    sent = False
+def receive_buffered(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the body `RequestGuard` buffered, in one message, then
+    the server's own messages (so the app still learns of a disconnect)."""
+    handed = False
 
-    async def replayed() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
+    async def receive_body_then_server() -> Message:
+        nonlocal handed
+        if not handed:
+            handed = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    return replayed
+    return receive_body_then_server
 
 
 class RequestMetricsMiddleware:
@@ -388,9 +396,11 @@ class RequestMetricsMiddleware:
 # --- the app -----------------------------------------------------------------------------
 
 
-def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingState:
+def load_serving_state(
+    config: ServerConfig, metrics: ServerMetrics, redis: RedisLink | None = None
+) -> ServingState:
     """Load the index and every retriever it supports (the default must be among them), and
-    the answers' cache in front of the batcher."""
+    the answers' cache in front of the batcher (the fleet's behind it, given `redis`)."""
     assert config.index_dir is not None
     wanted = config.retrievers
     index = load_index(
@@ -424,13 +434,18 @@ def load_serving_state(config: ServerConfig, metrics: ServerMetrics) -> ServingS
         fetch=lambda hits: fetch_passages(index.documents, hits),
     )
     fingerprint = index_fingerprint(index.manifest, config)
-    answers = make_answers(BatcherBackend(batcher), config, fingerprint)
+    try:
+        answers = make_answers(BatcherBackend(batcher), config, fingerprint, redis=redis)
+    except BaseException:
+        index.close()
+        raise
     return ServingState(
         answers=answers,
         fingerprint=fingerprint,
         index=index,
         retrievers=retrievers,
         batcher=batcher,
+        redis=redis,
     )
 
 
@@ -452,34 +467,73 @@ def index_fingerprint(manifest: IndexManifest, config: ServerConfig) -> str:
     )
 
 
-def make_answers(backend, config: ServerConfig, fingerprint: str) -> Answers:
-    """The cache (persisted answers of the same fingerprint loaded) in front of `backend`."""
+def make_answers(
+    backend,
+    config: ServerConfig,
+    fingerprint: str,
+    description: dict[str, Any] | None = None,
+    redis: RedisLink | None = None,
+) -> Answers:
+    """The cache (persisted answers of the same fingerprint loaded) in front of `backend`,
+    the fleet's shared cache behind it when `redis` is given."""
     settings = config.cache
-    cache = None
+    cache = shared = None
     if settings.enabled:
-        cache = ResultCache(settings.max_bytes, fingerprint, settings.ttl_s)
+        cache = ResultCache(
+            settings.max_bytes, fingerprint, settings.ttl_s, description=description
+        )
         open_persisted(cache, settings.persist_path)
-    return Answers(backend, cache, CostEmulator(config.emulated_cost))
+        if redis is not None:
+            shared = SharedCache(redis, settings, fingerprint)
+    return Answers(backend, cache, CostEmulator(config.emulated_cost), shared)
 
 
-async def open_upstream_state(config: ServerConfig) -> ServingState:
-    """Proxy mode: the upstream (asked for its /health, so its index's fingerprint becomes
-    part of ours) with the answers' cache in front."""
+def open_redis(config: ServerConfig) -> RedisLink | None:
+    """The link to the fleet's Redis (cache.backend redis), or None: also when nothing would
+    use it (an index server with its cache disabled; a proxy keeps its budget there)."""
+    if config.cache.backend != "redis" or not (config.cache.enabled or config.upstream):
+        return None
+    if config.upstream is not None and config.upstream.limited:
+        consequence = (
+            "serving from this replica's cache; the upstream budget refuses misses (503)"
+            " until it is back"
+        )
+    else:
+        consequence = "serving from this replica's cache and its own searches"
+    return RedisLink(config.cache, consequence)
+
+
+async def open_upstream_state(config: ServerConfig, redis: RedisLink | None) -> ServingState:
+    """Proxy mode: the upstream (asked for its /health, so what decides its answers becomes
+    part of our fingerprint) with the answers' cache in front, and the spend's ledger (the
+    fleet's, in Redis, with cache.backend redis)."""
     assert config.upstream is not None
-    upstream = UpstreamBackend(config.upstream)
+    ledger: MemoryLedger | RedisLedger
+    upstream = None
     try:
+        if redis is not None:
+            ledger = RedisLedger(redis, config.cache, config.upstream)
+            if config.upstream.limited:
+                await ledger.verify(at_start=True)
+        else:
+            ledger = await asyncio.to_thread(default_ledger, config.upstream)
+        upstream = UpstreamBackend(config.upstream, ledger)
         health = await upstream.describe()
+        description = upstream_description(config.upstream, health)
+        fingerprint = digest(description, length=FINGERPRINT_DIGITS)
+        answers = await asyncio.to_thread(
+            make_answers, upstream, config, fingerprint, description, redis
+        )
     except BaseException:
-        await upstream.close()
+        if upstream is not None:
+            await upstream.close()
         raise
-    served = health.get("cache") if isinstance(health.get("cache"), dict) else {}
-    fingerprint = digest(
-        {"upstream": config.upstream.url, "fingerprint": served.get("fingerprint")},
-        length=FINGERPRINT_DIGITS,
-    )
-    answers = await asyncio.to_thread(make_answers, upstream, config, fingerprint)
     return ServingState(
-        answers=answers, fingerprint=fingerprint, upstream=upstream, upstream_health=health
+        answers=answers,
+        fingerprint=fingerprint,
+        upstream=upstream,
+        upstream_health=health,
+        redis=redis,
     )
 
 
@@ -527,6 +581,8 @@ async def answer_or_give_up(
         return error_response(503, f"{err}; retry", retry)
     except BudgetSpent as err:
         return error_response(429, str(err))
+    except BudgetUnavailable as err:
+        return error_response(503, str(err), retry)
     except UpstreamError as err:
         return error_response(err.status, err.detail)
 
@@ -541,10 +597,18 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if config.upstream is not None:
-            state = await open_upstream_state(config)
-        else:
-            state = await asyncio.to_thread(load_serving_state, config, metrics)
+        redis = open_redis(config)
+        try:
+            if redis is not None:
+                await redis.check()  # unreachable: the replica starts alone, and says so
+            if config.upstream is not None:
+                state = await open_upstream_state(config, redis)
+            else:
+                state = await asyncio.to_thread(load_serving_state, config, metrics, redis)
+        except BaseException:
+            if redis is not None:
+                await redis.close()
+            raise
         if config.query_log is not None:
             try:
                 state.query_log = QueryLog(config.query_log)
@@ -617,13 +681,20 @@ def create_app(config: ServerConfig) -> FastAPI:
         reason = state.unhealthy_reason()
         if reason is not None:
             response.status_code = 503
+        if state.redis is not None and not state.redis.reachable:
+            await state.redis.check()  # say whether it is back (at most every redis_retry_s)
+        upstream = None
+        if state.upstream is not None:
+            upstream = state.upstream.report(await state.upstream.ledger.refresh())
         return HealthResponse(
             status="ok" if reason is None else "unhealthy",
             reason=reason,
             **served_index(state, config),
+            profile=config.profile,
+            max_query_chars=config.max_query_chars,
             emulated_cost=state.answers.emulator.report(),
             cache=cache_report(state, config),
-            upstream=None if state.upstream is None else state.upstream.report(),
+            upstream=upstream,
         )
 
     @app.get("/metrics", response_class=Response)
@@ -635,12 +706,17 @@ def create_app(config: ServerConfig) -> FastAPI:
 
 
 async def close_serving_state(state: ServingState, config: ServerConfig) -> None:
-    """Stop the batcher (or the upstream's client), close the index, save the cache if it
-    persists."""
+    """Stop the batcher (or let the upstream's forwards in flight end, and close its client
+    and its ledger), close the index and Redis, save the cache if it persists."""
     if state.batcher is not None:
         await state.batcher.stop()
     if state.upstream is not None:
+        await state.answers.drain(config.upstream.worst_case_s())
         await state.upstream.close()
+    if state.answers.shared is not None:
+        await state.answers.shared.close()
+    if state.redis is not None:
+        await state.redis.close()
     if state.index is not None:
         state.index.close()
     if state.query_log is not None:
@@ -678,11 +754,15 @@ def cache_report(state: ServingState, config: ServerConfig) -> CacheReport:
                            max_bytes=0, evictions=0, expired=0, loaded=0, ttl_s=None,
                            fingerprint=state.fingerprint)  # fmt: skip
     stats = cache.stats
+    shared = state.answers.shared
     return CacheReport(
         enabled=True,
         hits=stats.hits,
         misses=stats.misses,
         coalesced=stats.coalesced,
+        shared_hits=stats.shared_hits,
+        shared_waits=stats.shared_waits,
+        shared=None if shared is None else shared_report(shared),
         entries=len(cache),
         bytes=cache.bytes,
         max_bytes=cache.max_bytes,
@@ -691,4 +771,16 @@ def cache_report(state: ServingState, config: ServerConfig) -> CacheReport:
         loaded=stats.loaded,
         ttl_s=cache.ttl_s,
         fingerprint=state.fingerprint,
+    )
+
+
+def shared_report(shared: SharedCache) -> SharedReport:
+    link = shared.link
+    return SharedReport(
+        backend="redis",
+        url=link.shown_url,
+        reachable=link.reachable,
+        reason=link.reason,
+        down_since=link.down_since,
+        took_over=shared.took_over,
     )

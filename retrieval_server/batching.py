@@ -45,12 +45,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from retrieval_server.retrievers import Hit, Retriever
 
 log = logging.getLogger(__name__)
 CRASH_WINDOW_S = 60.0
+# What the batcher answers per query and rank: a hit's document as response JSON (read by
+# `fetch` in the search thread) and its score; the retrievers' `Hit` is (corpus row, score).
+Passage = tuple[bytes, float]
 
 
 @dataclass(eq=False)
@@ -91,13 +93,13 @@ class PendingSearch:
     queries: list[str]
     topk: int
     retriever: str
-    result: asyncio.Future[list[list[Hit]]] = field(repr=False)
-    hits: list[list[Hit] | None] = field(default_factory=list, repr=False)
+    result: asyncio.Future[list[list[Passage]]] = field(repr=False)
+    passages: list[list[Passage] | None] = field(default_factory=list, repr=False)
     next: int = 0
     answered: int = 0
 
     def __post_init__(self) -> None:
-        self.hits = [None] * len(self.queries)
+        self.passages = [None] * len(self.queries)
 
     @property
     def remaining(self) -> int:
@@ -146,7 +148,7 @@ class MicroBatcher:
         max_restarts: int = 5,
         stall_after_s: float = 120.0,
         on_batch: Callable[[str, int], None] = lambda retriever, queries: None,
-        fetch: Callable[[list[list[Hit]]], list[list[Any]]] | None = None,
+        fetch: Callable[[list[list[Hit]]], list[list[Passage]]],
     ) -> None:
         self.retrievers = retrievers
         self.max_batch_queries = max_batch_queries
@@ -156,7 +158,7 @@ class MicroBatcher:
         self.max_restarts = max_restarts
         self.stall_after_s = stall_after_s
         self.on_batch = on_batch  # called with (retriever name, number of queries) per search
-        # run on the hits in the search thread (e.g. reading the passages), so a batch costs
+        # run on the hits in the search thread (reading their documents), so a batch costs
         # one thread hand-off; what it returns per query is what requests get, cut to topk
         self.fetch = fetch
         self.counts = BatcherCounts()
@@ -226,8 +228,8 @@ class MicroBatcher:
             ON_THE_WAY.reset(token)
             mark.close()
 
-    async def search(self, queries: list[str], topk: int, retriever: str) -> list[list[Hit]]:
-        """Hits per query for one request. Raises `Overloaded` (not queued) or `SearchFailed`;
+    async def search(self, queries: list[str], topk: int, retriever: str) -> list[list[Passage]]:
+        """Passages per query for one request. Raises `Overloaded` (not queued) or `SearchFailed`;
         cancelling the caller (deadline, disconnect) abandons the request's unsearched queries."""
         if not self.healthy:
             raise Overloaded("unhealthy")
@@ -340,7 +342,7 @@ class MicroBatcher:
     async def _search_pieces(self, name: str, pieces: list[Slice]) -> None:
         """One retriever call for all `pieces`; if it fails, each piece is retried alone."""
         try:
-            hits = await self._run_search(name, pieces)
+            passages = await self._run_search(name, pieces)
         except Exception as err:
             if len(pieces) == 1:
                 self._finish(pieces[0], None, err)
@@ -356,30 +358,29 @@ class MicroBatcher:
         start = 0
         for piece in pieces:
             count = piece.hi - piece.lo
-            self._finish(piece, hits[start : start + count], None)
+            self._finish(piece, passages[start : start + count], None)
             start += count
 
-    async def _run_search(self, name: str, pieces: list[Slice]) -> list[list[Hit]]:
+    async def _run_search(self, name: str, pieces: list[Slice]) -> list[list[Passage]]:
         queries = [query for piece in pieces for query in piece.queries]
         topk = max(piece.pending.topk for piece in pieces)
         self.on_batch(name, len(queries))
         self._search_started = time.monotonic()
         search, fetch = self.retrievers[name].search, self.fetch
 
-        def search_and_fetch() -> list[list[Any]]:
+        def search_and_fetch() -> list[list[Passage]]:
             hits = search(queries, topk)
-            return hits if fetch is None or len(hits) != len(queries) else fetch(hits)
+            if len(hits) != len(queries):
+                raise RuntimeError(f"retriever {name} gave {len(hits)} results for {len(queries)}")
+            return fetch(hits)
 
         try:
-            hits = await asyncio.to_thread(search_and_fetch)
+            return await asyncio.to_thread(search_and_fetch)
         finally:
             self._search_started = None
-        if len(hits) != len(queries):
-            raise RuntimeError(f"retriever {name} gave {len(hits)} results for {len(queries)}")
-        return hits
 
     def _finish(
-        self, piece: Slice, hits: list[list[Hit]] | None, error: BaseException | None
+        self, piece: Slice, passages: list[list[Passage]] | None, error: BaseException | None
     ) -> None:
         """Account for a searched slice; answer its request when all its queries are in."""
         self._in_flight.discard(piece)
@@ -387,12 +388,12 @@ class MicroBatcher:
         pending = piece.pending
         if pending.abandoned:
             return
-        if hits is None:
+        if passages is None:
             log.warning("search failed for one request: %s", type(error).__name__)
             self._fail(pending, error or RuntimeError("search failed"))
             return
-        for offset, query_hits in enumerate(hits):
-            pending.hits[piece.lo + offset] = query_hits[: pending.topk]
+        for offset, query_passages in enumerate(passages):
+            pending.passages[piece.lo + offset] = query_passages[: pending.topk]
         pending.answered += piece.hi - piece.lo
         if pending.answered == len(pending.queries):
-            pending.result.set_result(pending.hits)  # type: ignore[arg-type]
+            pending.result.set_result(pending.passages)  # type: ignore[arg-type]

@@ -17,9 +17,15 @@ for its lifetime, so in memory the fingerprint is the cache's own; a cache persi
 restarts (`persist_path`) is loaded only by a server whose fingerprint is the same, so a
 rebuilt, reloaded or different index never serves old answers.
 
-The byte count is an estimate of the Python objects an entry holds (its query, its answer and
-a fixed overhead for the key tuple, the entry and the dict's slot); `bench/search_cache.py`
-measures it against tracemalloc.
+The byte count is what the entries hold, object by object (`sys.getsizeof`, which is what
+the allocator is asked for): each entry's key tuple, query, answer, entry tuple and time; each
+distinct scope string once, however many entries share it; and the ordered dict itself (its
+table, which grows in steps, and its linked nodes). A test holds it within 1.1x of what
+tracemalloc sees for small answers and for many scopes; `bench/search_cache.py` measures it at
+the default bound.
+
+Beside this process's cache, `cache.backend: redis` adds one shared by a fleet of replicas
+(`retrieval_server.shared`); this cache stays in front of it.
 """
 
 from __future__ import annotations
@@ -32,14 +38,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import orjson
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from core.config import StrictModel
 from core.errors import UserError
-from core.paths import atomic_file
+from retrieval_server.files import replaced_keeping_mode
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +61,6 @@ class CacheKey(NamedTuple):
     query: str  # as the retriever sees it (after the server's truncation)
 
 
-# bytes: the key tuple (its scope string is the request's, shared by its queries), the entry
-# tuple, its float, the dict slot
-ENTRY_OVERHEAD = 232
 FILE_MAGIC = b"hdr-search-cache 1\n"
 RECORD = struct.Struct("<IId")  # key length, answer length, stored at (unix seconds)
 
@@ -87,6 +90,55 @@ class CacheConfig(StrictModel):
         description="File the cache is saved to when the server stops and loaded from when it "
         "starts (only answers of the same index fingerprint); None: memory only.",
     )
+    backend: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="memory: this server's cache alone. redis: also one cache shared by every "
+        "replica pointed at redis_url (a miss one replica computed or paid for is a hit on all; "
+        "identical queries in flight on several replicas are computed once), and, in proxy "
+        "mode, one spend budget for all of them. This server's cache stays in front of it.",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="The Redis of cache.backend=redis (redis://[:password@]host:port/db; "
+        "rediss:// for TLS). Its password is never shown.",
+    )
+    redis_namespace: str = Field(
+        default="hdr",
+        min_length=1,
+        description="Prefix of every key hdr writes in Redis: fleets that must not share a "
+        "cache or a budget use different ones.",
+    )
+    redis_lock_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Expiry of the lock a replica holds while it computes a query (renewed "
+        "while it lives): a replica that dies holding it delays the others this long at most, "
+        "then one of them takes the query over.",
+    )
+    redis_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Deadline of one Redis command; past it (or on a refused connection) Redis "
+        "counts as unreachable: the replica serves from its own cache and searches, the budget "
+        "refuses misses (503), and Redis is tried again after redis_retry_s.",
+    )
+    redis_retry_s: float = Field(
+        default=1.0, gt=0, description="Wait before an unreachable Redis is tried again."
+    )
+    redis_ttl_s: float = Field(
+        default=30 * 86400.0,
+        gt=0,
+        description="Expiry of an answer in Redis when ttl_s is not set: every answer expires, "
+        "so a Redis run with maxmemory-policy volatile-lru evicts answers and never the budget, "
+        "which has no expiry.",
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("cache.redis_url must start with redis://, rediss:// or unix://")
+        return url
 
 
 @dataclass
@@ -100,11 +152,23 @@ class CacheStats:
     evictions: int = 0
     expired: int = 0
     loaded: int = 0  # entries read from persist_path at start
+    shared_hits: int = 0  # of the hits: found in the shared cache (another replica's answer)
+    shared_waits: int = 0  # of the coalesced: computed by another replica while we waited
+
+
+STORED_AT = sys.getsizeof(0.0)
+ENTRY_TUPLE = sys.getsizeof((b"", 0.0))
+EMPTY_DICTS = sys.getsizeof(OrderedDict()) + sys.getsizeof({})  # what an empty cache holds
 
 
 def entry_bytes(key: CacheKey, value: bytes) -> int:
-    """What one entry is counted as: its query's and answer's objects plus a fixed overhead."""
-    return sys.getsizeof(key.query) + sys.getsizeof(value) + ENTRY_OVERHEAD
+    """The objects one entry holds of its own: the key tuple, its query, the answer and the
+    (answer, stored at) tuple with its float. Its scope string is counted once per scope, the
+    dict's table and nodes with the dict (`ResultCache.bytes`)."""
+    return (
+        sys.getsizeof(key) + sys.getsizeof(key.query) + sys.getsizeof(value)
+        + ENTRY_TUPLE + STORED_AT
+    )  # fmt: skip
 
 
 class ResultCache:
@@ -117,19 +181,29 @@ class ResultCache:
         fingerprint: str,
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
+        description: dict[str, Any] | None = None,
     ) -> None:
         self.max_bytes = max_bytes
         self.fingerprint = fingerprint
+        # what the fingerprint is a digest of, where it is worth telling apart (a proxy's
+        # upstream): written in the file's header, named in the warning for another's file
+        self.description = description
         self.ttl_s = ttl_s
         self.clock = clock
         self.stats = CacheStats()
         # the persisted file it started from was another fingerprint's: never saved over
         self.keeps_foreign_file = False
-        self.bytes = 0
+        self.entries_bytes = 0  # every entry's own objects and each distinct scope once
         self._entries: OrderedDict[CacheKey, tuple[bytes, float]] = OrderedDict()
+        self._scopes: dict[str, int] = {}  # scope -> entries holding it
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        """What the cache holds: its entries, their scopes and its two dicts."""
+        return self.entries_bytes + sys.getsizeof(self._entries) + sys.getsizeof(self._scopes)
 
     def get(self, key: CacheKey) -> bytes | None:
         """The answer stored for `key` (now the most recently used), or None."""
@@ -147,21 +221,28 @@ class ResultCache:
     def put(self, key: CacheKey, value: bytes, stored_at: float | None = None) -> None:
         """Store `value`, evicting the least recently used entries past `max_bytes`; an
         answer larger than the whole bound is not stored."""
-        size = entry_bytes(key, value)
-        if size > self.max_bytes:
+        size = entry_bytes(key, value) + (0 if key.scope in self._scopes else scope_bytes(key))
+        if size + EMPTY_DICTS > self.max_bytes:
             return
         if key in self._entries:
             self._drop(key)
         self._entries[key] = (value, self.clock() if stored_at is None else stored_at)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
+        self.entries_bytes += entry_bytes(key, value)
+        if self._scopes.setdefault(key.scope, 0) == 0:
+            self.entries_bytes += scope_bytes(key)
+        self._scopes[key.scope] += 1
+        while self.bytes > self.max_bytes and self._entries:
             oldest = next(iter(self._entries))
             self._drop(oldest)
             self.stats.evictions += 1
 
     def _drop(self, key: CacheKey) -> None:
         value, _ = self._entries.pop(key)
-        self.bytes -= entry_bytes(key, value)
+        self.entries_bytes -= entry_bytes(key, value)
+        self._scopes[key.scope] -= 1
+        if not self._scopes[key.scope]:
+            del self._scopes[key.scope]
+            self.entries_bytes -= scope_bytes(key)
 
     def items(self) -> Iterator[tuple[CacheKey, bytes, float]]:
         """Entries from least to most recently used."""
@@ -170,12 +251,34 @@ class ResultCache:
 
     # --- persistence -------------------------------------------------------------------------
 
-    def save(self, path: Path) -> int:
+    def save(self, path: Path) -> int | None:
         """Write every entry to `path` (a temp file beside it, renamed over it when whole, so
-        the file is never half-written); returns the entries written."""
-        with atomic_file(path, "wb") as file:
+        the file is never half-written; with the mode the file had); returns the entries
+        written, or None when `path` now holds another fingerprint's cache, or something that
+        is not a cache (written there since this server started): it is left as it is."""
+        path = Path(path)
+        if path.exists():
+            try:
+                with path.open("rb") as file:
+                    check_cache_file(path, file.read(len(FILE_MAGIC)))
+                    theirs = read_header(path, file)
+            except (UserError, OSError) as err:
+                log.warning("cache not saved: %s", err)
+                return None
+            if theirs.get("fingerprint") != self.fingerprint:
+                log.warning(
+                    "cache not saved: %s holds the answers of another index or settings "
+                    "(fingerprint %s, this server's %s), written there since this server "
+                    "started; it is left as it is",
+                    path,
+                    theirs.get("fingerprint"),
+                    self.fingerprint,
+                )
+                return None
+        header = {"fingerprint": self.fingerprint, "description": self.description}
+        with replaced_keeping_mode(path) as file:
             file.write(FILE_MAGIC)
-            file.write(orjson.dumps({"fingerprint": self.fingerprint}) + b"\n")
+            file.write(orjson.dumps(header) + b"\n")
             for key, value, stored_at in self.items():  # LRU order: reloads in that order
                 key_json = orjson.dumps(list(key))
                 file.write(RECORD.pack(len(key_json), len(value), stored_at))
@@ -197,16 +300,17 @@ class ResultCache:
     def _load(self, path: Path) -> int:
         with Path(path).open("rb") as file:
             check_cache_file(path, file.read(len(FILE_MAGIC)))
-            header = orjson.loads(file.readline())
-            if header.get("fingerprint") != self.fingerprint:
+            header = read_header(path, file)
+            if header["fingerprint"] != self.fingerprint:
                 log.warning(
                     "cache file %s holds answers of another index or settings (fingerprint "
-                    "%s, this server's %s); starting with an empty cache and keeping the file: "
-                    "this server's answers are not saved over it (remove it, or choose another "
-                    "cache.persist_path, to save them)",
+                    "%s, this server's %s%s); starting with an empty cache and keeping the "
+                    "file: this server's answers are not saved over it (remove it, or choose "
+                    "another cache.persist_path, to save them)",
                     path,
-                    header.get("fingerprint"),
+                    header["fingerprint"],
                     self.fingerprint,
+                    differences(header.get("description"), self.description),
                 )
                 self.keeps_foreign_file = True
                 return 0
@@ -221,6 +325,39 @@ class ResultCache:
                     self.put(key, value, stored_at)
         self.stats.loaded = len(self._entries) - before
         return self.stats.loaded
+
+
+def scope_bytes(key: CacheKey) -> int:
+    """A scope string, counted once however many entries share it (the app interns it)."""
+    return sys.getsizeof(key.scope)
+
+
+def read_header(path: Path, file) -> dict[str, Any]:
+    """The header line after the magic line: a JSON object with the fingerprint; anything
+    else is one UserError line (the file is left as it is)."""
+    try:
+        header = orjson.loads(file.readline())
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or not isinstance(header.get("fingerprint"), str):
+        raise UserError(
+            f"cache.persist_path {path} is an hdr search cache but its header is damaged;"
+            " remove it or choose another path"
+        )
+    return header
+
+
+def differences(theirs: Any, ours: dict[str, Any] | None) -> str:
+    """What two descriptions (of an upstream) disagree on, for the warning: '; upstream
+    default_retriever was dense, is bm25', or nothing."""
+    if not isinstance(theirs, dict) or ours is None:
+        return ""
+    changed = [
+        f"{name} was {theirs.get(name)}, is {ours.get(name)}"
+        for name in sorted(set(theirs) | set(ours))
+        if theirs.get(name) != ours.get(name)
+    ]
+    return "; upstream " + ", ".join(changed) if changed else ""
 
 
 def check_cache_file(path: Path, start: bytes) -> None:

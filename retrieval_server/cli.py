@@ -55,7 +55,10 @@ SERVE_EXAMPLES = """Examples:
   hdr serve --index data/index cache.max_bytes=1073741824 cache.persist_path=data/cache.bin
 
   hdr serve --upstream http://search.example:8000 --port 8001 \
-      upstream.price_per_call=0.015 upstream.max_spend=50 cache.ttl_s=86400
+      upstream.price_per_call=0.015 upstream.max_spend=50 upstream.spend_path=data/spend.json \
+      cache.ttl_s=86400
+
+  hdr serve --index data/index cache.backend=redis cache.redis_url=redis://10.0.0.5:6379/0
 """
 
 index_app = typer.Typer(

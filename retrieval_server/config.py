@@ -314,12 +314,30 @@ class ServerConfig(StrictModel):
                 " a stalled upstream would end in the deadline's 503, never in a 504; lower"
                 " upstream.timeout_s or upstream.max_retries, or raise request_deadline_s"
             )
+        if self.upstream is not None:
+            self._check_the_budget_is_kept(self.upstream)
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise ValueError(
                 f"max_buffered_body_bytes {self.max_buffered_body_bytes} is below max_body_bytes "
                 f"{self.max_body_bytes}: a largest body could never be received"
+            )
+
+    def _check_the_budget_is_kept(self, upstream: UpstreamConfig) -> None:
+        """A budget must survive a restart: kept in a spend file, or in the fleet's Redis."""
+        shared = self.cache.backend == "redis"
+        if upstream.limited and upstream.spend_path is None and not shared:
+            limit = "max_calls" if upstream.max_calls is not None else "max_spend"
+            raise ValueError(
+                f"upstream.{limit} needs upstream.spend_path=FILE (the spend is kept there "
+                "across restarts) or cache.backend=redis (the fleet's budget): a budget that a "
+                "restart forgets is no budget"
+            )
+        if upstream.spend_path is not None and shared:
+            raise ValueError(
+                "upstream.spend_path is a single server's spend; with cache.backend=redis the "
+                "budget is the fleet's, in Redis: drop upstream.spend_path"
             )
 
     @property

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from retrieval_server.answers import Answers
     from retrieval_server.batching import MicroBatcher
+    from retrieval_server.shared import RedisLink
     from retrieval_server.upstream import UpstreamBackend
 
 # about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
@@ -136,6 +137,7 @@ class ScrapedState(Protocol):
     answers: Answers
     batcher: MicroBatcher | None
     upstream: UpstreamBackend | None
+    redis: RedisLink | None
 
 
 def serving_state(app: FastAPI) -> ScrapedState | None:
@@ -236,33 +238,89 @@ class CacheCollector:
             yield GaugeMetricFamily(
                 "hdr_retrieval_cache_entries", "Answers cached.", value=len(cache)
             )
-        if state.upstream is not None:
-            counts = state.upstream.counts
+        shared = state.answers.shared
+        if cache is not None and shared is not None:
             yield CounterMetricFamily(
-                "hdr_retrieval_upstream_calls",
-                "Queries forwarded to the upstream and answered: the billed calls.",
-                value=counts.calls,
+                "hdr_retrieval_cache_shared_hits",
+                "Of the hits: answers found in the fleet's shared cache (another replica's).",
+                value=cache.stats.shared_hits,
             )
             yield CounterMetricFamily(
-                "hdr_retrieval_upstream_requests",
-                "HTTP requests the upstream answered.",
-                value=counts.requests,
+                "hdr_retrieval_cache_shared_waits",
+                "Of the coalesced: answers another replica computed while this one waited.",
+                value=cache.stats.shared_waits,
             )
             yield CounterMetricFamily(
-                "hdr_retrieval_upstream_retries", "Forwards retried.", value=counts.retries
+                "hdr_retrieval_cache_shared_took_over",
+                "Queries computed here after another replica's lock went without an answer.",
+                value=shared.took_over,
             )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_failures",
-                "Forwards that failed after their retries (answered 502 or 504).",
-                value=counts.failures,
-            )
-            yield CounterMetricFamily(
-                "hdr_retrieval_upstream_over_budget",
-                "Requests answered 429: the spend budget had run out.",
-                value=counts.refused_over_budget,
-            )
+        if state.redis is not None:
             yield GaugeMetricFamily(
-                "hdr_retrieval_upstream_spent",
-                "Billed calls x price_per_call.",
-                value=state.upstream.budget.spent,
+                "hdr_retrieval_redis_reachable",
+                "1 while the fleet's Redis answers (0: this replica serves alone, and a budget "
+                "kept there refuses misses).",
+                value=state.redis.reachable,
             )
+        if state.upstream is not None:
+            yield from upstream_metrics(state.upstream)
+
+
+def upstream_metrics(upstream: UpstreamBackend) -> Iterator[Any]:
+    """The spend (the ledger's totals as last seen: the spend file's or the fleet's, across
+    restarts) and this process's forwarding counts."""
+    counts, totals, config = upstream.counts, upstream.ledger.totals(), upstream.config
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_calls",
+        "Queries billed by the upstream (answered, or sent and unanswered with "
+        "upstream.bill_timeouts), in the ledger: since the spend file began, or the fleet's.",
+        value=totals.calls,
+    )
+    yield GaugeMetricFamily(
+        "hdr_retrieval_upstream_committed_calls",
+        "What the budget counts: billed calls, calls in flight, and calls a stopped server "
+        "left unsettled.",
+        value=totals.committed_calls,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_requests",
+        "HTTP requests the upstream answered (this process).",
+        value=counts.requests,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_retries", "Forwards retried.", value=counts.retries
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_failures",
+        "Forwards that failed after their retries (answered 502 or 504).",
+        value=counts.failures,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_over_budget",
+        "Requests answered 429: the spend budget had run out.",
+        value=counts.refused_over_budget,
+    )
+    yield CounterMetricFamily(
+        "hdr_retrieval_upstream_budget_unavailable",
+        "Requests answered 503: the budget could not be checked (its Redis unreachable, its "
+        "spend file not writable).",
+        value=counts.refused_unavailable,
+    )
+    yield GaugeMetricFamily(
+        "hdr_retrieval_upstream_spent",
+        "Billed calls x price_per_call, in the ledger.",
+        value=totals.spent,
+    )
+    yield GaugeMetricFamily(
+        "hdr_retrieval_upstream_committed_spend",
+        "The spend the budget counts (billed, in flight, unsettled).",
+        value=totals.committed_spend,
+    )
+    if config.max_calls is not None:
+        yield GaugeMetricFamily(
+            "hdr_retrieval_upstream_max_calls", "upstream.max_calls.", value=config.max_calls
+        )
+    if config.max_spend is not None:
+        yield GaugeMetricFamily(
+            "hdr_retrieval_upstream_max_spend", "upstream.max_spend.", value=config.max_spend
+        )

@@ -86,12 +86,14 @@ def describe(app: FastAPI, config: ServerConfig) -> str:
     if state.index is not None:
         served = f"{len(state.index.documents)} passages"
     else:
-        served = f"proxy of {config.upstream.url}"
+        served = f"proxy of {config.upstream.shown_url}"
     cache = state.answers.cache
     if cache is None:
         return f"{served}, no cache"
     loaded = f", {cache.stats.loaded} answers loaded" if cache.stats.loaded else ""
-    return f"{served}, cache of {cache.max_bytes / 2**20:g} MiB{loaded}"
+    shared = state.answers.shared
+    fleet = "" if shared is None else f", shared with the replicas on {shared.link.shown_url}"
+    return f"{served}, cache of {cache.max_bytes / 2**20:g} MiB{loaded}{fleet}"
 
 
 def run_server(config: ServerConfig, sock: socket.socket, url: str, access_log: bool) -> None:

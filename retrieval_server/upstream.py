@@ -8,13 +8,25 @@ per second (a request over the limit waits for its slot); a request carries at m
 are retried `max_retries` times with exponential backoff and full jitter. What still fails is
 answered in one line: 504 when the upstream did not answer in time, 502 for anything else it
 did (its status and one line of its detail), never a 500 of our own; a 400/413/422 of the
-upstream is the client's request, passed on with its status.
+upstream is the client's request, passed on with its status. A body is read up to
+`max_response_bytes` and no further, and parsed with orjson (which refuses nesting deeper than
+1,024 levels with an error, not a RecursionError); a 200 whose body is not a Search-R1 result
+for the queries sent (what hdr's own client would fail to parse) is a 502 and is never cached.
 
-The spend budget: every query forwarded and answered is one billed call at `price_per_call`;
-past `max_calls` calls or `max_spend`, a request with a query to forward is refused with a 429
-naming the budget that ran out, while queries the cache answers are still served. Calls are
-reserved before forwarding, so concurrent requests cannot overspend, and returned if the
-forward fails (a failed call is not counted as billed).
+The spend budget (`retrieval_server.spend`): every query forwarded is one call at
+`price_per_call`, reserved before it is sent, so concurrent requests cannot overspend, and
+billed as the upstream bills it: answered, or sent and unanswered (a timeout, a connection lost
+after sending; `bill_timeouts`), each retry again; released when it was never sent or the
+upstream answered an error status. Past `max_calls` calls or `max_spend`, a request with a
+query to forward is refused with a 429 naming the budget that ran out, while queries the cache
+answers are still served. A forward, once begun, runs to its end even if every client waiting
+for it leaves (`finishes_abandoned`, read by `retrieval_server.answers`): what is paid for is
+billed and cached.
+
+Secrets: the URL's user and password, its query string's values and the token from `token_env`
+are sent upstream but never shown: `shown_url` is what logs, `/health`, `/metrics` and errors
+say, and an upstream's error detail has them masked before it is passed on. A URL with a user
+and password beside a token in `token_env` is refused (one would silently replace the other).
 
 Whether caching the upstream's answers is exact depends on the upstream: a static index
 (another `hdr serve`, Search-R1's server) answers a query the same way every time; a live web
@@ -24,32 +36,52 @@ search does not, and wants `cache.ttl_s`.
 from __future__ import annotations
 
 import asyncio
-import math
+import hashlib
 import os
 import random
-import sys
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
-from pydantic import Field, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
 from core.config import StrictModel
 from core.errors import UserError
-from retrieval_server.api import UpstreamReport
+from retrieval_server.api import Document, ScoredDocument, UpstreamReport
 from retrieval_server.pacing import Pacer
+from retrieval_server.spend import (
+    BudgetSpent,
+    BudgetUnavailable,
+    FileLedger,
+    MemoryLedger,
+)
+
+if TYPE_CHECKING:
+    from retrieval_server.spend import SpendTotals
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 CLIENT_STATUSES = frozenset({400, 413, 422})  # the request's own fault: passed on as it is
 DETAIL_CHARS = 200
+ERROR_JSON_BYTES = 64 * 1024  # an error body longer than this is shown as text, not parsed
+HEALTH_TIMEOUT_S = 10.0
+MASK = "***"
+# what a query's answer must be, as hdr's client reads it (api.ScoredResponse, PlainResponse)
+SCORED_ANSWERS = TypeAdapter(list[list[ScoredDocument]])
+PLAIN_ANSWERS = TypeAdapter(list[list[Document]])
+# what of an upstream's /health decides its answers (besides the query, topk and retriever a
+# request names): they go into the proxy's fingerprint
+ANSWER_DECIDING = ("documents", "encoder", "index_type", "retrievers", "default_retriever",
+                   "profile", "max_query_chars")  # fmt: skip
 
 
 class UpstreamConfig(StrictModel):
     """Where misses are forwarded in proxy mode, how hard, and how much may be spent."""
 
     url: str = Field(
-        description="The upstream's base URL (http://host:port; a trailing /retrieve is dropped)."
+        description="The upstream's base URL (http://host:port[/path][?query]; a trailing "
+        "/retrieve is dropped, a query string is kept on every request and never shown)."
     )
     timeout_s: float = Field(
         default=15.0, gt=0, description="Deadline of one attempt, connect to last byte."
@@ -68,6 +100,12 @@ class UpstreamConfig(StrictModel):
     max_batch_queries: int = Field(
         default=256, ge=1, description="Most queries in one forwarded request (larger sets split)."
     )
+    max_response_bytes: int = Field(
+        default=64 * 2**20,
+        ge=1024,
+        description="Most bytes of one upstream answer read; a longer one is a 502 (and billed, "
+        "if it was a 200: the upstream answered).",
+    )
     price_per_call: float = Field(
         default=0.0, ge=0, description="What one forwarded query costs (any currency unit)."
     )
@@ -77,6 +115,19 @@ class UpstreamConfig(StrictModel):
     max_spend: float | None = Field(
         default=None, ge=0, description="Most spent (calls x price_per_call); None: no limit."
     )
+    bill_timeouts: bool = Field(
+        default=True,
+        description="A forward that was sent and got no answer (its attempt timed out, or its "
+        "connection was lost after sending) counts as billed, each attempt again: an API bills "
+        "the requests it received, whether or not their answers reached you. false: only "
+        "answered calls are billed (for an upstream known to bill only what it answers).",
+    )
+    spend_path: Path | None = Field(
+        default=None,
+        description="File the spend is kept in across restarts (written before every call is "
+        "sent, whole, never half-written). Needed with max_calls or max_spend, unless the "
+        "budget is the fleet's (cache.backend: redis).",
+    )
     token_env: str = Field(
         default="HDR_UPSTREAM_TOKEN",
         description="Environment variable whose value, if set, is sent to the upstream as a "
@@ -84,9 +135,24 @@ class UpstreamConfig(StrictModel):
     )
 
     @property
+    def limited(self) -> bool:
+        """Whether a budget is set (max_calls or max_spend)."""
+        return self.max_calls is not None or self.max_spend is not None
+
+    @property
     def shown_url(self) -> str:
-        """The URL as errors and /health show it: without a user or password it may carry."""
-        return str(httpx.URL(self.url).copy_with(userinfo=b""))
+        """The URL as logs, errors, /health and /metrics show it: without the user and
+        password it may carry, its query string's values masked."""
+        return show_url(self.url)
+
+    def endpoint(self, path: str) -> httpx.URL:
+        """`path` (/retrieve, /health) under the base URL, its query string kept."""
+        url = httpx.URL(self.url)
+        return url.copy_with(path=url.path.rstrip("/") + path)
+
+    def shown_endpoint(self, path: str) -> str:
+        """`endpoint(path)` as it is shown (no user, password or query values)."""
+        return show_url(str(self.endpoint(path)))
 
     def worst_case_s(self) -> float:
         """The longest a forward can take: every attempt to its deadline, every backoff at its
@@ -101,8 +167,34 @@ class UpstreamConfig(StrictModel):
     def _base_url(cls, url: str) -> str:
         url = url.strip()
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"upstream URL {url!r} must start with http:// or https://")
-        return url.rstrip("/").removesuffix("/retrieve")
+            raise ValueError(f"upstream URL {show_url(url)!r} must start with http:// or https://")
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as err:
+            raise ValueError(f"upstream URL {show_url(url)!r} is not a URL: {err}") from None
+        path = parsed.path.rstrip("/").removesuffix("/retrieve").rstrip("/")
+        return str(parsed.copy_with(path=path, fragment=None))
+
+
+def show_url(url: str) -> str:
+    """`url` without userinfo and with every query value masked (names kept)."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return "(an invalid URL)"
+    shown = str(parsed.copy_with(userinfo=b"", query=None))
+    masked = "&".join(f"{name}={MASK}" for name, _ in parsed.params.multi_items())
+    return f"{shown}?{masked}" if masked else shown
+
+
+def url_secrets(url: str, token: str | None) -> list[str]:
+    """What of the URL and token must never be shown: the password, the user, the query
+    string's values (at least 3 characters: shorter ones are no secret and would mask
+    ordinary text), the token."""
+    parsed = httpx.URL(url)
+    found = [token or "", parsed.password or "", parsed.username or ""]
+    found += [value for _, value in parsed.params.multi_items()]
+    return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
 
 
 class UpstreamError(Exception):
@@ -114,76 +206,44 @@ class UpstreamError(Exception):
         self.detail = detail
 
 
-class BudgetSpent(Exception):
-    """A request needs calls the spend budget no longer allows (answered 429)."""
-
-
 @dataclass
 class UpstreamCounts:
-    """Since start: forwarded requests and queries (billed calls), retries, final failures."""
+    """Since start: HTTP requests the upstream answered, retries, final failures, refusals."""
 
     requests: int = 0
-    calls: int = 0
     retries: int = 0
     failures: int = 0
     refused_over_budget: int = 0
+    refused_unavailable: int = 0  # budget not checkable (its store down): answered 503
 
 
-class Budget:
-    """Billed calls against `max_calls` and `max_spend`, reserved before a forward."""
-
-    def __init__(self, config: UpstreamConfig, counts: UpstreamCounts) -> None:
-        self.config = config
-        self.counts = counts
-        self.reserved = 0
-
-    @property
-    def spent(self) -> float:
-        return self.counts.calls * self.config.price_per_call
-
-    def reserve(self, calls: int) -> None:
-        c = self.config
-        wanted = self.counts.calls + self.reserved + calls
-        if c.max_calls is not None and wanted > c.max_calls:
-            self._refuse(f"upstream.max_calls {c.max_calls}", c.max_calls - wanted + calls, calls)
-        if c.max_spend is not None and wanted > self.affordable_calls():
-            left = self.affordable_calls() - self.counts.calls - self.reserved
-            self._refuse(f"upstream.max_spend {c.max_spend:g}", left, calls)
-        self.reserved += calls
-
-    def affordable_calls(self) -> int:
-        """How many calls `max_spend` buys at `price_per_call`, counted in whole calls so that a
-        price like 0.1 buys 3 calls of 0.3, not 2 (0.1 x 3 > 0.3 in binary floats)."""
-        c = self.config
-        assert c.max_spend is not None
-        if c.price_per_call <= 0:
-            return sys.maxsize
-        return math.floor(c.max_spend / c.price_per_call + 1e-9)
-
-    def _refuse(self, budget: str, left: int, needed: int) -> None:
-        self.counts.refused_over_budget += 1
-        raise BudgetSpent(
-            f"upstream budget spent: {budget} leaves {max(left, 0)} calls, this request needs "
-            f"{needed} ({self.counts.calls} billed so far); cached queries are still answered"
-        )
-
-    def settle(self, reserved: int, billed: int) -> None:
-        """Release a reservation; `billed` of it were answered and count as calls."""
-        self.reserved -= reserved
-        self.counts.calls += billed
+class _Unsent(Exception):
+    """An attempt that never reached the upstream (no connection): not billed."""
 
 
 class UpstreamBackend:
     """Forwards queries to the upstream (the `Backend` of `retrieval_server.answers`)."""
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    # a forward, once begun, is finished and cached even when every client waiting has left:
+    # the upstream bills it either way (retrieval_server.answers reads this)
+    finishes_abandoned = True
+
+    def __init__(self, config: UpstreamConfig, ledger: MemoryLedger | None = None) -> None:
         self.config = config
         self.counts = UpstreamCounts()
-        self.budget = Budget(config, self.counts)
+        token = os.environ.get(config.token_env) or None
+        parsed = httpx.URL(config.url)
+        if token and parsed.userinfo:
+            raise UserError(
+                f"upstream URL {config.shown_url} carries a user and password and "
+                f"${config.token_env} is set too: one would replace the other (Basic or "
+                "Bearer); give only one of them"
+            )
+        self.secrets = url_secrets(config.url, token)
+        self.ledger = ledger if ledger is not None else default_ledger(config)
         self.pacer = Pacer(config.rate_limit_rps)
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self.rng = random.Random()
-        token = os.environ.get(config.token_env)
         self.http = httpx.AsyncClient(
             headers={"Authorization": f"Bearer {token}"} if token else None,
             timeout=httpx.Timeout(config.timeout_s),
@@ -196,97 +256,127 @@ class UpstreamBackend:
 
     async def close(self) -> None:
         await self.http.aclose()
+        await self.ledger.close()
+
+    def masked(self, text: str) -> str:
+        """`text` with every secret of the URL and token masked."""
+        for secret in self.secrets:
+            text = text.replace(secret, MASK)
+        return text
 
     async def describe(self) -> dict[str, Any]:
-        """The upstream's /health as JSON ({} if it has none, as Search-R1's server); a
-        refused connection is a UserError at start (a wrong URL, or the upstream is down)."""
-        url = self.config.url
+        """The upstream's /health as JSON ({} if it has none, as Search-R1's server). A refused
+        connection, or a /health that answers 200 with a body that is not a JSON object, is a
+        UserError at start (a wrong URL, or not a Search-R1 server)."""
+        shown = self.config.shown_url
         try:
-            response = await self.http.get(f"{url}/health", timeout=10)
-        except httpx.HTTPError as err:
+            status, content = await asyncio.wait_for(
+                self._send("GET", self.config.endpoint("/health")), HEALTH_TIMEOUT_S
+            )
+        except (httpx.HTTPError, asyncio.TimeoutError, _Unsent) as err:
+            reason = str(err) if isinstance(err, _Unsent) else type(err).__name__
             raise UserError(
-                f"upstream {self.config.shown_url} does not answer ({type(err).__name__}); start"
-                " it first or correct --upstream"
+                f"upstream {shown} does not answer ({reason}); start it first or correct --upstream"
             ) from None
-        try:
-            body = response.json() if response.status_code == 200 else {}
-        except ValueError:
-            body = {}
-        return body if isinstance(body, dict) else {}
+        except UpstreamError as err:
+            raise UserError(f"{err.detail} at /health; is {shown} a Search-R1 server?") from None
+        if status not in (200, 503):
+            return {}  # no /health (Search-R1's server: 404): nothing is known of it
+        body = parse_json(content)
+        if isinstance(body, dict):
+            return body
+        if status == 503:
+            return {}
+        raise UserError(
+            f"upstream {shown} answered /health with a body that is not a JSON object"
+            f" ({one_line(content, self.masked)}); is it a Search-R1 server?"
+        )
 
     async def compute(
         self, queries: list[str], topk: int, retriever: str, return_scores: bool
     ) -> list[bytes]:
         """Each query's answer (the upstream's result list, re-encoded compactly), in order."""
-        self.budget.reserve(len(queries))
+        try:
+            await self.ledger.reserve(len(queries))  # the first attempt of every chunk
+        except BudgetSpent:
+            self.counts.refused_over_budget += 1
+            raise
+        except BudgetUnavailable:
+            self.counts.refused_unavailable += 1
+            raise
         size = self.config.max_batch_queries
         chunks = [queries[lo : lo + size] for lo in range(0, len(queries), size)]
-        parts: list[list[bytes] | BaseException] = []
+        started = [False] * len(chunks)
         try:
             parts = await asyncio.gather(
-                *(self._forward(chunk, topk, retriever, return_scores) for chunk in chunks),
+                *(
+                    self._forward(chunk, topk, retriever, return_scores, started, i)
+                    for i, chunk in enumerate(chunks)
+                ),
                 return_exceptions=True,
             )
-        finally:  # what the upstream answered is billed, even when another chunk failed
-            answered = sum(len(part) for part in parts if isinstance(part, list))
-            self.budget.settle(len(queries), answered)
+        finally:  # a chunk cancelled before it ran never settles its reservation itself
+            for chunk, began in zip(chunks, started, strict=True):
+                if not began:
+                    self.ledger.settle(len(chunk), 0)
         for part in parts:
             if isinstance(part, BaseException):
                 raise part
         return [answer for part in parts for answer in part]  # type: ignore[union-attr]
 
     async def _forward(
-        self, queries: list[str], topk: int, retriever: str, return_scores: bool
+        self,
+        queries: list[str],
+        topk: int,
+        retriever: str,
+        return_scores: bool,
+        started: list[bool],
+        chunk: int,
     ) -> list[bytes]:
+        """One chunk's answers; its first attempt's calls are reserved by `compute`, and
+        settled by the attempt from the moment it runs (`started[chunk]`)."""
+        started[chunk] = True
         body: dict[str, Any] = {"queries": queries, "topk": topk, "return_scores": return_scores}
         if retriever:
             body["retriever"] = retriever
-        content = await self._post(orjson.dumps(body))
-        try:
-            result = orjson.loads(content)["result"]
-            if len(result) != len(queries) or not all(isinstance(r, list) for r in result):
-                raise ValueError
-            return [orjson.dumps(answer) for answer in result]
-        except (ValueError, KeyError, TypeError):
+        content = await self._post(orjson.dumps(body), len(queries))
+        answers = search_r1_answers(content, len(queries), return_scores)
+        if answers is None:
             self.counts.failures += 1
             raise UpstreamError(
                 502,
                 f"upstream {self.config.shown_url} answered a body that is not a Search-R1 result "
                 f"for {len(queries)} queries",
-            ) from None
+            )
+        return answers
 
-    async def _post(self, body: bytes) -> bytes:
-        """The upstream's 200 body, after retries; UpstreamError when it does not come."""
+    async def _post(self, body: bytes, calls: int) -> bytes:
+        """The upstream's 200 body, after retries; UpstreamError when it does not come. Each
+        attempt is settled in the ledger; each retry reserves its calls anew."""
         c = self.config
-        url, shown = f"{c.url}/retrieve", f"{c.shown_url}/retrieve"
+        url, shown = c.endpoint("/retrieve"), c.shown_endpoint("/retrieve")
         failure = UpstreamError(502, "")
         for attempt in range(c.max_retries + 1):
             if attempt:
                 self.counts.retries += 1
                 cap = min(c.backoff_max_s, c.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(self.rng.uniform(0, cap))
-            try:
-                async with self.slots:
-                    await self.pacer.wait()
-                    response = await asyncio.wait_for(  # httpx's timeout is per read
-                        self.http.post(
-                            url, content=body, headers={"content-type": "application/json"}
-                        ),
-                        c.timeout_s,
-                    )
-            except (httpx.TimeoutException, asyncio.TimeoutError):
-                failure = UpstreamError(
-                    504, f"upstream {shown} did not answer within {c.timeout_s:g} s"
-                )
+                try:
+                    await self.ledger.reserve(calls)
+                except (BudgetSpent, BudgetUnavailable) as err:
+                    self.counts.failures += 1
+                    raise UpstreamError(
+                        failure.status, f"{failure.detail}; not retried: {err}"
+                    ) from None
+            outcome = await self._attempt(url, body, calls)
+            if isinstance(outcome, UpstreamError):
+                failure = outcome
                 continue
-            except httpx.HTTPError as err:
-                failure = UpstreamError(502, f"upstream {shown} unreachable: {type(err).__name__}")
-                continue
+            status, content = outcome
             self.counts.requests += 1
-            status = response.status_code
             if status == 200:
-                return response.content
-            line = f"upstream {shown} answered HTTP {status}: {one_line(response)}"
+                return content
+            line = f"upstream {shown} answered HTTP {status}: {one_line(content, self.masked)}"
             if status in CLIENT_STATUSES:
                 raise UpstreamError(status, line)
             failure = UpstreamError(502, line)
@@ -296,27 +386,134 @@ class UpstreamBackend:
         attempts = f" ({c.max_retries + 1} attempts)" if c.max_retries else ""
         raise UpstreamError(failure.status, failure.detail + attempts)
 
-    def report(self) -> UpstreamReport:
+    async def _attempt(
+        self, url: httpx.URL, body: bytes, calls: int
+    ) -> tuple[int, bytes] | UpstreamError:
+        """One attempt: (status, body), or the UpstreamError of a failure to retry. Its
+        reserved `calls` are settled however it ends: billed when the upstream answered 200,
+        or when the request was sent and no answer came (`bill_timeouts`; always when the
+        attempt was cancelled, as the upstream answers it regardless)."""
+        c = self.config
+        shown = c.shown_endpoint("/retrieve")
+        billed = False
+        try:
+            async with self.slots:
+                await self.pacer.wait()
+                try:
+                    status, content = await asyncio.wait_for(  # httpx's timeout is per read
+                        self._send("POST", url, body), c.timeout_s
+                    )
+                except asyncio.CancelledError:
+                    billed = True  # sent, perhaps: the upstream answers and bills it anyway
+                    raise
+            billed = status == 200
+            return status, content
+        except _Unsent as err:
+            return UpstreamError(502, f"upstream {shown} unreachable: {err}")
+        except UpstreamError as err:  # too large: the upstream answered
+            billed = err.status == 200
+            return UpstreamError(502, err.detail)
+        except (httpx.TimeoutException, asyncio.TimeoutError):
+            billed = c.bill_timeouts
+            return UpstreamError(504, f"upstream {shown} did not answer within {c.timeout_s:g} s")
+        except httpx.HTTPError as err:  # sent, and the connection failed before the answer
+            billed = c.bill_timeouts
+            return UpstreamError(502, f"upstream {shown} unreachable: {type(err).__name__}")
+        finally:
+            self.ledger.settle(calls, calls if billed else 0)
+
+    async def _send(
+        self, method: str, url: httpx.URL, body: bytes | None = None
+    ) -> tuple[int, bytes]:
+        """(status, body) of one request, the body read up to `max_response_bytes`; raises
+        `_Unsent` when no connection was made, UpstreamError (with the upstream's status) for
+        a body past the cap."""
+        cap = self.config.max_response_bytes
+        headers = {"content-type": "application/json"} if body is not None else None
+        try:
+            async with self.http.stream(method, url, content=body, headers=headers) as response:
+                chunks, size = [], 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > cap:
+                        raise UpstreamError(
+                            response.status_code,
+                            f"upstream {self.config.shown_url} answered more than"
+                            f" {cap} bytes (upstream.max_response_bytes)",
+                        )
+                    chunks.append(chunk)
+                return response.status_code, b"".join(chunks)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as err:
+            raise _Unsent(type(err).__name__) from None
+
+    def report(self, totals: SpendTotals) -> UpstreamReport:
         c = self.config
         return UpstreamReport(
             url=c.shown_url,
             requests=self.counts.requests,
-            calls=self.counts.calls,
+            calls=totals.calls,
+            committed_calls=totals.committed_calls,
             retries=self.counts.retries,
             failures=self.counts.failures,
             refused_over_budget=self.counts.refused_over_budget,
+            refused_unavailable=self.counts.refused_unavailable,
             price_per_call=c.price_per_call,
-            spent=self.budget.spent,
+            spent=totals.spent,
+            committed_spend=totals.committed_spend,
             max_calls=c.max_calls,
             max_spend=c.max_spend,
+            ledger=self.ledger.where,
         )
 
 
-def one_line(response: httpx.Response) -> str:
-    """The upstream's error detail (its JSON `detail`, else its text) as one short line."""
+def default_ledger(config: UpstreamConfig) -> MemoryLedger:
+    """The spend file's ledger where one is set, else this process's memory."""
+    if config.spend_path is not None:
+        return FileLedger(config, config.spend_path, config.shown_url)
+    return MemoryLedger(config)
+
+
+def upstream_description(config: UpstreamConfig, health: dict[str, Any]) -> dict[str, Any]:
+    """What decides the upstream's answers, as far as it tells: its URL (shown, and a digest
+    of its query string, whose values are never written anywhere), what its /health says of
+    its index and serving settings, and its own cache fingerprint (an `hdr serve` upstream's
+    covers its index and the settings that change results)."""
+    query = httpx.URL(config.url).query
+    served = health.get("cache") if isinstance(health.get("cache"), dict) else {}
+    return {
+        "url": config.shown_url,
+        "query_sha256": hashlib.sha256(query).hexdigest() if query else None,
+        "fingerprint": served.get("fingerprint"),
+        **{name: health.get(name) for name in ANSWER_DECIDING},
+    }
+
+
+def parse_json(content: bytes) -> Any:
+    """`content` as JSON, or None when it is not (orjson: deep nesting is an error too)."""
     try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        detail = None
-    text = detail if isinstance(detail, str) else response.text
-    return " ".join(text.split())[:DETAIL_CHARS] or "(empty body)"
+        return orjson.loads(content)
+    except (ValueError, RecursionError):
+        return None
+
+
+def search_r1_answers(content: bytes, queries: int, return_scores: bool) -> list[bytes] | None:
+    """The answers of a Search-R1 response body, re-encoded, when it holds one valid answer
+    per query (as hdr's client validates them); None otherwise."""
+    body = parse_json(content)
+    result = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(result, list) or len(result) != queries:
+        return None
+    try:
+        (SCORED_ANSWERS if return_scores else PLAIN_ANSWERS).validate_python(result)
+    except ValidationError:
+        return None
+    return [orjson.dumps(answer) for answer in result]
+
+
+def one_line(content: bytes, masked=lambda text: text) -> str:
+    """An upstream's error detail (its JSON `detail`, else its text) as one short line."""
+    body = parse_json(content) if len(content) <= ERROR_JSON_BYTES else None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if not isinstance(detail, str):
+        detail = content[: 4 * DETAIL_CHARS].decode("utf-8", "replace")
+    return masked(" ".join(detail.split()))[:DETAIL_CHARS] or "(empty body)"

@@ -8,7 +8,8 @@
 project's server, such as Search-R1's or a failing upstream) and yields its URL.
 
 `serve_process(index_dir, "max_topk=5")` runs the `hdr serve` command instead, in a process of
-its own (an environment of its own, a signal, a whole process stopped).
+its own (an environment of its own, a signal, a whole process stopped); `serve_process(None,
+upstream=URL)` runs a proxy.
 
 Import it as `from servers import running_server` (pytest puts `tests/` on sys.path).
 """
@@ -117,21 +118,23 @@ class ServeProcess:
 
 @contextmanager
 def serve_process(
-    index_dir: Path,
+    index_dir: Path | None,
     *settings: str,
     env: dict[str, str] | None = None,
     retriever: str | None = None,
     timeout_s: float = 300,
+    upstream: str | None = None,
 ) -> Iterator[ServeProcess]:
-    """`hdr serve --index index_dir` (the `hdr` beside this interpreter) on a free 127.0.0.1
-    port with dotted `settings`, `retriever` (None: the server's default) and `env` on top of
-    this environment, until the block ends; waits for /health. `timeout_s`: a loaded shared
-    machine can take minutes to start."""
+    """`hdr serve --index index_dir` (or `--upstream upstream`: a proxy; the `hdr` beside
+    this interpreter) on a free 127.0.0.1 port with dotted `settings`, `retriever` (None: the
+    server's default) and `env` on top of this environment, until the block ends; waits for
+    /health. `timeout_s`: a loaded shared machine can take minutes to start."""
     import httpx
 
     port = free_port()
     hdr = str(Path(sys.executable).with_name("hdr"))
-    command = [hdr, "serve", "--index", str(index_dir), "--port", str(port)]
+    served = ["--index", str(index_dir)] if upstream is None else ["--upstream", upstream]
+    command = [hdr, "serve", *served, "--port", str(port)]
     command += ["--no-access-log", *(["--retriever", retriever] if retriever else [])]
     command += [arg for setting in settings for arg in ("--set", setting)]
     process = subprocess.Popen(

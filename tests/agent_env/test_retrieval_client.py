@@ -231,3 +231,75 @@ def test_an_attempt_has_a_total_deadline_not_only_a_read_timeout(search_r1_url: 
         assert client.search_each(["trickle"]) == [None]
         assert client.stats.failures == 1 and client.stats.requests == 0
         assert client.search_each(["capital of Peru"])[0] is not None  # the pool still works
+
+
+def test_hash_routing_sends_each_query_to_one_replica_whatever_the_call(
+    small_index, retrieval_url: str
+) -> None:
+    """Two replicas with caches of their own, the same twelve queries sent in three calls of
+    different orders and sizes: with rendezvous routing each query is computed by one replica
+    only (12 misses in all) and every answer is in its place; rotation computes some of them
+    on both."""
+    import httpx
+    from servers import running_server
+
+    def misses(url: str) -> int:
+        return httpx.get(f"{url}/health").json()["cache"]["misses"]
+
+    def calls(tag: str) -> list[list[str]]:
+        queries = [f"{tag} {i}: {q}" for i in range(3) for q in QUERIES]
+        return [queries, queries[::-1], queries[3:9]]
+
+    with running_server(small_index) as other:
+        urls = [retrieval_url, other.url]
+        for routing, computed in (("hash", 12), ("rotate", None)):
+            before = sum(misses(url) for url in urls)
+            config = RetrievalConfig(urls=urls, topk=2, routing=routing)
+            with RetrievalClient(config) as client:
+                got = [client.search(queries) for queries in calls(f"routing {routing}")]
+            spent = sum(misses(url) for url in urls) - before
+            if computed is not None:
+                assert spent == computed, routing
+            else:
+                assert spent > 12, "rotation computes some queries on both replicas"
+            # every answer in its place: what one server answers for the same calls
+            with RetrievalClient(RetrievalConfig(urls=[other.url], topk=2)) as alone:
+                for queries, answers in zip(calls(f"routing {routing}"), got, strict=True):
+                    assert [[d.id for d in docs] for docs in answers] == [
+                        [d.id for d in docs] for docs in alone.search(queries)
+                    ]
+
+
+def test_hash_routing_fails_over_to_the_next_url(small_index, retrieval_url: str) -> None:
+    from servers import running_server
+
+    with running_server(small_index) as server:
+        dead = server.url
+        server.stop()
+    config = RetrievalConfig(urls=[dead, retrieval_url], backoff_s=0.01, routing="hash")
+    with RetrievalClient(config, seed=0) as client:
+        results = client.search([f"failover {q}" for q in QUERIES])
+        assert len(results) == 4 and all(results)
+        assert client.stats.failures == 0
+
+
+def test_rendezvous_moves_only_the_queries_of_a_url_that_goes() -> None:
+    from agent_env.retrieval_client import rendezvous
+
+    urls = [f"http://replica-{i}:8000" for i in range(4)]
+    queries = [f"query {i}" for i in range(2000)]
+    owners = {q: urls[rendezvous(urls, q)[0]] for q in queries}
+    shares = [sum(owner == url for owner in owners.values()) for url in urls]
+    assert min(shares) > 400  # about a quarter each
+    fewer = urls[:2] + urls[3:]  # replica-2 goes
+    moved = [q for q in queries if fewer[rendezvous(fewer, q)[0]] != owners[q]]
+    assert moved and all(owners[q] == urls[2] for q in moved)
+    assert len(moved) == shares[2]
+
+
+def test_routing_is_recorded_only_when_not_the_default() -> None:
+    """Runs recorded before `routing` existed routed in rotation: a default config dumps as
+    they did (so their recorded settings still match), a hashing one keeps its routing."""
+    assert "routing" not in RetrievalConfig().model_dump(mode="json")
+    dumped = RetrievalConfig(routing="hash").model_dump(mode="json")
+    assert RetrievalConfig.model_validate(dumped).routing == "hash"

@@ -61,6 +61,8 @@ def test_health_is_open_and_describes_the_index(protected_url: str, small_corpus
         "index_type": "Flat",
         "retrievers": ["bm25", "dense"],
         "default_retriever": "bm25",
+        "profile": "search-r1",
+        "max_query_chars": 2048,
         "emulated_cost": {
             "enabled": False,
             "request_latency_ms": 0.0,

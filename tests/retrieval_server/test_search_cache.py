@@ -250,14 +250,18 @@ def test_least_recently_used_answers_leave_first() -> None:
         return CacheKey("", "dense", 3, True, f"query {i}")
 
     value = b'[{"document":{"id":"1","contents":"x"},"score":0.5}]'
-    cache = ResultCache(max_bytes=3 * entry_bytes(key(0), value), fingerprint="f")
+    three = ResultCache(max_bytes=1 << 20, fingerprint="f")
+    for i in range(3):
+        three.put(key(i), value)
+    cache = ResultCache(max_bytes=three.bytes, fingerprint="f")  # room for three entries
     for i in range(3):
         cache.put(key(i), value)
     assert cache.get(key(0)) == value  # now the most recently used
     cache.put(key(3), value)
     assert cache.get(key(1)) is None and cache.get(key(0)) == value
     assert len(cache) == 3 and cache.stats.evictions == 1
-    assert cache.bytes == 3 * entry_bytes(key(0), value)
+    assert cache.bytes == three.bytes
+    assert cache.entries_bytes == 3 * entry_bytes(key(0), value) + sys.getsizeof("")
     huge = b"[" + b"0," * 10_000 + b"0]"
     cache.put(key(9), huge)  # larger than the whole bound: not stored, nothing evicted
     assert cache.get(key(9)) is None and len(cache) == 3
@@ -273,7 +277,7 @@ def test_answers_expire_after_their_time_to_live(tmp_path: Path) -> None:
     cache.save(tmp_path / "c")
     now[0] += 2
     assert cache.get(news) is None and cache.stats.expired == 1
-    assert cache.bytes == 0
+    assert cache.entries_bytes == 0 and len(cache) == 0
     reloaded = ResultCache(max_bytes=10_000, fingerprint="f", ttl_s=60, clock=lambda: now[0])
     assert reloaded.load(tmp_path / "c") == 0  # expired on disk too: the time is kept
 
@@ -332,3 +336,83 @@ def test_a_damaged_cache_file_is_one_line_and_kept(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="is an hdr search cache but damaged"):
         ResultCache(1 << 20, fingerprint="index-a").load(saved)
     assert saved.read_bytes() == damaged
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["small answers", "a scope each"])
+def test_the_byte_count_is_what_the_entries_hold(scoped: bool) -> None:
+    """Small answers (the fixed overhead dominates) and, worse, each entry under a distinct
+    200-character scope (before: not counted at all). Before: tracemalloc saw 1.23x and
+    2.46x the count; now within 1.1x either way."""
+    import tracemalloc
+
+    from retrieval_server.app import cache_scope
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        cache = ResultCache(max_bytes=4 * 2**20, fingerprint="f")
+        i = 0
+        while not cache.stats.evictions:
+            scope = cache_scope(f"train:{i:06d}:" + "r" * 187) if scoped else ""
+            cache.put(CacheKey(scope, "bm25", 3, True, f"query {i}"), b"[%d]" % i)
+            i += 1
+        traced = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(cache) > 1000
+    assert 1 / 1.1 <= traced / cache.bytes <= 1.1, (traced, cache.bytes, len(cache))
+    assert cache.bytes <= cache.max_bytes
+
+
+def test_a_cache_file_is_saved_only_over_a_file_of_its_own_fingerprint(
+    small_index: Path, tmp_path: Path
+) -> None:
+    """Two servers of different indexes given one persist_path, both started before either
+    stopped. Before: the second to stop wrote its file over the first's (the check ran at
+    start only)."""
+    from retrieval_server.index_build import build_index
+
+    corpus = tmp_path / "ten.jsonl"
+    corpus.write_text(
+        "".join(f'{{"id": "{i}", "contents": "\\"Doc {i}\\"\\nText {i}"}}\n' for i in range(10))
+    )
+    other = tmp_path / "other-index"
+    build_index(corpus, other, dense=False, bm25=True, show_progress=False)
+    saved = tmp_path / "answers.cache"
+    query = ["Epic poem by Dante"]
+    with running_server(other, cache={"persist_path": saved}) as second:
+        with running_server(small_index, cache={"persist_path": saved}) as first:
+            post(first.url, query)
+        assert saved.is_file()  # the first stopped first and wrote its answers
+        post(second.url, query)
+    with running_server(small_index, cache={"persist_path": saved}) as first_again:
+        assert cache_health(first_again.url)["loaded"] == 1
+        assert ledger(post(first_again.url, query)) == (0, 1)
+
+
+def test_a_cache_file_keeps_its_mode(small_index: Path, tmp_path: Path) -> None:
+    """Before: every save reset the file's mode to 0600 (the temporary file's)."""
+    import stat
+
+    saved = tmp_path / "answers.cache"
+    with running_server(small_index, cache={"persist_path": saved}) as server:
+        post(server.url, ["Epic poem by Dante"])
+    saved.chmod(0o644)
+    with running_server(small_index, cache={"persist_path": saved}) as server:
+        post(server.url, ["Japanese poetry form with 17 syllables"])
+    assert stat.S_IMODE(saved.stat().st_mode) == 0o644
+
+
+def test_a_damaged_cache_header_is_refused_in_one_line_and_kept(
+    small_index: Path, tmp_path: Path
+) -> None:
+    """Before: a header line of `[1]` after a valid magic line crashed `hdr serve` with an
+    AttributeError traceback, exit 3."""
+    damaged = tmp_path / "answers.cache"
+    damaged.write_bytes(FILE_MAGIC + b"[1]\n")
+    line = serve_and_fail(small_index, f"cache.persist_path={damaged}")
+    assert line == (
+        f"hdr: error: cache.persist_path {damaged} is an hdr search cache but its header is"
+        " damaged; remove it or choose another path"
+    )
+    assert damaged.read_bytes() == FILE_MAGIC + b"[1]\n"

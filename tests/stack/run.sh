@@ -10,20 +10,22 @@
 #     from Debian's packages (docker/standin-base.sh; no image registry needed);
 #  3. the CPU torch wheel: from the PyTorch CPU index when reachable, else copied into
 #     docker/wheelhouse by the host's pip;
-#  4. `docker build` of docker/retrieval.Dockerfile and docker/trainer.Dockerfile (target cpu);
+#  4. `docker build` of docker/retrieval.Dockerfile, docker/trainer.Dockerfile (target cpu) and
+#     docker/redis.Dockerfile;
 #  5. pytest -m stack tests/stack under Compose v2: images lean and non-root; `up` with a
 #     200-article corpus, the healthcheck, a Search-R1 request from the host, the trainer
 #     training over the compose network, a retrieval restart mid-run, checkpoints and metrics
-#     in the volume, teardown with volumes;
-#  6. under Compose v1: `up` until healthy, one Search-R1 request, `down` (HDR_STACK_V1=full:
-#     the whole run of step 5 again).
+#     in the volume, teardown with volumes; the `redis` profile: two replicas sharing one cache
+#     in Redis, and one of them serving alone once Redis is stopped;
+#  6. under Compose v1: `up` until healthy, one Search-R1 request, `down`, and the `redis`
+#     profile's test (HDR_STACK_V1=full: the whole run of step 5 again).
 # It prints each phase's duration, the image sizes and the machine's load.
 #
 # Settings: HDR_STACK_COMPOSE_V2 and HDR_STACK_COMPOSE_V1 (the two clients' commands; default:
 # what `docker/engine.sh compose-v2 "$PY"` and `compose-v1` find), HDR_STACK_V1 (`short`, the
 # default, or `full`), HDR_STACK_BASE (base image; default: python:3.11-slim, else the stand-in),
 # HDR_STACK_RETRIEVAL_IMAGE (hdr-retrieval:stack-test), HDR_STACK_TRAINER_IMAGE
-# (hdr-trainer:stack-test), TORCH_VERSION (2.13.0). The images and the build cache are kept
+# (hdr-trainer:stack-test), HDR_STACK_REDIS_IMAGE (hdr-redis:stack-test), TORCH_VERSION (2.13.0). The images and the build cache are kept
 # for the next run; `docker image rm` them (and `docker builder prune -af`) to free the disk.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,6 +36,7 @@ TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 STANDIN=hdr-standin/python:3.11-slim
 export HDR_STACK_RETRIEVAL_IMAGE="${HDR_STACK_RETRIEVAL_IMAGE:-hdr-retrieval:stack-test}"
 export HDR_STACK_TRAINER_IMAGE="${HDR_STACK_TRAINER_IMAGE:-hdr-trainer:stack-test}"
+export HDR_STACK_REDIS_IMAGE="${HDR_STACK_REDIS_IMAGE:-hdr-redis:stack-test}"
 
 START=$SECONDS
 PHASES=()
@@ -121,22 +124,25 @@ log "builder: ${BUILD[*]} (DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0})"
 # network otherwise; on any other engine it is the host's network, as pip would have.
 BUILD+=(--network host "${BUILD_ARGS[@]}")
 
-phase_start "build $HDR_STACK_RETRIEVAL_IMAGE (docker/retrieval.Dockerfile)"
-"${BUILD[@]}" -f docker/retrieval.Dockerfile -t "$HDR_STACK_RETRIEVAL_IMAGE" . \
-    >"${TMPDIR:-/tmp}/hdr-stack-build-retrieval.log" 2>&1 || {
-    tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-retrieval.log"
-    exit 1
+# One image: its phase, the build's output kept in a log and its last lines shown if it fails.
+build_image() {
+    local name="$1" tag="$2" what="$3"
+    shift 3
+    phase_start "build $tag ($what)"
+    "${BUILD[@]}" "$@" -t "$tag" . >"${TMPDIR:-/tmp}/hdr-stack-build-$name.log" 2>&1 || {
+        tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-$name.log"
+        exit 1
+    }
+    phase_end
 }
-phase_end
-phase_start "build $HDR_STACK_TRAINER_IMAGE (docker/trainer.Dockerfile, target cpu)"
-"${BUILD[@]}" -f docker/trainer.Dockerfile --target cpu -t "$HDR_STACK_TRAINER_IMAGE" . \
-    >"${TMPDIR:-/tmp}/hdr-stack-build-trainer.log" 2>&1 || {
-    tail -40 "${TMPDIR:-/tmp}/hdr-stack-build-trainer.log"
-    exit 1
-}
-phase_end
+build_image retrieval "$HDR_STACK_RETRIEVAL_IMAGE" docker/retrieval.Dockerfile \
+    -f docker/retrieval.Dockerfile
+build_image trainer "$HDR_STACK_TRAINER_IMAGE" "docker/trainer.Dockerfile, target cpu" \
+    -f docker/trainer.Dockerfile --target cpu
+build_image redis "$HDR_STACK_REDIS_IMAGE" docker/redis.Dockerfile -f docker/redis.Dockerfile
 SIZES="$(docker image ls --format '  image {{.Repository}}:{{.Tag}}  {{.Size}}' |
-    grep -E "$HDR_STACK_RETRIEVAL_IMAGE|$HDR_STACK_TRAINER_IMAGE|$BASE" || true)"
+    grep -E "$HDR_STACK_RETRIEVAL_IMAGE|$HDR_STACK_TRAINER_IMAGE|$HDR_STACK_REDIS_IMAGE|$BASE" ||
+    true)"
 echo "$SIZES"
 
 # The images' checks and the whole stack under v2; then v1, by default only `up` until healthy,
@@ -147,14 +153,15 @@ stack_tests() {
     HDR_STACK_COMPOSE="$compose" HF_HUB_OFFLINE=1 \
         "$PY" -m pytest -m stack -p no:cacheprovider -q -s "$@"
 }
-phase_start "pytest -m stack, Compose v2 (up, train, restart, resume, down)"
+phase_start "pytest -m stack, Compose v2 (up, train, restart, resume, down; redis profile)"
 stack_tests "$COMPOSE_V2" tests/stack -k "not up_to_healthy"
 phase_end
+# the redis profile's test under v1 too: under a minute, and v1 reads profiles its own way
 if [[ "$V1_RUN" == full ]]; then
-    phase_start "pytest -m stack, Compose v1 (up, train, restart, resume, down)"
-    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "serves_trains"
+    phase_start "pytest -m stack, Compose v1 (up, train, restart, resume, down; redis profile)"
+    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "serves_trains or redis_profile"
 else
-    phase_start "pytest -m stack, Compose v1 (up until healthy, one request, down)"
-    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "up_to_healthy"
+    phase_start "pytest -m stack, Compose v1 (up until healthy, one request, down; redis profile)"
+    stack_tests "$COMPOSE_V1" tests/stack/test_stack_compose.py -k "up_to_healthy or redis_profile"
 fi
 phase_end

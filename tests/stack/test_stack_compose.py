@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 from servers import free_port
-from stackfiles import COMPOSE, ROOT
+from stackfiles import COMPOSE, REPLICAS, ROOT
 
 pytestmark = pytest.mark.stack
 
@@ -186,9 +186,10 @@ def check_a_search_r1_request(stack: Stack, retrieval: str) -> None:
     ]
 
 
-def tear_down(stack: Stack) -> None:
-    """`down --volumes`: no container, network or volume of the project is left."""
-    stack.run("down", "--volumes", "--remove-orphans", "--timeout", "20")
+def tear_down(stack: Stack, *files: str) -> None:
+    """`down --volumes` (with the same extra files and profiles as `up`): no container,
+    network or volume of the project is left."""
+    stack.run(*files, "down", "--volumes", "--remove-orphans", "--timeout", "20")
     left = docker("ps", "-a", "--filter", f"label=com.docker.compose.project={stack.project}", "-q")
     assert not left.strip(), left
     volumes = docker("volume", "ls", "-q").split()
@@ -398,3 +399,70 @@ def test_compose_up_to_healthy_one_request_down(stack):
     t1 = time.monotonic()
     tear_down(stack)
     stack.timings["compose down --volumes"] = time.monotonic() - t1
+
+
+# Run inside a retrieval container (its image has python, no curl): POST one query to the
+# server there, print the billed and cached counts, then the body.
+POST_INSIDE = (
+    "import json, sys, urllib.request as u\n"
+    "body = json.dumps({'queries': [sys.argv[1]], 'topk': 3, 'return_scores': True}).encode()\n"
+    "request = u.Request('http://127.0.0.1:8000/retrieve', data=body,"
+    " headers={'content-type': 'application/json'})\n"
+    "answer = u.urlopen(request, timeout=60)\n"
+    "print(answer.headers['x-hdr-billed-queries'], answer.headers['x-hdr-cached-queries'])\n"
+    "print(answer.read().decode())\n"
+)
+HEALTH_INSIDE = (
+    "import json, urllib.request as u\n"
+    "print(json.dumps(json.load(u.urlopen('http://127.0.0.1:8000/health', timeout=10))['cache']))"
+)
+
+
+def post_inside(container: str, query: str) -> tuple[tuple[int, int], bytes]:
+    ledger, body = docker("exec", container, "python", "-c", POST_INSIDE, query).split("\n", 1)
+    billed, cached = (int(n) for n in ledger.split())
+    return (billed, cached), body.strip().encode()
+
+
+@pytest.mark.timeout(UP_TIMEOUT + 300)
+def test_compose_redis_profile_gives_two_replicas_one_cache(stack):
+    """The `redis` profile with the replicas file and HDR_CACHE_BACKEND=redis: `redis`,
+    `retrieval` and `retrieval-2` up; a query `retrieval` answered (asked from the host) is a
+    hit on `retrieval-2` (asked inside its container), the same bytes; with Redis stopped,
+    `retrieval-2` still answers its own searches and says Redis is unreachable; `down`."""
+    stack.env.update(HDR_CACHE_BACKEND="redis", HDR_REDIS_IMAGE=setting("HDR_STACK_REDIS_IMAGE"))
+    files = ("-f", str(REPLICAS), "--profile", "redis")
+    t0 = time.monotonic()
+    stack.run(*files, "up", "-d", "--no-build", "redis", "retrieval", "retrieval-2",
+              timeout=UP_TIMEOUT)  # fmt: skip
+
+    def healthy() -> bool:
+        services = ("redis", "retrieval", "retrieval-2")
+        containers = [stack.run(*files, "ps", "-q", name).stdout.strip() for name in services]
+        return all(
+            c and stack.inspect(c, "{{.State.Health.Status}}") == "healthy" for c in containers
+        )
+
+    wait_for("redis and both replicas healthy", healthy, UP_TIMEOUT,
+             diagnose=lambda: stack.logs("retrieval")[-4000:])  # fmt: skip
+    stack.timings["compose up redis + 2 replicas (index build until healthy)"] = (
+        time.monotonic() - t0
+    )
+    second = stack.run(*files, "ps", "-q", "retrieval-2").stdout.strip()
+    query = "a famous scientist"
+    request = {"queries": [query], "topk": 3, "return_scores": True}
+    first = httpx.post(stack.url("/retrieve"), json=request, timeout=60)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-hdr-billed-queries"] == "1"
+    ledger, body = post_inside(second, query)
+    assert ledger == (0, 1) and body == first.content
+    shared = json.loads(docker("exec", second, "python", "-c", HEALTH_INSIDE))
+    assert shared["shared_hits"] == 1 and shared["shared"]["reachable"] is True, shared
+
+    stack.run(*files, "stop", "--timeout", "20", "redis", timeout=120)
+    ledger, _ = post_inside(second, "a great painter")
+    assert ledger == (1, 0)
+    shared = json.loads(docker("exec", second, "python", "-c", HEALTH_INSIDE))["shared"]
+    assert shared["reachable"] is False and "unreachable" in shared["reason"], shared
+    assert "unreachable (" in stack.run(*files, "logs", "--no-color", "retrieval-2").stdout
+    tear_down(stack, *files)

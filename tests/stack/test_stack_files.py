@@ -122,8 +122,35 @@ def health_code(healthcheck: dict) -> str:
 
 
 def test_compose_has_the_documented_services_and_volumes(compose):
-    assert set(compose["services"]) == {"retrieval", "trainer", "trainer-gpu"}
-    assert set(compose["volumes"]) == {"hdr-data", "hdr-runs", "hdr-gpu-model", "hdr-gpu-data"}
+    assert set(compose["services"]) == {"retrieval", "trainer", "trainer-gpu", "redis"}
+    assert set(compose["volumes"]) == {
+        "hdr-data", "hdr-runs", "hdr-gpu-model", "hdr-gpu-data", "hdr-redis",
+    }  # fmt: skip
+
+
+def test_the_redis_profile_gives_the_replicas_one_persistent_cache(compose, replicas):
+    """The `redis` service: in its profile, built from the stack's base like the others, on the
+    compose network only, its data in a volume; the retrieval services point at it when
+    HDR_CACHE_BACKEND=redis, and their entrypoint passes that on to `hdr serve`."""
+    redis = compose["services"]["redis"]
+    assert redis["profiles"] == ["redis"] and redis["init"] is True
+    assert redis["build"] == {"context": ".", "dockerfile": "docker/redis.Dockerfile"}
+    assert "ports" not in redis and redis["volumes"] == ["hdr-redis:/data"]
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    text = (ROOT / "docker" / "redis.Dockerfile").read_text()
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE_IMAGE}"]
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text and re.search(r"^USER redis$", text, re.M)
+    # what hdr serve requires of a Redis that keeps a budget: persisted, the budget not evicted
+    assert "--appendonly yes" in text and "--maxmemory-policy volatile-lru" in text
+    assert set(redis["environment"]) == {"HDR_REDIS_MAXMEMORY", "HDR_REDIS_APPENDFSYNC"}
+    for name in redis["environment"]:
+        assert f'\\"${name}\\"' in text, name  # read by the image's entrypoint
+    for service in (compose["services"]["retrieval"], replicas["services"]["retrieval-2"]):
+        assert service["environment"]["HDR_CACHE_BACKEND"] == "memory"  # the defaults
+        assert service["environment"]["HDR_REDIS_URL"] == "redis://redis:6379/0"
+        assert "redis" not in service.get("depends_on", {})  # a profile's service: not required
+    entrypoint = ENTRYPOINTS["retrieval"].read_text()
+    assert 'cache=(cache.backend=redis "cache.redis_url=$HDR_REDIS_URL")' in entrypoint
 
 
 def test_retrieval_service_serves_a_volume_on_loopback_with_a_healthcheck(compose):
@@ -615,6 +642,11 @@ def device_counts(resolved: dict) -> list:
             ["docker-compose.yml", "docker-compose.replicas.yml"],
             "gpu",
             {"retrieval", "retrieval-2", "retrieval-3", "trainer", "trainer-gpu"},
+        ),
+        (
+            ["docker-compose.yml", "docker-compose.replicas.yml"],
+            "redis",
+            {"retrieval", "retrieval-2", "retrieval-3", "trainer", "redis"},
         ),
     ],
 )

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
-from pydantic import Field, ValidationError, field_validator, model_serializer
+from pydantic import Field, ValidationError, field_validator
 
 from core.config import StrictModel
 from core.errors import UserError
@@ -156,17 +156,6 @@ class RetrievalConfig(StrictModel):
     expect_documents: int | None = Field(
         None, ge=1, description="The passages every server must serve (/health); None: any."
     )
-
-    @model_serializer(mode="wrap")
-    def _default_routing_unwritten(self, handler: Any) -> Any:
-        """`routing` is written (in a run's config.yaml, its recorded settings) only when it
-        is not the default: every run recorded before the key existed routed in rotation, so
-        its recorded settings still compare equal, as keys listed in
-        `trainer.config_history.ADDED_KEYS` do."""
-        data = handler(self)
-        if isinstance(data, dict) and data.get("routing") == "rotate":
-            del data["routing"]
-        return data
 
     @field_validator("urls", mode="before")
     @classmethod

@@ -29,6 +29,7 @@ ADDED_KEYS = {
     "sft.answer": "gold_if_seen",
     "sft.queries_per_question": 1,
     "async_rollout.devices": [],
+    "retrieval.routing": "rotate",
 }
 """Keys added since hdr first recorded a run's settings, each with the value that does what hdr
 did before it: settings recorded without the key are compared as if they held it

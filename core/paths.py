@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -255,15 +256,30 @@ def swap_in(staged: Path, out: Path, previous: Iterable[str] = (), last: str | N
 # --- files written whole ---------------------------------------------------------------------
 
 
+def _process_umask() -> int:
+    """This process's umask, read once at import (os.umask reads it only by setting it, which
+    is not done from threads that write)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+UMASK = _process_umask()
+
+
 @contextmanager
 def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     """A file to write `path` through, so that `path` holds either its old content or all of
     the new, never part: a temp file in the same directory (so `os.replace` is a rename on one
-    filesystem), fsynced and renamed over `path` when the block ends; removed on any failure."""
+    filesystem), fsynced and renamed over `path` when the block ends; removed on any failure.
+    The result has the mode `path` had (a user's `chmod 640` survives every save), or for a new
+    file what `open` would give it (0666 less the umask), not the temp file's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    keep = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~UMASK
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, keep)
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as fh:
             yield fh
             fh.flush()

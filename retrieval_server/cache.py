@@ -45,7 +45,7 @@ from pydantic import Field, field_validator
 
 from core.config import StrictModel
 from core.errors import UserError
-from retrieval_server.files import replaced_keeping_mode
+from core.paths import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class ResultCache:
                 )
                 return None
         header = {"fingerprint": self.fingerprint, "description": self.description}
-        with replaced_keeping_mode(path) as file:
+        with atomic_file(path, "wb") as file:
             file.write(FILE_MAGIC)
             file.write(orjson.dumps(header) + b"\n")
             for key, value, stored_at in self.items():  # LRU order: reloads in that order

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from core.errors import UserError
-from retrieval_server.files import replaced_keeping_mode
+from core.paths import atomic_file
 
 if TYPE_CHECKING:
     from retrieval_server.upstream import UpstreamConfig
@@ -268,5 +268,5 @@ def read_spend_file(path: Path) -> dict[str, Any]:
 
 
 def write_keeping_mode(path: Path, data: bytes) -> None:
-    with replaced_keeping_mode(path) as file:
+    with atomic_file(path, "wb") as file:
         file.write(data)

@@ -45,7 +45,10 @@ _DOC = re.compile(r"^Doc \d+\(Title: (.*?)\) ", re.MULTILINE)
 
 def _question_pattern(template: str) -> re.Pattern:
     before, _, after = template.partition("{question}")
-    before = before.rsplit("\n", 1)[-1]  # the question's own line is enough context
+    # the question's own line is enough context; where the question opens its line (a ChatML
+    # turn: "<|im_start|>user\n{question}"), the line before it too
+    lines = before.split("\n")
+    before = lines[-1] if lines[-1] or len(lines) < 2 else lines[-2] + "\n"
     after = after.split("\n", 1)[0] + ("\n" if "\n" in after else "")
     return re.compile(re.escape(before) + r"(.*?)" + re.escape(after), re.DOTALL)
 

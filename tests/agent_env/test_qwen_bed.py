@@ -109,6 +109,22 @@ def test_scripted_finish_reasons(qwen_tokenizer):
     assert (cut.finish_reason, len(cut.token_ids), cut.stop_string) == ("length", 2, None)
 
 
+def test_scripted_reads_a_question_that_opens_its_chatml_line(qwen_tokenizer):
+    """A ChatML template whose user turn starts with the question (SmolLM2's config): the
+    scripted policy searches the question, not the system message above it."""
+    tok = qwen_tokenizer
+    template = (
+        "<|im_start|>system\nFind the article: search, then answer.<|im_end|>\n"
+        "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    prompt = PromptConfig(template=template, chat_template=False, response_prefix="<search>")
+    policy = ScriptedGenerator(tok, prompt)
+    context = tok.encode(template.format(question="Japanese poetry form") + "<search>",
+                         add_special_tokens=False)  # fmt: skip
+    (search,) = policy.generate([context], SamplingParams())
+    assert decode(tok, search.token_ids) == " Japanese poetry form </search>"
+
+
 def check_trajectory_ids(traj, tokenizer) -> None:
     """Masked-out spans decode to exactly the observations; no pad/EOS id is a policy token
     except a final, genuinely sampled EOS; ids, mask and log-probs line up."""

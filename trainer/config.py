@@ -374,6 +374,13 @@ class SFTConfig(StrictModel):
         description="Starting model dir; built with init-model defaults if absent.",
     )
     epochs: int = Field(8, ge=1, description="Passes over the scripted trajectories.")
+    train_layers: int | None = Field(
+        None,
+        ge=1,
+        description="Train only the top N decoder layers and the final norm, the frozen"
+        " bottom's output computed once per trajectory (as `model.train_layers` in RL);"
+        " None: every parameter.",
+    )
     lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate.")
     warmup_frac: float = Field(0.03, ge=0, lt=1, description="Share of updates in linear warmup.")
     batch_size: int = Field(32, ge=1, description="Trajectories per update.")

@@ -135,24 +135,27 @@ class FrozenBottom:
             self._bytes -= old.numel() * old.element_size()
 
     def states(self, model, ids: Tensor, mask: Tensor) -> Tensor:
-        """`[n, T, H]` states of these rows, left padded with zeros, in the compute dtype
-        the top layers take (float32; autocast casts as it runs). A row not kept (a group
-        never filled) is computed alone and kept."""
-        n, T = ids.shape
-        rows = []
-        for i, m in zip(ids.cpu(), mask.cpu(), strict=True):
-            k = self.key(i, m)
-            if k not in self._states:
-                self._put(k, self.bottom(model, i[None], m[None])[0][m.bool()].to(self.cache_dtype))
-                self.computed_tokens += int(m.sum())
-            self._states.move_to_end(k)
-            rows.append(self._states[k])
-        width = rows[0].shape[-1]
-        out = torch.zeros(n, T, width, dtype=torch.float32)
-        for i, (row, m) in enumerate(zip(rows, mask.cpu(), strict=True)):
-            out[i, m.bool()] = row.float()
+        """`[n, T, H]` states of these rows, left padded with zeros, in float32 (autocast
+        casts as the top layers run). Rows not kept (not of a filled group: an SFT batch)
+        are computed together, in one forward, and kept."""
+        ids, mask = ids.cpu(), mask.cpu()
+        keys = [self.key(i, m) for i, m in zip(ids, mask, strict=True)]
+        missing = [k for k, key in enumerate(keys) if key not in self._states]
+        if missing:
+            computed = self.bottom(model, ids[missing], mask[missing])
+            self.computed_tokens += int(mask[missing].sum())
+            for k, row in zip(missing, computed, strict=True):
+                self._put(keys[k], row[mask[k].bool()].to(self.cache_dtype).contiguous())
+        out = torch.zeros(*ids.shape, self.width(model), dtype=torch.float32)
+        for i, key in enumerate(keys):
+            self._states.move_to_end(key)
+            out[i, mask[i].bool()] = self._states[key].float()
         self._trim()
         return out.to(next(model.parameters()).device)
+
+    @staticmethod
+    def width(model) -> int:
+        return model.config.hidden_size
 
     def top(self, model, states: Tensor, mask: Tensor) -> Tensor:
         """The top layers and the final norm over `states`: the backbone's last hidden

@@ -42,7 +42,7 @@ from trainer.checkpoint import (
 from trainer.config import TrainConfig
 from trainer.config_history import read_as_today
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
-from trainer.scoring import distinct_tokens, score_groups
+from trainer.scoring import compute_context, distinct_tokens, score_groups
 from trainer.telemetry import RunLogs, StepCost
 
 if TYPE_CHECKING:
@@ -143,10 +143,7 @@ class Run:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 compute on the float32 master weights when `model.compute_dtype` asks."""
-        if self.config.model.compute_dtype == "float32":
-            return contextlib.nullcontext()
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device, dtype=getattr(torch, self.config.model.compute_dtype))
+        return compute_context(self.model, self.config.model.compute_dtype)
 
 
 # --- setup -----------------------------------------------------------------------------

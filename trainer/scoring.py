@@ -48,6 +48,15 @@ scoring pass then runs `len(plan)` backbone forwards and `plan[i]` output-layer 
 `i` on every process; dummy ones where a process has fewer)."""
 
 
+def compute_context(model, dtype: str) -> contextlib.AbstractContextManager:
+    """The forwards' context: bf16 (or fp16) autocast on the float32 weights when `dtype`
+    asks (`model.compute_dtype`), else none."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=getattr(torch, dtype))
+
+
 def wanted_targets(attention_mask: Tensor, target_mask: Tensor | None = None) -> int:
     """Positions whose next token `forward_logprobs` scores for these rows (`[n, T]` each)."""
     real = attention_mask.bool()

@@ -30,6 +30,7 @@ The output layer runs only at policy-token positions (trainer.scoring), as in RL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import random
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,7 @@ from core.errors import UserError
 from core.paths import MODEL, check_output, local_model, write_text_atomic
 from core.progress import progress, say
 from trainer.checkpoint import save_model
+from trainer.scoring import compute_context
 
 
 def scripted_rows(
@@ -136,11 +139,11 @@ def batch_nll(model, batch) -> torch.Tensor:
     return -(lp * target).sum() / target.sum().clamp(min=1.0)
 
 
-def heldout_nll(model, rows, batch_size: int) -> float:
-    """The held-out trajectories' NLL per policy token (no grad), over batches weighted by
-    their policy tokens."""
+def heldout_nll(model, rows, batch_size: int, compute=contextlib.nullcontext) -> float:
+    """The held-out trajectories' NLL per policy token (no grad, under `compute`), over batches
+    weighted by their policy tokens."""
     total = weight = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), compute():
         for lo in range(0, len(rows), batch_size):
             batch = rows[lo : lo + batch_size]
             tokens = sum(sum(mask) for _, mask in batch)
@@ -149,12 +152,14 @@ def heldout_nll(model, rows, batch_size: int) -> float:
     return total / max(weight, 1.0)
 
 
-def nll_step(model, batch, optimizer, grad_clip: float) -> float:
-    """One update on a batch of (ids, mask) rows: token-mean NLL over policy tokens."""
-    loss = batch_nll(model, batch)
+def nll_step(model, batch, optimizer, grad_clip: float, compute=contextlib.nullcontext) -> float:
+    """One update on a batch of (ids, mask) rows: token-mean NLL over policy tokens, the
+    forward under `compute` (e.g. bf16 autocast)."""
+    with compute():
+        loss = batch_nll(model, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
     optimizer.step()
     return float(loss.detach())
 
@@ -314,6 +319,15 @@ def run_sft(config, force: bool = False) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(init))
     model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
     model = model.to(config.model.device)
+    if sft.train_layers is not None:
+        from trainer.frozen_bottom import attach
+
+        cache = getattr(torch, config.model.bottom_cache_dtype)
+        try:
+            attach(model, sft.train_layers, cache, config.model.bottom_cache_mib << 20)
+        except ValueError as err:
+            raise UserError(f"sft.{err}") from None
+    compute = partial(compute_context, model, config.model.compute_dtype)
     examples = load_task(config.data.train, sft.split or config.data.train_split)
     examples = examples[: sft.max_examples]
     if not examples:
@@ -329,7 +343,8 @@ def run_sft(config, force: bool = False) -> Path:
     say(f"hdr sft: {len(rows)} scripted trajectories in {time.perf_counter() - start:.0f}s")
     heldout_rows = scripted_rows(config, tokenizer, client, heldout)
     per_epoch = math.ceil(len(rows) / sft.batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=sft.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=sft.lr, weight_decay=sft.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _schedule(per_epoch * sft.epochs, sft.warmup_frac, sft.stop == "epochs")
     )
@@ -353,13 +368,13 @@ def run_sft(config, force: bool = False) -> Path:
             )
             for members in batches:
                 batch = [rows[i] for i in members]
-                losses.append(nll_step(model, batch, optimizer, sft.grad_clip))
+                losses.append(nll_step(model, batch, optimizer, sft.grad_clip, compute))
                 scheduler.step()
             model.eval()
             record = {
                 "epoch": epoch,
                 "loss": float(np.mean(losses)),
-                "heldout_loss": heldout_nll(model, heldout_rows, sft.batch_size),
+                "heldout_loss": heldout_nll(model, heldout_rows, sft.batch_size, compute),
                 "greedy_em": greedy_em(model, tokenizer, client, heldout, config.rollout),
                 "eval_questions": len(heldout),
                 "wall_time": time.perf_counter() - start,

@@ -71,7 +71,7 @@ def test_a_groups_states_are_the_same_whenever_computed():
     assert bottom.computed_tokens > 2 * sum(int(g.attention_mask.sum()) for g in stored) - 1
 
 
-def test_rows_never_filled_are_computed_alone_and_kept():
+def test_rows_never_filled_are_computed_together_and_kept():
     model = tiny_llama(seed=4)
     plain = tiny_llama(seed=4)
     bottom = attach(model, 1, torch.float32, 1 << 20)

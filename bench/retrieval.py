@@ -775,7 +775,17 @@ def limit_row(key: tuple[int, int], cell: dict[str, list]) -> dict:
             row["hdr_queries_per_s"] / row["search_r1_queries_per_s"], 3
         )
         row["hdr_vs_search_r1_p99"] = round(row["hdr_p99_ms"] / row["search_r1_p99_ms"], 3)
+        # each interleaved round's own ratio: the spread a single figure would hide
+        row["hdr_vs_search_r1_qps_rounds"] = [
+            round(h["queries_per_s"] / r["queries_per_s"], 3)
+            for h, r in zip(cell["hdr"], cell["search_r1"], strict=True)
+        ]
     return row
+
+
+def spread(values: list[float] | None) -> list[float]:
+    """The lowest and highest of a cell's per-round values (nothing when there are none)."""
+    return [min(values), max(values)] if values else []
 
 
 def print_limit(rows: list[dict], console: Console) -> None:
@@ -785,7 +795,7 @@ def print_limit(rows: list[dict], console: Console) -> None:
                "CPU ms/req limit", "hdr", "CPU ratio"]  # fmt: skip
     with_r1 = any("search_r1_queries_per_s" in row for row in rows)
     if with_r1:
-        columns += ["Search-R1 q/s", "hdr/SR1", "p99 hdr/SR1"]
+        columns += ["Search-R1 q/s", "hdr/SR1", "hdr/SR1 by round", "p99 hdr/SR1"]
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
@@ -809,6 +819,7 @@ def print_limit(rows: list[dict], console: Console) -> None:
             values += [
                 f"{row.get('search_r1_queries_per_s', float('nan')):.0f}",
                 f"{row.get('hdr_vs_search_r1_qps', float('nan')):.2f}",
+                "-".join(f"{r:.1f}" for r in spread(row.get("hdr_vs_search_r1_qps_rounds"))),
                 f"{row.get('hdr_vs_search_r1_p99', float('nan')):.2f}",
             ]
         table.add_row(*values)

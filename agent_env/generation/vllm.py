@@ -45,6 +45,9 @@ CPUs), which is what bench/gpu_smoke.sh runs on CUDA. What it does:
   That needs the engine in this process: `VLLM_ENABLE_V1_MULTIPROCESSING` is forced to 0
   before vLLM is imported, and right after the engine is built hdr checks that it runs in
   this process, failing with one line if not;
+- on the CPU build, prefills are not chunked: a seeded request whose prefill is split over
+  engine steps fails there (its generator cannot rewind), and a turn of 40 rows of about
+  150 tokens already exceeds the 4,096 tokens a step schedules;
 - the sampler is seeded with `generation.seed` (the run's seed by default); tensor parallel
   size is fixed at 1 (the config refuses more: the engine's model must be whole to take the
   trainer's state dict).
@@ -53,6 +56,7 @@ CPUs), which is what bench/gpu_smoke.sh runs on CUDA. What it does:
 from __future__ import annotations
 
 import os
+import weakref
 
 from agent_env.generation.base import GENERATORS, Completion, SamplingParams
 from agent_env.prompts import STOP_STRINGS
@@ -133,7 +137,19 @@ def engine_kwargs(config, model_dir, world: int) -> dict:
         kwargs["max_num_seqs"] = config.max_num_seqs
     if world > 1:  # one engine per rank, in the trainer's process group, on LOCAL_RANK
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if cpu_platform():
+        # a seeded request whose prefill is split over engine steps fails on the CPU build
+        # ("CPU Generator does not use offset"), and hdr train seeds every request: whole
+        # prefills only (a context fits in max_model_len, so every one is scheduled whole)
+        kwargs["enable_chunked_prefill"] = False
     return kwargs
+
+
+def cpu_platform() -> bool:
+    """Whether the installed vLLM is the CPU build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def teacher_forced_logprobs(model, ids: list[int]):
@@ -193,7 +209,7 @@ class VLLMGenerator:
         self.probe = probe
         self.dtype = dtype  # the engine's
         self.asleep = False
-        self.synced_once = False  # the first sync loads every tensor, later ones what trains
+        self.synced = None  # weakref to the model last synced: later syncs of it send what trains
         self.last_sync_gap: float | None = None  # the check's mean gap at the last sync
 
     def generate(
@@ -249,14 +265,16 @@ class VLLMGenerator:
         )
 
     def changed_state(self, model) -> dict:
-        """What the engine must load: the whole state at the first sync, after it only the
-        tensors of parameters that train (a model trained above a frozen bottom changes a few
-        layers; the engine's in-place reload takes any subset of names)."""
-        if not self.synced_once:
-            self.synced_once = True
+        """What the engine must load: the whole state when `model` was not the last one
+        synced, else only the tensors that train (a model trained above a frozen bottom
+        changes a few layers; the engine's in-place reload takes any subset of names). A
+        tensor that trains goes under every name it has: a tied output layer is a copy of its
+        own on the CPU build (repacked for oneDNN), refreshed only when named."""
+        if self.synced is None or self.synced() is not model:
+            self.synced = weakref.ref(model)
             return model.state_dict()
-        trained = {name for name, p in model.named_parameters() if p.requires_grad}
-        return {name: t for name, t in model.state_dict().items() if name in trained}
+        trained = {p.data_ptr() for p in model.parameters() if p.requires_grad}
+        return {name: t for name, t in model.state_dict().items() if t.data_ptr() in trained}
 
     def check_weights(self, model) -> float:
         """The probe's log-probs, engine against `model`; one line when they differ."""

@@ -104,6 +104,18 @@ def test_a_seed_gives_the_same_tokens_whatever_shares_the_call(gen, contexts):
     assert other[0].token_ids != alone[0].token_ids
 
 
+def test_seeded_prefills_over_a_steps_token_budget_generate(gen, contexts):
+    # 40 seeded contexts of 200 tokens: 8,000 prefill tokens, over the 4,096 the CPU build
+    # schedules a step; chunked there, a seeded request failed ("CPU Generator does not use
+    # offset"), as a training turn of 40 rows did
+    g = torch.Generator().manual_seed(0)
+    long = [torch.randint(100, 5000, (200,), generator=g).tolist() for _ in range(40)]
+    out = gen.generate(long, SamplingParams(temperature=1.0, max_tokens=4), seeds=list(range(40)))
+    assert all(len(c.token_ids) > 0 for c in out)
+    again = gen.generate(long[:1], SamplingParams(temperature=1.0, max_tokens=4), seeds=[0])
+    assert again[0].token_ids == out[0].token_ids
+
+
 def test_the_context_limit(gen, contexts):
     full = [9707] * gen.max_model_len  # no room for a token: not sent
     near = [9707] * (gen.max_model_len - 3)  # room for three
@@ -131,6 +143,24 @@ def test_the_weight_sync_follows_new_weights_and_not_the_old(gen, bed, contexts)
         gen.sync_weights(old)  # the module's other tests sample from the bed
     back = gen.generate(contexts, params, seeds=[1, 2, 3])
     assert (teacher_forced(old, contexts, back, 1.0) - sampled(back)).abs().mean() <= 1e-5
+
+
+def test_a_second_sync_of_one_model_follows_its_tied_embedding(gen, bed, contexts):
+    # after the first sync of a model only what trains is sent; the bed's output layer is its
+    # embedding (tied), a copy of its own in the CPU engine, so it must go under both names
+    model = load_model(bed)
+    assert model.config.tie_word_embeddings
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    try:
+        gen.sync_weights(model)
+        torch.manual_seed(2)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.add_(torch.randn_like(model.lm_head.weight))
+        gen.sync_weights(model)  # the same model again: only what trains (the check passes)
+        out = gen.generate(contexts, params, seeds=[4, 5, 6])
+        assert (teacher_forced(model, contexts, out, 1.0) - sampled(out)).abs().mean() <= 1e-5
+    finally:
+        gen.sync_weights(load_model(bed))
 
 
 class MissingLayer(torch.nn.Module):

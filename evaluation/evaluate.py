@@ -121,6 +121,22 @@ class DatasetResult(BaseModel):
     greedy_answers: list[str | None] | None
     env_calls: int
     responses_sha: str = Field(description="Hash of every response's token ids (reproducibility).")
+    behaviour: list[list[list[int]]] | None = Field(
+        None,
+        description="[Q][k] `evaluation.behaviour.Behaviour` rows of the sampled responses"
+        " (None in evaluations written before hdr recorded them).",
+    )
+
+    def behaviour_summary(self) -> dict | None:
+        """Format, reading and searching numbers of the sampled responses
+        (`evaluation.behaviour.summarize_behaviour`); None where none were recorded."""
+        if self.behaviour is None:
+            return None
+        from evaluation.behaviour import summarize_behaviour
+
+        rows = [row for question in self.behaviour for row in question]
+        right = [c for question in self.correct for c in question]
+        return summarize_behaviour(rows, right)
 
 
 class EvalReport(BaseModel):
@@ -204,7 +220,19 @@ class EvalReport(BaseModel):
             f"{self.temperature:g}{', plus greedy' if self.greedy else ''}; seed {self.seed}; "
             f"{self.env_calls} retrieval calls, {self.wall_time:.1f}s of rollout.\n\n"
         )
-        return head + markdown_table(headers, rows)
+        return head + markdown_table(headers, rows) + self.behaviour_markdown()
+
+    def behaviour_markdown(self) -> str:
+        """What the sampled responses did (evaluation/behaviour.py), a row per dataset."""
+        from evaluation.behaviour import SUMMARY_COLUMNS
+
+        summaries = [(r.dataset, r.behaviour_summary()) for r in self.datasets]
+        summaries = [(name, b) for name, b in summaries if b is not None]
+        if not summaries:
+            return ""
+        headers = ["dataset", *SUMMARY_COLUMNS.values()]
+        rows = [[name, *(b[key] for key in SUMMARY_COLUMNS)] for name, b in summaries]
+        return "\n\nWhat the sampled responses did:\n\n" + markdown_table(headers, rows, digits=3)
 
 
 TRAIN_SECTIONS = ("rollout", "generation", "retrieval")
@@ -392,6 +420,7 @@ def _run_chunk(
 ) -> dict[str, Any]:
     from agent_env.retrieval_client import RetrievalFailed
     from agent_env.rollout import rollout_groups
+    from evaluation.behaviour import observe
 
     sample_cfg = config.rollout.model_copy(
         update={"temperature": config.sample_temperature, "on_failure": "raise"}
@@ -414,6 +443,9 @@ def _run_chunk(
         "start": start,
         "ids": ids,
         "correct": [[_is_correct(t) for t in group] for group in sampled.groups],
+        "behaviour": [
+            [observe(t, tokenizer, sample_cfg).as_row() for t in group] for group in sampled.groups
+        ],
         "greedy": None,
         "greedy_answers": None,
         "sha": _responses_sha(sampled.groups),
@@ -466,6 +498,11 @@ def _report(model_id: str, datasets: list[EvalDataset], rows, config: EvalConfig
                 ),
                 env_calls=sum(r["env_calls"] for r in chunks),
                 responses_sha=_responses_sha([[r["sha"] for r in chunks]]),
+                behaviour=(
+                    [b for r in chunks for b in r["behaviour"]]
+                    if all("behaviour" in r for r in chunks)
+                    else None
+                ),
             )
         )
     return EvalReport(

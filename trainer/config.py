@@ -103,6 +103,14 @@ class GRPOConfig(StrictModel):
         " with extra fresh prompts (counted as fresh cost), up to `refill_rounds` times.",
     )
     refill_rounds: int = Field(3, ge=0, description="Most refill rollouts per step.")
+    skip_zero_advantage: bool = Field(
+        False,
+        description="Forward no fresh row whose advantage is 0: a group whose G rewards are"
+        " equal is not scored, and such rows stay out of the update's forwards. Their loss"
+        " is 0, so the update is the same (up to float rounding); their tokens still count"
+        " in the token mean. Needs grpo.beta=0, replay.store_zero_advantage=false and one"
+        " process.",
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
@@ -602,6 +610,23 @@ class TrainConfig(StrictModel):
         for broken, fix in refuse:
             if broken:
                 raise ValueError(f"asynchronous rollout (async_rollout.workers > 0) needs {fix}")
+        return self
+
+    @model_validator(mode="after")
+    def _skipped_rows_have_no_loss(self) -> TrainConfig:
+        if not self.grpo.skip_zero_advantage:
+            return self
+        refuse = [
+            (self.grpo.beta > 0, "grpo.beta=0 (the KL term of a skipped row is not 0)"),
+            (
+                self.replay.store_zero_advantage,
+                "replay.store_zero_advantage=false (stored groups need their scores)",
+            ),
+            (self.async_rollout.enabled, "no rollout workers (late groups are gated by score)"),
+        ]
+        for broken, fix in refuse:
+            if broken:
+                raise ValueError(f"grpo.skip_zero_advantage needs {fix}")
         return self
 
     @model_validator(mode="after")

@@ -30,6 +30,11 @@ ADDED_KEYS = {
     "sft.queries_per_question": 1,
     "async_rollout.devices": [],
     "retrieval.routing": "rotate",
+    "model.train_layers": None,
+    "model.bottom_cache_dtype": "bfloat16",
+    "model.bottom_cache_mib": 1024,
+    "sft.train_layers": None,
+    "grpo.skip_zero_advantage": False,
 }
 """Keys added since hdr first recorded a run's settings, each with the value that does what hdr
 did before it: settings recorded without the key are compared as if they held it

@@ -287,6 +287,11 @@ def setup_run(
     from agent_env.retrieval_client import connect
 
     dist, config = distributed.init_distributed(config)
+    if config.grpo.skip_zero_advantage and dist.world > 1:
+        raise UserError(
+            "grpo.skip_zero_advantage runs in one process (a process whose rows were all"
+            " skipped would miss the gradients' all-reduce): drop it under torchrun"
+        )
     seed_everything(config.seed)
     ckpt = open_checkpoint(resume) if resume is not None else None
     if ckpt is None:  # the model, then the run dir: one line, before any hub is asked

@@ -317,26 +317,34 @@ def behaviour_groups(
     chunk_size: int,
     temperature: float,
     compute=contextlib.nullcontext,
+    skip_uniform: bool = False,
 ) -> tuple[list[StoredGroup], float, int]:
     """A step's fresh groups (each one prompt's trajectories) as StoredGroups: behaviour
     log-probs teacher-forced under the current weights (`behaviour_logprobs`), rewards from the
     trajectories, group advantages, and each named `s{step}/{index}/{example id}` by its index
-    in the step. Also the mean token entropy and the tokens forwarded (`behaviour_logprobs`)."""
+    in the step. Also the mean token entropy and the tokens forwarded (`behaviour_logprobs`).
+    `skip_uniform` (`grpo.skip_zero_advantage`): a group whose advantages are all 0 is not
+    forwarded; its log-probs stay 0 (nothing reads them: it trains on no token and is not
+    stored) and the entropy is the scored groups'."""
     if not groups:
         return [], 0.0, 0
     ids, attn, mask = trajectory_rows(groups)
     rewards = torch.tensor([[t.reward for t in group] for group in groups])  # (b, G)
+    advantages = group_advantages(rewards)  # (b, G)
     names = [f"s{step}/{indices[k]}/{group[0].example.id}" for k, group in enumerate(groups)]
-    if (bottom := attached(model)) is not None:  # the groups' own rows, as they will be stored
-        G = len(groups[0])
-        rows = GroupTensors(ids, attn, mask, torch.zeros_like(mask), rewards.flatten(),
-                            rewards.flatten())  # fmt: skip
-        bottom.fill(model, [rows.take(slice(k * G, (k + 1) * G)) for k in range(len(groups))])
-    lp, entropy, forwarded = behaviour_logprobs(
-        model, ids, attn, mask, chunk_size, temperature, compute
-    )
-    rows = GroupTensors(ids, attn, mask, lp, rewards.flatten(), group_advantages(rewards).flatten())
-    return groups_of_rows(rows, step, names), entropy, forwarded
+    G = len(groups[0])
+    scored = [k for k in range(len(groups)) if not skip_uniform or bool(advantages[k].any())]
+    rows = torch.cat([torch.arange(k * G, (k + 1) * G) for k in scored]) if scored else None
+    lp, entropy, forwarded = torch.zeros(mask.shape), 0.0, 0  # (b*G, T) float32
+    if rows is not None:
+        if (bottom := attached(model)) is not None:  # the groups' own rows, as they are stored
+            stack = GroupTensors(ids, attn, mask, lp, rewards.flatten(), rewards.flatten())
+            bottom.fill(model, [stack.take(slice(k * G, (k + 1) * G)) for k in scored])
+        lp[rows], entropy, forwarded = behaviour_logprobs(
+            model, ids[rows], attn[rows], mask[rows], chunk_size, temperature, compute
+        )
+    stack = GroupTensors(ids, attn, mask, lp, rewards.flatten(), advantages.flatten())
+    return groups_of_rows(stack, step, names), entropy, forwarded
 
 
 def behaviour_logprobs(

@@ -84,7 +84,9 @@ def train_step(run: Run, step: int) -> StepRecord:
         run.generator.sleep()
         fresh, entropy = behaviour(run, batch.groups, step)
         sampled = sampler_logprobs(batch.groups, fresh)
-        gap, tis = sampler_gap(*on_time(fresh, sampled, batch.lags), cfg.grpo.tis_cap)
+        gap, tis = sampler_gap(
+            *on_time(fresh, sampled, batch.lags), cfg.grpo.tis_cap, cfg.grpo.skip_zero_advantage
+        )
         # late groups (asynchronous rollout) pass the staleness rule or go to the buffer
         late = admit_late_groups(run, fresh, sampled, batch.lags)
         fresh = late.trained
@@ -168,6 +170,7 @@ def behaviour(run: Run, groups: list[Group], step: int) -> tuple[list[StoredGrou
         cfg.grpo.score_chunk,
         cfg.rollout.temperature,
         run.autocast,
+        skip_uniform=cfg.grpo.skip_zero_advantage,
     )
     if run.dist.world == 1:
         run.cost.behaviour_tf_tokens += forwarded
@@ -205,24 +208,34 @@ def sampler_logprobs(groups: list[Group], fresh: list[StoredGroup]) -> list[Tens
 
 
 def sampler_gap(
-    fresh: list[StoredGroup], sampled: list[Tensor], tis_cap: float | None
+    fresh: list[StoredGroup],
+    sampled: list[Tensor],
+    tis_cap: float | None,
+    skip_uniform: bool = False,
 ) -> tuple[dict[str, float | None], list[Tensor] | None]:
-    """The step's sampler/trainer log-prob gap (metrics; None without fresh groups) and, with
-    `tis_cap`, each fresh group's truncated importance weights `[G, T_g]`."""
-    if not fresh:
-        return {"logprob_gap_mean": None, "logprob_gap_max": None}, [] if tis_cap else None
-    trainer_lp = concat_left_padded([g.gen_logprobs for g in fresh])
-    sampler_lp = concat_left_padded(sampled)
-    mask = concat_left_padded([g.loss_mask for g in fresh])
+    """The step's sampler/trainer log-prob gap (metrics; None without scored fresh groups)
+    and, with `tis_cap`, each fresh group's truncated importance weights `[G, T_g]`.
+    `skip_uniform`: groups whose advantages are all 0 were not scored (`behaviour_groups`):
+    they are left out of the metrics and weighted 1 (they train on no token)."""
+    measured = [not (skip_uniform and g.all_zero_advantage) for g in fresh]
+    if not any(measured):
+        none = {"logprob_gap_mean": None, "logprob_gap_max": None}
+        return none, [torch.ones_like(g.gen_logprobs) for g in fresh] if tis_cap else None
+    scored = [(g, s) for g, s, m in zip(fresh, sampled, measured, strict=True) if m]
+    trainer_lp = concat_left_padded([g.gen_logprobs for g, _ in scored])
+    sampler_lp = concat_left_padded([s for _, s in scored])
+    mask = concat_left_padded([g.loss_mask for g, _ in scored])
     mean, worst = logprob_gap(trainer_lp, sampler_lp, mask)
     metrics = {"logprob_gap_mean": float(mean), "logprob_gap_max": float(worst)}
     if tis_cap is None:
         return metrics, None
     weights = [
         truncated_is_weights(g.gen_logprobs, s, g.loss_mask, tis_cap)
-        for g, s in zip(fresh, sampled, strict=True)
+        if m
+        else torch.ones_like(g.gen_logprobs)
+        for g, s, m in zip(fresh, sampled, measured, strict=True)
     ]
-    w = concat_left_padded(weights)
+    w = concat_left_padded([w for w, m in zip(weights, measured, strict=True) if m])
     metrics["is_weight_mean"] = float(masked_mean(w, mask))
     metrics["is_capped_frac"] = float(masked_mean((w >= tis_cap).float(), mask))
     return metrics, weights

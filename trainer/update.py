@@ -48,9 +48,11 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     add up to the whole batch's token mean (each process trains on its share, gradients are
     summed across processes). `scanned`: see `pass_chunks`."""
     cfg = run.config.grpo
-    run.cost.update_tf_tokens += sum(int(g.attention_mask.sum()) for g in batch.groups) * (
-        cfg.updates_per_step
-    )
+    forwarded = sum(int(g.attention_mask.sum()) for g in batch.groups)
+    if cfg.skip_zero_advantage:  # fresh rows with advantage 0 are in no chunk (`pass_chunks`)
+        fresh = batch.groups[: batch.first_replayed]
+        forwarded -= sum(int(g.attention_mask[g.advantages == 0].sum()) for g in fresh)
+    run.cost.update_tf_tokens += forwarded * cfg.updates_per_step
     if not batch.groups:  # dynamic sampling kept nothing and nothing was replayed
         run.scheduler.step()
         return UpdateStats(0.0, 0.0, 0.0, [], [])
@@ -64,7 +66,11 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     loss_sum = kl_sum = 0.0
     for p in range(cfg.updates_per_step):
         distributed.zero_gradients(run.optimizer, run.policy)
-        work = pass_chunks(rows, cfg.micro_batch, scanned if p == 0 else None)
+        work = pass_chunks(
+            rows, cfg.micro_batch, scanned if p == 0 else None, cfg.skip_zero_advantage
+        )
+        if not work:  # every row skipped: the zero gradients they would have given
+            zero_gradients_of(run.model)
         for c, chunk in enumerate(work):
             share = float(rows.loss_mask[chunk.rows].sum() / total) * shard.scale
             with distributed.accumulate(run.policy, sync=c == len(work) - 1):
@@ -84,27 +90,43 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     return UpdateStats(sums["loss"], grad_norm, sums["kl"], drift, refreshed_headroom)
 
 
-def micro_batches(attention_mask: Tensor, size: int) -> list[Chunk]:
-    """Rows in chunks of `size`, shortest rows first (chunks pad little)."""
-    order = torch.argsort(attention_mask.sum(dim=1), stable=True)
+def micro_batches(attention_mask: Tensor, size: int, among: Tensor | None = None) -> list[Chunk]:
+    """Rows (all, or the indices `among`) in chunks of `size`, shortest rows first (chunks
+    pad little)."""
+    among = torch.arange(len(attention_mask)) if among is None else among
+    order = among[torch.argsort(attention_mask[among].sum(dim=1), stable=True)]
     return [Chunk(order[lo : lo + size]) for lo in range(0, len(order), size)]
 
 
-def pass_chunks(rows: Rows, size: int, scanned: list[Tensor] | None = None) -> list[Chunk]:
+def pass_chunks(
+    rows: Rows, size: int, scanned: list[Tensor] | None = None, skip_zero: bool = False
+) -> list[Chunk]:
     """One optimizer pass's chunks: micro-batches of every row; or, reusing the replay scan's
     forward (`scanned`, one per replayed group, the replayed rows being the last ones), the
     fresh rows in micro-batches and every replayed row in one chunk that carries its scan
     log-probs (the scan scored those groups together, so their graphs share one forward that
-    only one backward may run through)."""
+    only one backward may run through). `skip_zero` (`grpo.skip_zero_advantage`): fresh rows
+    whose advantage is 0 are in no chunk (their loss is 0; the token mean's denominator is
+    the batch's, so it still counts them)."""
+    fresh = torch.arange(rows.num_fresh_rows)
+    if skip_zero:
+        fresh = fresh[rows.advantages[: rows.num_fresh_rows] != 0]
+    replayed = torch.arange(rows.num_fresh_rows, len(rows.input_ids))
     if not scanned:
-        return micro_batches(rows.attention_mask, size)
-    replayed_rows = len(rows.input_ids) - rows.num_fresh_rows
-    if sum(len(lp) for lp in scanned) != replayed_rows:
-        raise ValueError(f"scanned log-probs cover {replayed_rows} replayed rows only partly")
+        return micro_batches(rows.attention_mask, size, torch.cat([fresh, replayed]))
+    if sum(len(lp) for lp in scanned) != len(replayed):
+        raise ValueError(f"scanned log-probs cover {len(replayed)} replayed rows only partly")
     width = rows.input_ids.shape[1]
     padded = [F.pad(lp, (width - lp.shape[1], 0)) for lp in scanned]  # keeps the graphs
-    reused = Chunk(torch.arange(rows.num_fresh_rows, len(rows.input_ids)), torch.cat(padded))
-    return [*micro_batches(rows.attention_mask[: rows.num_fresh_rows], size), reused]
+    return [*micro_batches(rows.attention_mask, size, fresh), Chunk(replayed, torch.cat(padded))]
+
+
+def zero_gradients_of(model) -> None:
+    """Zero gradients on every trained parameter: the optimizer steps on them as on the
+    gradients of rows that all had loss 0 (AdamW's moments still move the weights)."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
 
 
 def chunk_loss(run: Run, rows: Rows, chunk: Chunk) -> tuple[Tensor, float, Tensor]:

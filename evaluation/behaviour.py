@@ -13,12 +13,14 @@ keeps seven small integers (`Behaviour`), and `summarize_behaviour` turns a set 
   `rollout.max_query_words`), the share of those that are words of the question (1.0 for a
   policy that copies), and the share of first searches that retrieved the gold at all.
 
-Words are compared after SQuAD normalisation (`agent_env.rewards.normalize_answer`), titles
-likewise, so "The Beatles" answered for `"The Beatles"` counts as Doc 1.
+Titles are compared after SQuAD normalisation (`agent_env.rewards.normalize_answer`), so "The
+Beatles" answered for `"The Beatles"` counts as Doc 1; a search's words (split at whitespace,
+as the query budget counts them) in lower case with the punctuation at their ends stripped.
 """
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
@@ -71,6 +73,11 @@ def _rank(title: str | None, titles: list[str]) -> int:
     return NOT_RETRIEVED
 
 
+def _word(word: str) -> str:
+    """A word as compared with the question's: lower case, punctuation stripped at its ends."""
+    return word.lower().strip(string.punctuation)
+
+
 def observe(traj: Trajectory, tokenizer, config: RolloutConfig) -> Behaviour:
     """The behaviour record of one response."""
     queries = searched_queries(response_text(traj, tokenizer, config))
@@ -85,8 +92,8 @@ def observe(traj: Trajectory, tokenizer, config: RolloutConfig) -> Behaviour:
         )
         answer_rank = _rank(traj.answer, titles)
     sent = budget_query(queries[0], config.max_query_words).split() if queries else []
-    question = set(normalize_answer(traj.example.question).split())
-    in_question = sum(normalize_answer(w) in question for w in sent if normalize_answer(w))
+    question = {_word(w) for w in traj.example.question.split()}
+    in_question = sum(_word(w) in question for w in sent)
     return Behaviour(
         valid=int(traj.answer is not None and all(traj.valid_actions)),
         searches=traj.searches,

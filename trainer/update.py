@@ -59,7 +59,7 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     total = batch.policy_tokens  # global: every process divides by the whole batch's tokens
     shard = batch.shard(run.dist.rank, run.dist.world)
     if (bottom := attached(run.model)) is not None:  # kept from the behaviour pass and scans
-        bottom.fill(run.model, shard.groups)
+        bottom.fill(run.model, forwarded_groups(shard, cfg.skip_zero_advantage))
     rows = shard.rows()
     first_pass = torch.zeros_like(rows.gen_logprobs)
     run.model.train()
@@ -88,6 +88,16 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     drift, refreshed_headroom = replay_telemetry(run, shard, first_pass)
     sums = run.dist.sum({"loss": loss_sum, "kl": kl_sum})
     return UpdateStats(sums["loss"], grad_norm, sums["kl"], drift, refreshed_headroom)
+
+
+def forwarded_groups(batch: Batch, skip_zero: bool) -> list:
+    """The groups of `batch` whose rows the update forwards: all, or with `skip_zero` all but
+    the fresh ones whose advantages are all 0 (`pass_chunks`)."""
+    return [
+        g
+        for at, g in zip(batch.positions, batch.groups, strict=True)
+        if not (skip_zero and at < batch.first_replayed and g.all_zero_advantage)
+    ]
 
 
 def micro_batches(attention_mask: Tensor, size: int, among: Tensor | None = None) -> list[Chunk]:

@@ -29,13 +29,15 @@ def run(sft_policy, small_qa, retrieval_url, out, *extra):
     return load_file(run_dir / "final" / "model.safetensors"), rows
 
 
+@pytest.mark.parametrize("layers", [[], ["model.train_layers=1"]], ids=["all", "top-1"])
 def test_skipping_zero_advantage_rows_gives_the_same_update(
-    sft_policy, small_qa, retrieval_url, tmp_path
+    sft_policy, small_qa, retrieval_url, tmp_path, layers
 ):
-    whole, whole_rows = run(sft_policy, small_qa, retrieval_url, tmp_path / "whole")
+    whole, whole_rows = run(sft_policy, small_qa, retrieval_url, tmp_path / "whole", *layers)
     skipped, skipped_rows = run(
-        sft_policy, small_qa, retrieval_url, tmp_path / "skip", "grpo.skip_zero_advantage=true"
-    )
+        sft_policy, small_qa, retrieval_url, tmp_path / "skip", *layers,
+        "grpo.skip_zero_advantage=true",
+    )  # fmt: skip
     first, first_skipped = whole_rows[0], skipped_rows[0]
     assert first["reward_mean"] == first_skipped["reward_mean"]  # the same rollouts
     uniform = first["cost_update_groups"] - first["cost_informative_groups"]

@@ -75,6 +75,7 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
         search_r1_dataset,
         search_r1_reward,
     )
+    from trainer.integrations.trl_vllm import route_colocate_sync
 
     allow_deepspeed_on_cpu_processes()  # before accelerate's state exists (grpo_args)
     args = grpo_args(config)
@@ -98,7 +99,9 @@ def build_trainer(config: TRLRunConfig, replay: bool = True):
     )
     try:
         if not replay:
-            return GRPOTrainer(**pieces)
+            trainer = GRPOTrainer(**pieces)
+            route_colocate_sync(trainer)  # the CPU build refuses TRL's own colocated sync
+            return trainer
         return ReplayGRPOTrainer(**pieces, replay=config.replay)
     except ValueError as err:  # TRL's and the replay's checks of the settings
         client.close()

@@ -1,0 +1,199 @@
+"""One GRPO step with Headroom-Drift Replay on SmolLM2-135M-Instruct, part by part and lever by
+lever, beside TRL's GRPOTrainer on the same model, batch and task, all in one run.
+
+    .venv/bin/hdr serve --index data/index --port 8000 &
+    .venv-vllm/bin/python bench/smollm2_step.py --model data/smollm2-sft
+
+Each row is a short `hdr train` of `configs/smollm2-cpu.yaml` (8 prompts x 5 responses a step,
+replay budget 8 of a 64-group buffer, the `rl` questions) in a process of its own, the levers
+given as settings, each row adding one to the row above:
+
+- `baseline`: hdr's path before the levers: transformers' `generate` in float32 on the
+  trainer's module, every parameter trained in float32;
+- `+ vllm`: generation on the vLLM engine built for the CPU (float32, prefix caching: a
+  group's prompt is computed once);
+- `+ bf16`: the engine in bfloat16 and every trainer forward under bf16 autocast;
+- `+ top 4 layers`: `model.train_layers=4`, the frozen bottom's output kept per group, so
+  the update and every later replay scan run 4 of the 30 layers;
+- `+ skip zero-advantage`: `grpo.skip_zero_advantage=true`, groups whose G rewards are equal
+  neither scored nor forwarded (their tokens still count in the token mean): hdr's path.
+
+The parts are the step record's own (`metrics.jsonl`): generation, retrieval, scoring (the
+behaviour log-probs), selection (the replay scan) and update (with the vLLM weight sync);
+the step is `time_step`. The median over the steps after `--skip` (the first fills the
+buffer; the scan runs from the second) is reported.
+
+`trl` is TRL's own `GRPOTrainer` through `hdr trl-train`'s pieces (configs/trl/smollm2-cpu.yaml:
+the same model, questions, prompt, rollout, batch and learning rate, TRL's colocated vLLM
+engine in bfloat16 generating, bf16 training, no replay), timed from `on_step_begin` to
+`on_step_end` by bench/trl_replay.py's clock, in a process of its own too. The machine's load
+average is recorded beside every row: on a shared machine the seconds are upper bounds.
+Writes bench/results/smollm2_step.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PARTS = ("time_generation", "time_retrieval", "time_scoring", "time_selection", "time_update")
+CONFIG = "configs/smollm2-cpu.yaml"
+TRL_CONFIG = "configs/trl/smollm2-cpu.yaml"
+HDR = str(Path(sys.executable).with_name("hdr"))
+
+# row -> the settings it adds to the row above (cumulative)
+LEVERS: dict[str, list[str]] = {
+    "baseline": [
+        "generation.backend=hf", "generation.dtype=float32", "model.compute_dtype=float32",
+        "model.train_layers=null", "grpo.skip_zero_advantage=false",
+    ],
+    "+ vllm": ["generation.backend=vllm", "generation.max_model_len=1024"],
+    "+ bf16": ["generation.dtype=bfloat16", "model.compute_dtype=bfloat16"],
+    "+ top 4 layers": ["model.train_layers=4"],
+    "+ skip zero-advantage": ["grpo.skip_zero_advantage=true"],
+}  # fmt: skip
+
+
+def hdr_row(model: str, steps: int, settings: list[str], out: Path) -> dict:
+    """A short `hdr train` with `settings`; its per-step records."""
+    command = [HDR, "train", "--config", CONFIG, f"model.path={model}", f"steps={steps}",
+               f"out_dir={out}", "eval.every=0", "eval.at_start=false",
+               "checkpoint.save_every=0", "log.tensorboard=false", "log.progress=false",
+               *settings]  # fmt: skip
+    run(command, out.with_suffix(".log"))
+    return {"records": [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]}
+
+
+def run(command: list[str], log: Path) -> None:
+    # every row on all the cores (bench/trl_replay.py, imported by the TRL row, would
+    # otherwise default it to one thread)
+    threads = str(os.cpu_count())
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": threads}  # fmt: skip
+    with log.open("w") as fh:
+        done = subprocess.run(command, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise SystemExit(f"{' '.join(command[:3])} failed ({done.returncode}):\n{tail}")
+
+
+def trl_row(model: str, steps: int, out: Path) -> dict:
+    """TRL's GRPOTrainer (no replay) in a process of its own (`--trl-only`)."""
+    result = out.with_suffix(".json")
+    command = [sys.executable, __file__, "--trl-only", str(result), "--model", model,
+               "--steps", str(steps)]  # fmt: skip
+    run(command, out.with_suffix(".log"))
+    return json.loads(result.read_text())
+
+
+def trl_only(model: str, steps: int, result: Path) -> None:
+    """Runs in the child process: TRL's own step times (bench/trl_replay.py's clock)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trl_replay import trl_run
+
+    from core.config import load_config
+    from trainer.integrations.trl_run import TRLRunConfig
+
+    config = load_config(TRLRunConfig, TRL_CONFIG, [f"model={model}"])
+    config = config.model_copy(update={"trl": {**config.trl, "max_steps": steps}})
+    with tempfile.TemporaryDirectory(prefix="hdr-trl-step-") as out:
+        timed = trl_run(config, None, Path(out))
+    result.write_text(json.dumps({"step_s": timed["step_s"]}))
+
+
+def summarize(name: str, row: dict, skip: int, load: tuple[float, float]) -> dict:
+    """Medians of the parts and the step over the steps after `skip`."""
+    out: dict = {"row": name, "load_before": load[0], "load_after": load[1]}
+    if "records" in row:
+        kept = row["records"][skip:]
+        out["step_s"] = statistics.median(r["time_step"] for r in kept)
+        for part in PARTS:
+            out[part.removeprefix("time_") + "_s"] = statistics.median(r[part] for r in kept)
+        out["replayed_groups"] = statistics.mean(r["replayed_groups"] for r in kept)
+        out["scanned_groups"] = statistics.mean(r["scanned_groups"] for r in kept)
+        out["steps_s"] = [round(r["time_step"], 2) for r in row["records"]]
+    else:
+        out["step_s"] = statistics.median(row["step_s"][skip:])
+        out["steps_s"] = [round(s, 2) for s in row["step_s"]]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    heads = ["row", "step s", "generation", "retrieval", "scoring", "scan", "update",
+             "replayed", "x TRL", "load"]  # fmt: skip
+    trl = next((r["step_s"] for r in rows if r["row"] == "trl"), None)
+    lines = ["| " + " | ".join(heads) + " |", "|" + " --- |" * len(heads)]
+    for r in rows:
+        cells = [r["row"], f"{r['step_s']:.1f}"]
+        for part in ("generation_s", "retrieval_s", "scoring_s", "selection_s", "update_s"):
+            cells.append(f"{r[part]:.1f}" if part in r else "")
+        cells.append(f"{r['replayed_groups']:.1f}" if "replayed_groups" in r else "")
+        cells.append(f"{r['step_s'] / trl:.2f}" if trl else "")
+        cells.append(f"{r['load_before']:.1f}-{r['load_after']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="data/smollm2-sft", help="The policy (an SFT start).")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--skip", type=int, default=1, help="First steps left out (buffer fills).")
+    ap.add_argument("--rows", default=",".join([*LEVERS, "trl"]), help="Rows to run, in order.")
+    ap.add_argument("--out", default="bench/results/smollm2_step.json")
+    ap.add_argument("--trl-only", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_only:
+        return trl_only(args.model, args.steps, args.trl_only)
+    wanted = args.rows.split(",")
+    unknown = [r for r in wanted if r not in LEVERS and r != "trl"]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; valid: {', '.join([*LEVERS, 'trl'])}")
+    rows, settings = [], []
+    with tempfile.TemporaryDirectory(prefix="hdr-smollm2-step-") as tmp:
+        for name in [*LEVERS, "trl"]:
+            if name != "trl":
+                settings += LEVERS[name]
+            if name not in wanted:
+                continue
+            out = Path(tmp) / name.replace(" ", "_").replace("+", "plus")
+            before = os.getloadavg()[0]
+            started = time.perf_counter()
+            if name == "trl":
+                row = trl_row(args.model, args.steps, out)
+            else:
+                row = hdr_row(args.model, args.steps, list(settings), out)
+            summary = summarize(name, row, args.skip, (before, os.getloadavg()[0]))
+            summary["wall_s"] = round(time.perf_counter() - started, 1)
+            summary["settings"] = list(settings) if name != "trl" else [TRL_CONFIG]
+            rows.append(summary)
+            print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
+    report = {
+        "command": "bench/smollm2_step.py " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "config": CONFIG,
+        "steps": args.steps,
+        "skipped_steps": args.skip,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(table(rows))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

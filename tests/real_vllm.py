@@ -106,7 +106,10 @@ def engine(model_dir: Path, tokenizer, **settings):
             **settings,
         },
     )
-    return build_generator(config, model_dir=model_dir, tokenizer=tokenizer, prompt=PromptConfig())
+    with engine_start_beside_numba():  # the session's retrieval server may have imported numba
+        return build_generator(
+            config, model_dir=model_dir, tokenizer=tokenizer, prompt=PromptConfig()
+        )
 
 
 def close(generator) -> None:

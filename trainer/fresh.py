@@ -376,3 +376,7 @@ class LazyGenerator:
     def sync_weights(self, model) -> None:
         if self.inner is not None:
             self.inner.sync_weights(model)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()

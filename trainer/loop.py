@@ -38,6 +38,7 @@ def train(config: TrainConfig, resume: str | Path | None = None, force: bool = F
             train_steps(run, start, stop)
         finally:
             run.fresh.close()  # rollouts in flight are discarded (re-rolled on resume)
+            run.generator.close()
             distributed.shutdown(run.dist)
     return run.run_dir
 

@@ -82,6 +82,11 @@ class Generator(Protocol):
         sleeping engine."""
         ...
 
+    def close(self) -> None:
+        """Let go of what the backend holds for itself (vllm: its engine and KV cache, which a
+        later engine in this process is sized against); a no-op for the others."""
+        ...
+
 
 class GenerationConfig(StrictModel):
     """How to build a generation backend."""

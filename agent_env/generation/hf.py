@@ -210,6 +210,9 @@ class HFGenerator:
     def sleep(self) -> None:
         """Nothing to free: the module is the trainer's (or a plain copy)."""
 
+    def close(self) -> None:
+        """Nothing of its own to let go."""
+
     def generate(
         self, contexts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
     ) -> list[Completion]:

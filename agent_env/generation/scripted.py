@@ -156,6 +156,9 @@ class ScriptedGenerator:
     def sleep(self) -> None:
         """Nothing to free."""
 
+    def close(self) -> None:
+        """Nothing to let go."""
+
     def generate(
         self, contexts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
     ) -> list[Completion]:

@@ -55,6 +55,7 @@ CPUs), which is what bench/gpu_smoke.sh runs on CUDA. What it does:
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 
@@ -256,6 +257,14 @@ class VLLMGenerator:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True
 
+    def close(self) -> None:
+        """Drop the engine now, not when the collector next runs: vLLM sizes a new engine's
+        KV cache by what this process already holds, so a second engine in one process
+        (`hdr calibrate`'s points, an experiment's runs and evaluations) was refused while the
+        last one's cache was still alive."""
+        self.llm = None
+        gc.collect()
+
     def load_state(self, state: dict) -> None:
         """vLLM's in-place reload of checkpoint-named tensors (then its post-load processing);
         nothing checked: `sync_weights` is the checked way in."""
@@ -387,13 +396,17 @@ def build_vllm(*, config, model_dir, tokenizer, prompt, model=None) -> VLLMGener
         eos |= {named} if isinstance(named, int) else set(named or [])
     except OSError:
         pass  # no generation_config.json: the tokenizer's EOS only
-    llm = LLM(**engine_kwargs(config, model_dir, world))
-    if getattr(llm.llm_engine, "model_executor", None) is None:
+    sleep_level = config.sleep_level if config.enable_sleep_mode else None
+    # no local holds the engine: this frame outlives the call (vLLM's engine start keeps its
+    # caller's frame), and `close` must be able to drop the engine's last reference
+    generator = VLLMGenerator(
+        LLM(**engine_kwargs(config, model_dir, world)), eos, sleep_level, dtype=config.dtype
+    )
+    if getattr(generator.llm.llm_engine, "model_executor", None) is None:
         raise UserError(
             "vLLM built its engine out of process, so hdr cannot load new weights into it;"
             " unset VLLM_ENABLE_V1_MULTIPROCESSING or use a vLLM in the pinned range"
         )
     probe = tokenizer.encode(SYNC_PROBE_TEXT, add_special_tokens=False)
-    probe = probe[: llm.model_config.max_model_len - 1]
-    sleep_level = config.sleep_level if config.enable_sleep_mode else None
-    return VLLMGenerator(llm, eos, sleep_level, probe=probe, dtype=config.dtype)
+    generator.probe = probe[: generator.max_model_len - 1]
+    return generator

@@ -14,7 +14,10 @@ or the file name; one parquet holding several of them is split by `data_source`.
 
 Reproducible and safe to interrupt: questions are processed in chunks and each chunk's
 sampling is seeded from `(seed, dataset, chunk start)` inside a forked RNG (the caller's
-torch RNG state is left as it was, which matters when the trainer evaluates in-process).
+torch RNG state is left as it was, which matters when the trainer evaluates in-process); a
+backend that seeds each request (vLLM) gets one seed per question and sample, a hash of
+(seed, question id, sample index), so a question's draws depend on neither its chunk nor the
+other questions.
 With an output directory every finished chunk is appended to `partial.jsonl`; a rerun with
 the same model, data and settings skips the chunks already there (a broken last line is
 ignored) and gives the numbers an uninterrupted run would. `eval.json` and `eval.md` are
@@ -421,14 +424,22 @@ def _run_chunk(
     from agent_env.retrieval_client import RetrievalFailed
     from agent_env.rollout import rollout_groups
     from evaluation.behaviour import observe
+    from trainer.heldout import question_seeds
 
     sample_cfg = config.rollout.model_copy(
         update={"temperature": config.sample_temperature, "on_failure": "raise"}
     )
     greedy_cfg = sample_cfg.model_copy(update={"temperature": 0.0})
+    # a backend that seeds each request (vLLM) samples from the evaluation's seed only through
+    # them: its own generator is the engine's, which the torch seed below does not reach
+    seeds = None
+    if getattr(generator, "per_request_seeds", False):
+        seeds = question_seeds(config.seed, examples, config.k)
     try:
         with _seeded(_chunk_seed(config.seed, dataset, start), device):
-            sampled = rollout_groups(generator, client, tokenizer, examples, config.k, sample_cfg)
+            sampled = rollout_groups(
+                generator, client, tokenizer, examples, config.k, sample_cfg, seeds=seeds
+            )
             greedy = (
                 rollout_groups(generator, client, tokenizer, examples, 1, greedy_cfg)
                 if config.greedy
@@ -705,18 +716,21 @@ def evaluate(
     generator = build_generator(
         config.generation, model_dir=model_dir, tokenizer=tokenizer, prompt=config.rollout.prompt
     )
-    with connect(config.retrieval, seed=config.seed) as client:
-        report = evaluate_policy(
-            getattr(generator, "model", None),
-            tokenizer,
-            loaded,
-            client,
-            config,
-            out_dir,
-            model_id=str(model_dir),
-            generator=generator,
-            resume_key=resume_key,
-        )
+    try:
+        with connect(config.retrieval, seed=config.seed) as client:
+            report = evaluate_policy(
+                getattr(generator, "model", None),
+                tokenizer,
+                loaded,
+                client,
+                config,
+                out_dir,
+                model_id=str(model_dir),
+                generator=generator,
+                resume_key=resume_key,
+            )
+    finally:
+        generator.close()
     if report.env_calls == 0 and any(d.num_questions for d in report.datasets):
         warn(
             f"the evaluation of {model_dir} made no retrieval calls: the policy never searched."

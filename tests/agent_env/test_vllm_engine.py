@@ -116,6 +116,23 @@ def test_seeded_prefills_over_a_steps_token_budget_generate(gen, contexts):
     assert again[0].token_ids == out[0].token_ids
 
 
+def test_an_evaluations_seed_reaches_the_engines_sampling(gen, tokenizer, retrieval_url, tmp_path):
+    # the engine samples from its own generator, which the evaluation's torch seed does not
+    # reach: only the per-request seeds make `hdr eval seed=1` draw other samples
+    from agent_env.data import wiki_vital_examples
+    from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
+    from evaluation.evaluate import EvalConfig, EvalDataset, evaluate_policy
+
+    questions = EvalDataset("wiki-vital", wiki_vital_examples("test")[:4], ("test",))
+    shas = []
+    for seed in (0, 0, 1):
+        config = EvalConfig(k=2, greedy=False, seed=seed, progress=False)
+        with RetrievalClient(RetrievalConfig(urls=[retrieval_url], topk=3)) as client:
+            report = evaluate_policy(None, tokenizer, [questions], client, config, generator=gen)
+        shas.append(report.datasets[0].responses_sha)
+    assert shas[0] == shas[1] != shas[2]
+
+
 def test_the_context_limit(gen, contexts):
     full = [9707] * gen.max_model_len  # no room for a token: not sent
     near = [9707] * (gen.max_model_len - 3)  # room for three

@@ -34,10 +34,15 @@ Presets: the YAML files of configs/experiments/, each read on main.yaml.
 --bridge is --preset bridge; --ablations is --preset ablations.
 """
 
-DEMO_EXAMPLE = """Example:
+DEMO_EXAMPLE = """Examples:
 
   hdr demo --data-dir data --out runs/demo steps=20
+
+  .venv-vllm/bin/hdr demo --model smollm2    # a real model (vLLM's CPU engine: make demo-smollm2)
 """
+
+# `hdr demo --model NAME`: the policy bed and the preset (configs/experiments/) that runs it
+DEMO_PRESETS = {"tiny": "demo", "smollm2": "demo-smollm2"}
 
 POWER_EXAMPLE = """Example (a pilot: on_policy and headroom_drift, 2 seeds, the design's settings):
 
@@ -208,19 +213,33 @@ def demo_command(
     data_dir: Path = typer.Option(
         Path("data"), "--data-dir", help="Directory of the corpus, index and cached SFT start."
     ),
-    out: Path = typer.Option(
-        Path("runs/demo"), "--out", help="Directory of the demo's run, results and charts."
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Directory of the demo's run, results and charts (default: runs/demo, or"
+        " runs/demo-MODEL).",
+    ),
+    model: str = typer.Option(
+        "tiny",
+        "--model",
+        help="The policy: tiny (hdr's own, fast) or smollm2 (SmolLM2-135M-Instruct, a real"
+        " model; generates on vLLM's CPU engine, in .venv-vllm).",
     ),
     overrides: list[str] = overrides_argument("ExperimentConfig", "steps=20"),
     set_: list[str] = set_option(),
 ) -> None:
     """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short
     headroom_drift run and its held-out evaluation beside the SFT start."""
+    from core.errors import UserError
     from experiment.config import experiment_config
     from experiment.pipeline import run_experiment
 
+    if model not in DEMO_PRESETS:
+        raise UserError(f"--model {model!r}: valid: {', '.join(DEMO_PRESETS)}")
+    if out is None:
+        out = Path("runs/demo" if model == "tiny" else f"runs/demo-{model}")
     cfg = experiment_config(
-        "demo",
+        DEMO_PRESETS[model],
         overrides=all_overrides(overrides, set_),
         data_dir=data_dir,
         out_dir=out,

@@ -178,6 +178,12 @@ class ExperimentConfig(StrictModel):
         description="The tiny policy the SFT start is trained from (built once under the data"
         " dir; the demo's is smaller than the default).",
     )
+    init_model: str | None = Field(
+        None,
+        description="A pretrained model the SFT start is trained from instead of the tiny"
+        " `policy`: a folder under the data dir, e.g. `smollm2` (SmolLM2-135M-Instruct,"
+        " converted there from its wheel on first use).",
+    )
     sft_epochs: int | None = Field(None, ge=1, description="SFT epochs; None: base config's.")
     sft_max_examples: int | None = Field(None, ge=1, description="SFT questions; None: all.")
     sft_overrides: list[str] = Field(

@@ -34,10 +34,16 @@ def policy_hash(cfg: ExperimentConfig) -> str:
 
 
 def ensure_policy(cfg: ExperimentConfig) -> Path:
-    """The tiny policy under the data dir (`tiny-policy`, or `tiny-policy-<hash>` for a
-    non-default `policy`), built once."""
+    """The model the SFT start is trained from, under the data dir: `init_model` (converted
+    there on first use where it names SmolLM2), else the tiny policy (`tiny-policy`, or
+    `tiny-policy-<hash>` for a non-default `policy`), built once."""
     from models.tiny import init_tiny_policy, vital_corpus_texts
+    from trainer.sft import ensure_init_model
 
+    if cfg.init_model:
+        path = Path(cfg.data_dir) / cfg.init_model
+        ensure_init_model(path)
+        return path
     tag = policy_hash(cfg)
     path = Path(cfg.data_dir) / ("tiny-policy" + (f"-{tag}" if tag else ""))
     if not (path / "config.json").is_file():
@@ -70,7 +76,8 @@ def sft_start_dir(cfg: ExperimentConfig) -> Path:
         if v
     )
     start = f"from-{cfg.sft_from_task}" if cfg.sft_from_task else ""
-    name = "-".join(part for part in ("tiny-sft", task, tag, start) if part)
+    model = f"{cfg.init_model}-sft" if cfg.init_model else "tiny-sft"
+    name = "-".join(part for part in (model, task, tag, start) if part)
     return Path(cfg.data_dir) / name
 
 
@@ -135,10 +142,28 @@ def sft_train_config(cfg: ExperimentConfig, url: str, sft_dir: Path, init: Path)
     return base_train_config(cfg, url, sft_dir, Path(cfg.out_dir) / "sft", 0, extra)
 
 
+def model_identity(model_dir: Path) -> str:
+    """What a pretrained model is, the same on any machine: the sha256 of the file it was
+    converted from (`hdr_source.json`), else of its weights."""
+    from models.smollm2 import SOURCE_FILE
+
+    source = model_dir / SOURCE_FILE
+    if source.is_file():
+        return json.loads(source.read_text())["gguf_sha256"]
+    digest = hashlib.sha256()
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        with weights.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def init_identity(cfg: ExperimentConfig, init: Path) -> dict[str, Any]:
     """What the start is initialised from (the prerequisite start's config hash, or the tiny
     policy's sizes) and the corpus its scripted searches ran over."""
     environment = {"corpus_limit": cfg.corpus_limit, "retriever": cfg.retriever}
     if cfg.sft_from_task:
         return {"sft_start_sha256": stored_hash(init), **environment}
+    if cfg.init_model:
+        return {"init_model": {cfg.init_model: model_identity(init)}, **environment}
     return {"policy": cfg.policy.model_dump(mode="json"), **environment}

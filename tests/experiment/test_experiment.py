@@ -258,6 +258,33 @@ def test_a_non_default_policy_is_built_once_under_its_own_name(tmp_path):
     assert ensure_policy(experiment_config(data_dir=str(tmp_path))) == tmp_path / "tiny-policy"
 
 
+def test_a_pretrained_init_model_names_the_start_and_is_its_identity(tmp_path):
+    """An SFT start trained from a pretrained model (SmolLM2) is cached under that model's
+    name, and its identity is what the model is (the file it was converted from), not where
+    or when it was written."""
+    import shutil
+
+    from experiment.sft_start import init_identity, model_identity
+
+    model = tmp_path / "smollm2"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text("{}")
+    cfg = experiment_config(data_dir=str(tmp_path), overrides=["init_model=smollm2"])
+    assert ensure_policy(cfg) == model  # a model folder there: used as it is
+    assert sft_start_dir(cfg).name.startswith("smollm2-sft")
+    identity = init_identity(cfg, model)
+    assert identity["init_model"] == {"smollm2": model_identity(model)}
+    assert "policy" not in identity
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    assert model_identity(copy) == model_identity(model)  # same weights, another folder
+    (copy / "model.safetensors").write_bytes(b"other weights")
+    assert model_identity(copy) != model_identity(model)
+    (model / "hdr_source.json").write_text('{"gguf_sha256": "abc"}')
+    assert model_identity(model) == "abc"  # converted: the source file's hash
+
+
 def test_sft_starts_of_different_tasks_or_settings_get_different_names(tmp_path):
     """A wiki-vital start must never be reused for the bridge task (or the other way round)."""
     vital = experiment_config(data_dir=str(tmp_path))

@@ -29,6 +29,7 @@ Departures from Search-R1:
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 import uuid
@@ -282,6 +283,17 @@ def _score(traj: Trajectory, tokenizer, config: RolloutConfig) -> float:
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of one trajectory's turn, from the trajectory's seed."""
     return int(np.random.SeedSequence([seed, turn]).generate_state(1, np.uint32)[0])
+
+
+def question_seeds(seed: int, examples, k: int) -> list[int]:
+    """One sampling seed per question and sample (example-major, as `rollout_groups` takes
+    them): a hash of (run seed, question id, sample index), the same at every step."""
+    out = []
+    for example in examples:
+        for j in range(k):
+            text = f"heldout|{seed}|{example.id}|{j}".encode()
+            out.append(int.from_bytes(hashlib.sha256(text).digest()[:4], "little"))
+    return out
 
 
 def rollout_groups(

@@ -422,9 +422,8 @@ def _run_chunk(
     generator, client, tokenizer, dataset: str, start: int, examples, config, device
 ) -> dict[str, Any]:
     from agent_env.retrieval_client import RetrievalFailed
-    from agent_env.rollout import rollout_groups
+    from agent_env.rollout import question_seeds, rollout_groups
     from evaluation.behaviour import observe
-    from trainer.heldout import question_seeds
 
     sample_cfg = config.rollout.model_copy(
         update={"temperature": config.sample_temperature, "on_failure": "raise"}

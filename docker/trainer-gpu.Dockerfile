@@ -64,6 +64,7 @@ COPY docker/trainer-gpu-launch.sh /app/docker/
 COPY pyproject.toml README.md /tmp/src/
 COPY core /tmp/src/core
 COPY hdr /tmp/src/hdr
+COPY headroom_drift /tmp/src/headroom_drift
 COPY models /tmp/src/models
 COPY retrieval_server /tmp/src/retrieval_server
 COPY agent_env /tmp/src/agent_env

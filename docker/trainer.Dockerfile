@@ -18,6 +18,7 @@ FROM scratch AS src
 COPY pyproject.toml README.md /src/
 COPY core /src/core
 COPY hdr /src/hdr
+COPY headroom_drift /src/headroom_drift
 COPY models /src/models
 COPY retrieval_server /src/retrieval_server
 COPY agent_env /src/agent_env

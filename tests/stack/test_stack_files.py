@@ -329,6 +329,18 @@ def test_dockerfiles_copy_only_files_that_exist_and_are_not_ignored():
             assert not ignored(source, patterns), (name, source)
 
 
+def test_every_image_copies_every_package_the_project_installs():
+    # a package added to pyproject.toml but not copied is missing from the installed image:
+    # the trainer's container failed at import ("No module named 'headroom_drift'")
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    for name, dockerfile in DOCKERFILES.items():
+        missing = packages - set(copy_sources(dockerfile))
+        assert not missing, f"{name}: {sorted(missing)} not copied"
+
+
 def test_dockerignore_keeps_the_context_small():
     patterns = dockerignore_patterns()
     for heavy in (".venv", "data", "runs", ".git", "__pycache__", ".pytest_cache"):

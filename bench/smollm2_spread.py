@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HDR = str(Path(sys.executable).with_name("hdr"))
@@ -53,15 +52,14 @@ def evaluate(model: str, run: str, questions: int, k: int, settings: str, out: P
                "--train-config", settings,
                "--k", str(k), "--out", str(out), f"max_questions={questions}", f"seed={seed}",
                "progress=false"]  # fmt: skip
-    started = time.perf_counter()
-    with (out.parent / f"{out.name}.log").open("w") as log:
+    with (out.parent / f"{out.name}.log").open("a") as log:
         done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"hdr eval of {model} ({run}) failed; see {out.parent}/{out.name}.log")
     report = json.loads((out / "eval.json").read_text())
     row = {m: report["average"][m] for m in METRICS}
     row["behaviour"] = report["datasets"][0].get("behaviour") is not None
-    row["wall_s"] = round(time.perf_counter() - started, 1)
+    row["rollout_s"] = round(report["wall_time"], 1)  # its own, also when reused or resumed
     return row
 
 
@@ -93,7 +91,9 @@ def main() -> None:
     models = {"start": args.start, **({"trained": args.trained} if args.trained else {})}
     scores: dict[str, dict[str, dict]] = {name: {} for name in models}
     evals = Path(args.evals)
-    evals.mkdir(parents=True)  # refused if it exists: nothing of an earlier run is overwritten
+    # an interrupted bench goes on where it stopped: hdr eval resumes an unfinished evaluation
+    # and returns a finished one as it is, so nothing written is overwritten
+    evals.mkdir(parents=True, exist_ok=True)
     for run in runs:  # run by run, both models: a slow neighbour hits both alike
         for name, model in models.items():
             scores[name][run] = evaluate(
@@ -127,7 +127,7 @@ def main() -> None:
     print("|" + " --- |" * (2 + len(models) * len(runs) + 1))
     for m in METRICS:
         cells = [f"{scores[n][r][m]:.3f}" for n in models for r in runs]
-        spreads = ", ".join(f"{v:.3f}" for k, v in summary[m].items() if k.endswith("_spread"))
+        spreads = ", ".join(f"{summary[m][f'{n}_spread']:.3f}" for n in models)
         rise = ""
         if "trained" in models:
             rise = f"{summary[m]['rise_min']:+.3f} to {summary[m]['rise_max']:+.3f}"

@@ -84,7 +84,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--out", default="bench/results/smollm2_spread.json")
     ap.add_argument(
-        "--evals", default="runs/smollm2-spread", help="A new folder for the evaluations' files."
+        "--evals",
+        default="runs/smollm2-spread",
+        help="Folder for the evaluations' files; a rerun resumes there.",
     )
     args = ap.parse_args()
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]

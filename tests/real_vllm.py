@@ -112,14 +112,6 @@ def engine(model_dir: Path, tokenizer, **settings):
         )
 
 
-def close(generator) -> None:
-    """Let the engine go before the next module builds its own (frees its KV cache)."""
-    import gc
-
-    generator.llm = None
-    gc.collect()
-
-
 def real_engine(test):
     """NEEDS_VLLM for one test (a module whose other tests run without vLLM)."""
     for mark in reversed(NEEDS_VLLM):

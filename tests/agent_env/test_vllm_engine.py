@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from real_vllm import NEEDS_VLLM, build_bed, close, device, engine
+from real_vllm import NEEDS_VLLM, build_bed, device, engine
 
 from agent_env.generation import SamplingParams
 from core.errors import UserError
@@ -33,7 +33,7 @@ def tokenizer(bed):
 def gen(bed, tokenizer):
     generator = engine(bed, tokenizer)
     yield generator
-    close(generator)
+    generator.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ token, where both tags (`</search>`, `</answer>`) span several tokens."""
 from __future__ import annotations
 
 import pytest
-from real_vllm import NEEDS_VLLM, build_bed, build_chain_bed, close, engine
+from real_vllm import NEEDS_VLLM, build_bed, build_chain_bed, engine
 
 from agent_env.generation import GenerationConfig, SamplingParams, build_generator
 from agent_env.prompts import PromptConfig
@@ -42,7 +42,7 @@ def tokenizer(chain_bed):
 def gen(chain_bed, tokenizer):
     generator = engine(chain_bed, tokenizer)
     yield generator
-    close(generator)
+    generator.close()
 
 
 def ids(tokenizer, text: str) -> list[int]:

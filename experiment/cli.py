@@ -128,36 +128,57 @@ def experiment_command(
         " read after main.yaml and before --bridge/--ablations/--quick. Repeat it to lay one"
         " preset over another (--preset powered --preset powered-ablations).",
     ),
-    base_config: Path = typer.Option(
-        Path("configs/tiny-cpu.yaml"), "--config", "-c", help="Base TrainConfig YAML."
+    base_config: Path | None = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="Base TrainConfig YAML (default: the presets' base_config, else"
+        " configs/tiny-cpu.yaml).",
     ),
     overrides: list[str] = overrides_argument("ExperimentConfig", "seeds=[1,2,3]"),
     set_: list[str] = set_option(),
 ) -> None:
     """Train every arm with the same SFT start, seeds and held-out questions against a real
     `hdr serve`; write results.json, results.md and charts."""
-    from experiment.config import experiment_config
     from experiment.pipeline import run_experiment
 
     flags = [name for name, on in (("bridge", bridge), ("ablations", ablations)) if on]
-    presets = presets or []
-    if not presets:
-        default_out = ("bridge-" if bridge else "") + ("ablations" if ablations else "experiment")
-    else:  # runs/<last preset's name>, joined by the flags' presets: runs/my-design-ablations
-        default_out = "-".join([Path(presets[-1]).stem, *flags])
-    cfg = experiment_config(
-        *presets,
-        *flags,
-        quick=quick,
-        overrides=all_overrides(overrides, set_),
-        data_dir=data_dir,
-        out_dir=out or Path("runs") / default_out,
-        base_config=base_config,
-    )
+    overrides = all_overrides(overrides, set_)
+    cfg = command_config(presets or [], flags, quick, overrides, data_dir, out, base_config)
     out_dir = run_experiment(cfg)
     typer.echo((out_dir / "results.md").read_text())
     typer.echo(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}")
     typer.echo(f"charts: {out_dir / 'charts'}")
+
+
+def command_config(
+    presets: list[str],
+    flags: list[str],
+    quick: bool,
+    overrides: list[str],
+    data_dir: Path,
+    out: Path | None,
+    base_config: Path | None,
+):
+    """The ExperimentConfig `hdr experiment` runs: main.yaml, the presets, the flags' presets,
+    the options, the overrides. The presets' base config stands unless `--config` names one."""
+    from experiment.config import experiment_config
+
+    if not presets:
+        default_out = ("bridge-" if "bridge" in flags else "") + (
+            "ablations" if "ablations" in flags else "experiment"
+        )
+    else:  # runs/<last preset's name>, joined by the flags' presets: runs/my-design-ablations
+        default_out = "-".join([Path(presets[-1]).stem, *flags])
+    return experiment_config(
+        *presets,
+        *flags,
+        quick=quick,
+        overrides=overrides,
+        data_dir=data_dir,
+        out_dir=out or Path("runs") / default_out,
+        **({"base_config": base_config} if base_config else {}),
+    )
 
 
 REPORT_EXAMPLE = """Example (the committed sample; a full experiment's out dir reads the same):

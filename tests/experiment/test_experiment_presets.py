@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import UserError
+from experiment.cli import command_config
 from experiment.config import (
     PRESETS_DIR,
     ExperimentConfig,
@@ -142,3 +143,15 @@ def test_cli_a_bad_preset_is_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hdr: error: preset "), done.stderr
     assert str(bad) in lines[0] and "did you mean steps?" in lines[0]
     assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_hdr_experiment_keeps_a_presets_base_config_unless_config_names_one(tmp_path):
+    # `--config` once defaulted to the tiny bed's YAML and replaced every preset's own
+    def run(presets, base_config=None):
+        return command_config(presets, [], False, [], tmp_path, None, base_config)
+
+    smollm2 = run(["smollm2-diagnostics"])
+    assert smollm2.base_config == read_preset("smollm2-diagnostics")["base_config"]
+    assert smollm2.out_dir == "runs/smollm2-diagnostics"
+    assert run(["smollm2-diagnostics"], Path("mine.yaml")).base_config == "mine.yaml"
+    assert run([]).base_config == "configs/tiny-cpu.yaml"

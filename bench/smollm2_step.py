@@ -23,6 +23,13 @@ behaviour log-probs), selection (the replay scan) and update (with the vLLM weig
 the step is `time_step`. The median over the steps after `--skip` (the first fills the
 buffer; the scan runs from the second) is reported.
 
+`--full-buffer 64,16` times hdr's path instead with the buffer full: one longer run per
+capacity (`replay.capacity`), every run as long (`--total-steps`, by default long enough to
+fill the largest buffer: about 2 groups enter a step), the median over the same last `--steps`
+steps of each, all of which must have scanned a full buffer. The scan grows with the capacity.
+Rows are added to the JSON (bench/results/smollm2_full_buffer.json) by capacity, each with its
+own command, so one capacity can be timed in a later run over the same steps.
+
 `trl` is TRL's own `GRPOTrainer` through `hdr trl-train`'s pieces (configs/trl/smollm2-cpu.yaml:
 the same model, questions, prompt, rollout, batch and learning rate, TRL's colocated vLLM
 engine in bfloat16 generating, bf16 training, no replay), timed from `on_step_begin` to
@@ -34,7 +41,9 @@ Writes bench/results/smollm2_step.json and prints the table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -109,11 +118,39 @@ def trl_only(model: str, steps: int, result: Path) -> None:
     result.write_text(json.dumps({"step_s": timed["step_s"]}))
 
 
-def summarize(name: str, row: dict, skip: int, load: tuple[float, float]) -> dict:
-    """Medians of the parts and the step over the steps after `skip`."""
+# groups entering the buffer per step, at least (1.7 in the 80-step run of docs/results.md)
+FILL_PER_STEP = 1.4
+
+
+def full_buffer_steps(capacity: int, measured: int) -> int:
+    """Steps of a run that fills a `capacity` buffer, then scans it full `measured` times."""
+    return math.ceil(capacity / FILL_PER_STEP) + measured
+
+
+def full_buffer_records(records: list[dict], capacity: int, last: int) -> list[dict]:
+    """The `last` steps, each of which scanned a full buffer (the step before it left
+    `capacity` groups)."""
+    full = [r for before, r in itertools.pairwise(records) if before["buffer_size"] >= capacity]
+    if len(full) < last or full[-last:] != records[-last:]:
+        raise SystemExit(
+            f"capacity {capacity}: the last {last} steps did not all scan a full buffer"
+            f" ({len(full)} steps did): run more steps (--total-steps)"
+        )
+    return records[-last:]
+
+
+def summarize(
+    name: str, row: dict, skip: int, load: tuple[float, float], full: tuple[int, int] | None = None
+) -> dict:
+    """Medians of the parts and the step over the steps after `skip`, or, with `full` =
+    (capacity, last), over the last steps, which scanned a full buffer."""
     out: dict = {"row": name, "load_before": load[0], "load_after": load[1]}
     if "records" in row:
-        kept = row["records"][skip:]
+        if full is None:
+            kept = row["records"][skip:]
+        else:
+            kept = full_buffer_records(row["records"], *full)
+            out["capacity"], out["measured_steps"] = full[0], [r["step"] for r in kept]
         out["step_s"] = statistics.median(r["time_step"] for r in kept)
         for part in PARTS:
             out[part.removeprefix("time_") + "_s"] = statistics.median(r[part] for r in kept)
@@ -148,11 +185,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--skip", type=int, default=1, help="First steps left out (buffer fills).")
     ap.add_argument("--rows", default=",".join([*LEVERS, "trl"]), help="Rows to run, in order.")
-    ap.add_argument("--out", default="bench/results/smollm2_step.json")
+    ap.add_argument(
+        "--full-buffer",
+        help="Capacities (comma-separated) to time hdr's path at with the buffer full;"
+        " --steps is then the number of last steps measured, each with the buffer full.",
+    )
+    ap.add_argument("--total-steps", type=int, help="Steps of every --full-buffer run.")
+    ap.add_argument("--out", help="The JSON (default: bench/results/smollm2_step.json, or"
+                    " smollm2_full_buffer.json with --full-buffer).")  # fmt: skip
     ap.add_argument("--trl-only", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_only:
         return trl_only(args.model, args.steps, args.trl_only)
+    if args.full_buffer:
+        capacities = [int(c) for c in args.full_buffer.split(",")]
+        total = args.total_steps or full_buffer_steps(max(capacities), args.steps)
+        out = args.out or "bench/results/smollm2_full_buffer.json"
+        rows = full_buffer_rows(args.model, capacities, total, args.steps)
+        return write_report(args, merged_rows(out, rows), out)
     wanted = args.rows.split(",")
     unknown = [r for r in wanted if r not in LEVERS and r != "trl"]
     if unknown:
@@ -176,6 +226,45 @@ def main() -> None:
             summary["settings"] = list(settings) if name != "trl" else [TRL_CONFIG]
             rows.append(summary)
             print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
+    write_report(args, rows, args.out or "bench/results/smollm2_step.json")
+
+
+def full_buffer_rows(model: str, capacities: list[int], steps: int, last: int) -> list[dict]:
+    """hdr's path (every lever), `steps` steps once per capacity, timed over the `last`
+    steps, with the buffer full."""
+    settings = [s for lever in LEVERS.values() for s in lever]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hdr-smollm2-full-") as tmp:
+        for capacity in capacities:
+            name = f"full buffer, capacity {capacity}"
+            out = Path(tmp) / f"capacity_{capacity}"
+            before = os.getloadavg()[0]
+            started = time.perf_counter()
+            row = hdr_row(model, steps, [*settings, f"replay.capacity={capacity}"], out)
+            load = (before, os.getloadavg()[0])
+            summary = summarize(name, row, 0, load, (capacity, last))
+            summary["wall_s"] = round(time.perf_counter() - started, 1)
+            summary["settings"] = [*settings, f"replay.capacity={capacity}"]
+            summary["command"] = "bench/smollm2_step.py " + " ".join(sys.argv[1:])
+            summary["replay_ages"] = [
+                age for r in full_buffer_records(row["records"], capacity, last)
+                for age in r.get("replay_ages", [])
+            ]  # fmt: skip
+            rows.append(summary)
+            print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
+    return rows
+
+
+def merged_rows(out: str, rows: list[dict]) -> list[dict]:
+    """`rows` in place of the rows of the same name in the JSON at `out`, the others kept."""
+    path = Path(out)
+    earlier = json.loads(path.read_text())["rows"] if path.exists() else []
+    names = {r["row"] for r in rows}
+    kept = [r for r in earlier if r["row"] not in names]
+    return sorted([*kept, *rows], key=lambda r: -r.get("capacity", 0))
+
+
+def write_report(args, rows: list[dict], out: str) -> None:
     report = {
         "command": "bench/smollm2_step.py " + " ".join(sys.argv[1:]),
         "model": args.model,
@@ -189,10 +278,10 @@ def main() -> None:
         },
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
     print(table(rows))
-    print(f"written to {args.out}")
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":

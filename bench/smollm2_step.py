@@ -151,6 +151,7 @@ def summarize(
         else:
             kept = full_buffer_records(row["records"], *full)
             out["capacity"], out["measured_steps"] = full[0], [r["step"] for r in kept]
+            out["replay_ages"] = [age for r in kept for age in r.get("replay_ages", [])]
         out["step_s"] = statistics.median(r["time_step"] for r in kept)
         for part in PARTS:
             out[part.removeprefix("time_") + "_s"] = statistics.median(r[part] for r in kept)
@@ -246,10 +247,6 @@ def full_buffer_rows(model: str, capacities: list[int], steps: int, last: int) -
             summary["wall_s"] = round(time.perf_counter() - started, 1)
             summary["settings"] = [*settings, f"replay.capacity={capacity}"]
             summary["command"] = "bench/smollm2_step.py " + " ".join(sys.argv[1:])
-            summary["replay_ages"] = [
-                age for r in full_buffer_records(row["records"], capacity, last)
-                for age in r.get("replay_ages", [])
-            ]  # fmt: skip
             rows.append(summary)
             print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
     return rows

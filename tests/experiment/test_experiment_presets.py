@@ -4,6 +4,7 @@ a mistake in one is one line naming the file, and `--preset` takes a name or a p
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,31 @@ def test_hdr_experiment_keeps_a_presets_base_config_unless_config_names_one(tmp_
     assert smollm2.out_dir == "runs/smollm2-diagnostics"
     assert run(["smollm2-diagnostics"], Path("mine.yaml")).base_config == "mine.yaml"
     assert run([]).base_config == "configs/tiny-cpu.yaml"
+
+
+def test_the_smollm2_query_budget_command_trains_from_the_plain_start(tmp_path):
+    """The 2-word variant in smollm2-diagnostics.yaml's header cuts RL's searches, not the
+    start's: its SFT settings hash is the plain start's, and its RL runs send two words."""
+    from experiment.fingerprint import digest, sft_settings
+    from experiment.sft_start import init_identity, sft_start_dir, sft_train_config
+    from experiment.train_configs import base_train_config
+
+    header = (PRESETS_DIR / "smollm2-diagnostics.yaml").read_text()
+    variant = header.split("--out runs/diag-smollm2-q2", 1)[1].split("\nbase_config:", 1)[0]
+    overrides = re.findall(r'"([a-z_]+=\[[^"]*\])"', variant)
+    assert {o.split("=", 1)[0] for o in overrides} == {"train_overrides", "sft_overrides", "arms"}
+
+    def start_and_run(extra):
+        cfg = command_config(["smollm2-diagnostics"], [], False, extra, tmp_path, None, None)
+        start = sft_start_dir(cfg)
+        sft = sft_train_config(cfg, "http://127.0.0.1:1", start, tmp_path / "smollm2")
+        settings = digest(sft_settings(sft, init_identity(cfg, tmp_path / "smollm2")))
+        run = base_train_config(cfg, "http://127.0.0.1:1", start, tmp_path / "run", 1)
+        return start, settings, sft.rollout.max_query_words, run.rollout.max_query_words
+
+    plain_start, plain_settings, _, plain_words = start_and_run([])
+    q2_start, q2_settings, q2_sft_words, q2_words = start_and_run(overrides)
+    assert q2_settings == plain_settings and q2_sft_words is None
+    assert (plain_words, q2_words) == (None, 2)
+    assert q2_start != plain_start  # sft_overrides name the folder; the hash is what is checked
+    assert q2_start.name == "smollm2-sft-s150ffde3-splitsft"  # the name the header gives

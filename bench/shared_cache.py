@@ -134,8 +134,13 @@ def replicas(api: str, count: int, work: Path, settings: list[str], logs: list[P
         for _ in range(count):
             port = free_port()
             log = work / f"replica-{len(list(work.glob('replica-*.log')))}.log"
+            # a replica of a budgeted fleet keeps its own record of the fleet's budget
+            budgeted = any(setting.startswith("upstream.max_calls=") for setting in settings)
+            record = [f"upstream.spend_path={log.with_suffix('.record.json')}"] if budgeted else []
             processes.append(
-                start_server(None, port, log, ["cache.enabled=true", *settings], upstream=api)
+                start_server(
+                    None, port, log, ["cache.enabled=true", *settings, *record], upstream=api
+                )
             )
             urls.append(f"http://127.0.0.1:{port}")
             if logs is not None:

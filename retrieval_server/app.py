@@ -513,8 +513,7 @@ async def open_upstream_state(config: ServerConfig, redis: RedisLink | None) -> 
     try:
         if redis is not None:
             ledger = RedisLedger(redis, config.cache, config.upstream)
-            if config.upstream.limited:
-                await ledger.verify(at_start=True)
+            await ledger.start()
         else:
             ledger = await asyncio.to_thread(default_ledger, config.upstream)
         upstream = UpstreamBackend(config.upstream, ledger)

@@ -325,19 +325,21 @@ class ServerConfig(StrictModel):
             )
 
     def _check_the_budget_is_kept(self, upstream: UpstreamConfig) -> None:
-        """A budget must survive a restart: kept in a spend file, or in the fleet's Redis."""
-        shared = self.cache.backend == "redis"
-        if upstream.limited and upstream.spend_path is None and not shared:
+        """A budget must survive a restart: kept in a spend file, or in the fleet's Redis with
+        each replica's record of it in its spend file (which tells a restarted replica that
+        the budget existed, should Redis lose it)."""
+        if upstream.limited and upstream.spend_path is None:
             limit = "max_calls" if upstream.max_calls is not None else "max_spend"
+            if self.cache.backend == "redis":
+                raise ValueError(
+                    f"upstream.{limit} needs upstream.spend_path=FILE beside cache.backend=redis"
+                    " (this replica's record of the fleet's budget, so that a budget Redis"
+                    " loses is refused, never started again from zero)"
+                )
             raise ValueError(
                 f"upstream.{limit} needs upstream.spend_path=FILE (the spend is kept there "
                 "across restarts) or cache.backend=redis (the fleet's budget): a budget that a "
                 "restart forgets is no budget"
-            )
-        if upstream.spend_path is not None and shared:
-            raise ValueError(
-                "upstream.spend_path is a single server's spend; with cache.backend=redis the "
-                "budget is the fleet's, in Redis: drop upstream.spend_path"
             )
 
     @property

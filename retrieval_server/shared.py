@@ -17,7 +17,10 @@ one script must share a slot):
   holder failed, or died and the lock expired) it takes the query over. So identical queries
   in flight on several replicas are computed once;
 - the budget of proxy mode, `NS:budget:SHA256(upstream URL)`: `RedisLedger`, one hash for the
-  fleet, checked and spent in one step.
+  fleet, checked and spent in one step. It carries the id it was created with, which each
+  replica keeps in its record (`upstream.spend_path`): a budget that Redis loses (restarted
+  empty, flushed, evicted) is never refilled from what a replica last saw or from zero;
+  reservations are refused in one line until Redis's data is restored.
 
 Every check-and-change is a Lua script (redis-py's `register_script`), so it is atomic. Redis
 commands are not retried by the client: a reservation sent twice would spend twice.
@@ -43,14 +46,14 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 import orjson
 
 from core.errors import UserError
 from retrieval_server.cache import CacheKey
-from retrieval_server.spend import BudgetUnavailable, SpendTotals, refusal
+from retrieval_server.spend import BudgetUnavailable, FleetRecord, SpendTotals, refusal
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -114,29 +117,58 @@ for _, key in ipairs(KEYS) do
 end
 return 1
 """
-# The budget hash: committed_calls / committed_spend (billed, reserved and unsettled: what the
-# budget counts) and billed_calls / billed_spend. A hash that is gone (a Redis that lost its
-# data) is seeded with the totals this replica last saw, never from zero.
+# The budget hash: budget_id (made when the budget was created), upstream, committed_calls /
+# committed_spend (billed, reserved and unsettled: what the budget counts) and billed_calls /
+# billed_spend. Only INIT creates it, and only where the replica's record knows of no budget:
+# a hash that is gone is reported ('missing') by every other script, never refilled.
 BUDGET_PRELUDE = """
-local function seed(key, a)
-  if redis.call('EXISTS', key) == 0 then
-    redis.call('HSET', key, 'committed_calls', a[1], 'committed_spend', a[2],
-               'billed_calls', a[3], 'billed_spend', a[4], 'upstream', a[5])
+local function check(key, id)
+  local v = redis.call('HMGET', key, 'budget_id', 'committed_calls', 'committed_spend',
+                       'billed_calls', 'billed_spend')
+  if not v[1] then
+    if redis.call('EXISTS', key) == 0 then return 'missing' end
+    return 'damaged budget_id'
   end
+  if v[1] ~= id then return 'other ' .. v[1] end
+  local names = {'committed_calls', 'committed_spend', 'billed_calls', 'billed_spend'}
+  for i = 2, 5 do
+    local n = tonumber(v[i])
+    if n == nil or n ~= n or n < 0 or n == math.huge
+       or ((i == 2 or i == 4) and not string.match(v[i], '^%d+$')) then
+      return 'damaged ' .. names[i - 1]
+    end
+  end
+  return nil
 end
 local function totals(key)
   return redis.call('HMGET', key, 'committed_calls', 'committed_spend', 'billed_calls',
                     'billed_spend')
 end
 """
-# KEYS: budget; ARGV: 5 seed values, calls, price, max_calls (-1: none), max_spend (-1: none)
+# KEYS: budget; ARGV: a new id, the upstream (shown), the id this replica's record knows ('':
+# none) -> the budget's id, or nil when the record knows one and the hash is gone (lost)
+INIT = """
+local id = redis.call('HGET', KEYS[1], 'budget_id')
+if id then return id end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'budget_id', ARGV[1])
+  return ARGV[1]
+end
+if ARGV[3] ~= '' then return false end
+redis.call('HSET', KEYS[1], 'budget_id', ARGV[1], 'upstream', ARGV[2], 'committed_calls', 0,
+           'committed_spend', 0, 'billed_calls', 0, 'billed_spend', 0)
+return ARGV[1]
+"""
+# KEYS: budget; ARGV: budget id, calls, price, max_calls (-1: none), max_spend (-1: none)
+# -> {1 or 0 (refused), totals...}, or {problem}
 RESERVE = (
     BUDGET_PRELUDE
     + """
-seed(KEYS[1], ARGV)
+local problem = check(KEYS[1], ARGV[1])
+if problem then return {problem} end
 local t = totals(KEYS[1])
-local calls, price = tonumber(ARGV[6]), tonumber(ARGV[7])
-local max_calls, max_spend = tonumber(ARGV[8]), tonumber(ARGV[9])
+local calls, price = tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_calls, max_spend = tonumber(ARGV[4]), tonumber(ARGV[5])
 local ok = 1
 if max_calls >= 0 and tonumber(t[1]) + calls > max_calls then ok = 0 end
 if ok == 1 and max_spend >= 0 and price > 0
@@ -149,14 +181,15 @@ end
 return {ok, t[1], t[2], t[3], t[4]}
 """
 )
-# KEYS: budget, the settlement's id; ARGV: 5 seed values, reserved (in Redis), billed, price,
-# how long the id is kept (s)
+# KEYS: budget, the settlement's id; ARGV: budget id, reserved (in Redis), billed, price, how
+# long the id is kept (s) -> {1, totals...}, or {problem} (the settlement is not applied)
 SETTLE = (
     BUDGET_PRELUDE
     + """
-seed(KEYS[1], ARGV)
-local reserved, billed, price = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[9]) then
+local problem = check(KEYS[1], ARGV[1])
+if problem then return {problem} end
+local reserved, billed, price = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[5]) then
   if billed ~= reserved then
     redis.call('HINCRBY', KEYS[1], 'committed_calls', billed - reserved)
     redis.call('HINCRBYFLOAT', KEYS[1], 'committed_spend', (billed - reserved) * price)
@@ -166,7 +199,8 @@ if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[9]) then
     redis.call('HINCRBYFLOAT', KEYS[1], 'billed_spend', billed * price)
   end
 end
-return totals(KEYS[1])
+local t = totals(KEYS[1])
+return {1, t[1], t[2], t[3], t[4]}
 """
 )
 
@@ -401,7 +435,14 @@ class RedisLedger:
     background task writes the queue with SETTLE, which applies each id once, so a settlement
     resent after a lost reply is not counted twice. While Redis is unreachable a budget fails
     closed (`BudgetUnavailable`); without a budget (price only) calls go on and are counted
-    once Redis is back."""
+    once Redis is back.
+
+    The hash carries the id it was created with, and each replica keeps that id in its record
+    (`upstream.spend_path`, `retrieval_server.spend.FleetRecord`). A hash that is gone while a
+    record knows of it (Redis restarted empty, flushed, evicted) is never refilled: every
+    reservation is refused in one line, and settlements wait, until Redis's data is restored
+    (then each is applied once). Without a budget (price only) a lost count starts again from
+    zero, with a log line."""
 
     where = "redis"
 
@@ -411,12 +452,23 @@ class RedisLedger:
         identity = str(httpx.URL(config.url).copy_with(userinfo=b"")).encode()
         self.key = f"{settings.redis_namespace}:budget:{hashlib.sha256(identity).hexdigest()[:32]}"
         self.settled_prefix = f"{settings.redis_namespace}:settled:"
-        self.known = SpendTotals()  # the fleet's totals as last seen (the seed if Redis lost them)
-        self.pending: list[tuple[str, int, int]] = []  # (id, reserved in Redis, billed)
+        self.record = (
+            None
+            if config.spend_path is None
+            else FleetRecord(config.spend_path, config.shown_url, self.key)
+        )
+        self.budget_id = None if self.record is None else self.record.budget_id
+        # the fleet's totals as last seen (shown in /health; never written back to Redis)
+        self.known = SpendTotals() if self.record is None else self.record.seen
+        # (settlement id, the budget it was reserved in, calls reserved in Redis, billed)
+        self.pending: list[tuple[str, str | None, int, int]] = []
         self.unrecorded = 0  # calls reserved while Redis was unreachable (no budget: allowed)
         self.refusal: str | None = None  # why this Redis may not keep a budget
-        self._reserve = link.client.register_script(RESERVE)
-        self._settle = link.client.register_script(SETTLE)
+        self.problem: str | None = None  # what the last script found wrong with the budget
+        client = link.client
+        self._init = client.register_script(INIT)
+        self._reserve = client.register_script(RESERVE)
+        self._settle = client.register_script(SETTLE)
         self._flusher: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         link.on_reachable.append(self._on_reachable)
@@ -424,11 +476,6 @@ class RedisLedger:
     @property
     def limited(self) -> bool:
         return self.config.limited
-
-    def _seed(self) -> list[Any]:
-        k = self.known
-        return [k.committed_calls, repr(k.committed_spend), k.calls, repr(k.spent),
-                self.config.shown_url]  # fmt: skip
 
     def _remember(self, committed_calls, committed_spend, calls, spent) -> SpendTotals:
         self.known = SpendTotals(
@@ -442,13 +489,62 @@ class RedisLedger:
     def totals(self) -> SpendTotals:
         return self.known
 
+    async def join(self) -> None:
+        """Find the fleet's budget in Redis, or create it where this replica knows of none
+        (the first start of a budget); a budget its record knows of and Redis no longer has
+        is left gone (every reservation then says so). Raises SharedUnavailable."""
+        known = self.budget_id or "" if self.limited else ""
+        args = [uuid.uuid4().hex, self.config.shown_url, known]
+        found = await self.link.call(lambda r: self._init(keys=[self.key], args=args, client=r))
+        if found is None:
+            return
+        found = found.decode() if isinstance(found, bytes) else str(found)
+        if self.budget_id is None or not self.limited:
+            self.budget_id = found
+            await self._write_record()
+
+    async def _write_record(self) -> None:
+        if self.record is None:
+            return
+        self.record.budget_id, self.record.seen = self.budget_id, self.known
+        try:
+            await asyncio.to_thread(self.record.write)
+        except OSError as err:
+            log.error("upstream.spend_path %s cannot be written: %s", self.record.path, err)
+
+    def _problem_line(self, problem: str) -> str:
+        shown = self.link.shown_url
+        where = "" if self.record is None else f" (its record: {self.record.path})"
+        if problem == "missing":
+            return (
+                f"the fleet's upstream budget is gone from redis at {shown} (Redis lost its data:"
+                f" restarted empty, flushed or evicted); this replica last saw"
+                f" {self.known.committed_calls} calls committed{where}; calls are refused rather"
+                " than counted again from a guess: restore Redis's data (its append-only file or"
+                " a backup) to go on"
+            )
+        if problem.startswith("other "):
+            return (
+                f"redis at {shown} holds another upstream budget (id {problem[6:]}) than the one"
+                f" this replica joined (id {self.budget_id}){where}: the budget was started anew"
+                " there; calls are refused: restore Redis's data, or give this replica a new"
+                " spend_path to join the new budget knowingly"
+            )
+        field = problem.removeprefix("damaged ")
+        return (
+            f"the fleet's upstream budget in redis at {shown} is damaged ({field} is not a"
+            f" count, in {self.key}); calls are refused until it is corrected by hand"
+        )
+
     async def refresh(self) -> SpendTotals:
         with contextlib.suppress(SharedUnavailable):
             await self._flush()
-            fields = ("committed_calls", "committed_spend", "billed_calls", "billed_spend")
+            fields = ("budget_id", "committed_calls", "committed_spend", "billed_calls",
+                      "billed_spend")  # fmt: skip
             values = await self.link.call(lambda r: r.hmget(self.key, fields))
-            if values[0] is not None:
-                self._remember(*values)
+            if values[0] is not None and values[0].decode() == self.budget_id:
+                with contextlib.suppress(ValueError):
+                    self._remember(*values[1:])
         return self.known
 
     async def verify(self, at_start: bool) -> None:
@@ -484,21 +580,34 @@ class RedisLedger:
             raise UserError(self.refusal)
         log.error("the upstream budget stays closed: %s", self.refusal)
 
+    async def start(self) -> None:
+        """At start: check this Redis may keep a budget (one UserError line if not) and join
+        the fleet's budget; an unreachable Redis is checked and joined when it comes back."""
+        if self.limited:
+            await self.verify(at_start=True)
+        with contextlib.suppress(SharedUnavailable):
+            await self.join()
+
     async def _on_reachable(self) -> None:
         if self.limited:
             await self.verify(at_start=False)
+        if self.budget_id is None:
+            with contextlib.suppress(SharedUnavailable):
+                await self.join()
         self._start_flusher()
 
-    async def reserve(self, calls: int) -> None:
+    async def reserve(self, calls: int, retried: bool = False) -> None:
         if self.refusal is not None:
             raise BudgetUnavailable(self.refusal)
         c = self.config
-        args = [*self._seed(), calls, repr(c.price_per_call),
-                -1 if c.max_calls is None else c.max_calls,
-                -1 if c.max_spend is None else repr(c.max_spend)]  # fmt: skip
         try:
-            await self._flush()  # what was settled may free budget, and the seed is current
-            ok, *totals = await self.link.call(
+            await self._flush()  # what was settled may free budget
+            if self.budget_id is None:
+                await self.join()
+            args = [self.budget_id or "", calls, repr(c.price_per_call),
+                    -1 if c.max_calls is None else c.max_calls,
+                    -1 if c.max_spend is None else repr(c.max_spend)]  # fmt: skip
+            status, *totals = await self.link.call(
                 lambda r: self._reserve(keys=[self.key], args=args, client=r)
             )
         except SharedUnavailable as err:
@@ -509,14 +618,30 @@ class RedisLedger:
                 f"the upstream budget is shared in Redis and {err}; calls are refused until it"
                 " is back (cached queries are still answered)"
             ) from None
+        if isinstance(status, bytes):
+            problem = status.decode()
+            if not self.limited and not retried and not problem.startswith("damaged"):
+                log.error("%s; without a budget, the spend is counted again from 0",
+                          self._problem_line(problem))  # fmt: skip
+                self.budget_id = None
+                return await self.reserve(calls, retried=True)
+            self._report_problem(problem)
+            raise BudgetUnavailable(self._problem_line(problem))
+        self.problem = None
         known = self._remember(*totals)
-        if not ok:
+        if not status:
             raise refusal(c, known, calls)
+
+    def _report_problem(self, problem: str) -> None:
+        """One log line when the budget turns out gone, replaced or damaged."""
+        if problem != self.problem:
+            self.problem = problem
+            log.error("%s", self._problem_line(problem))
 
     def settle(self, reserved: int, billed: int) -> None:
         unrecorded = min(self.unrecorded, reserved)
         self.unrecorded -= unrecorded
-        self.pending.append((uuid.uuid4().hex, reserved - unrecorded, billed))
+        self.pending.append((uuid.uuid4().hex, self.budget_id, reserved - unrecorded, billed))
         price = self.config.price_per_call
         k = self.known  # seen at once in /health; Redis's own totals replace it when written
         self.known = SpendTotals(
@@ -533,32 +658,39 @@ class RedisLedger:
 
     async def _flush_until_done(self) -> None:
         while self.pending:
-            try:
+            with contextlib.suppress(SharedUnavailable):
                 await self._flush()
-            except SharedUnavailable:
+            if self.pending:  # Redis does not answer, or the budget is gone: later
                 await asyncio.sleep(self.link.retry_s)
+        await self._write_record()
 
     async def _flush(self) -> None:
         """Write the queued settlements, oldest first; raises SharedUnavailable when Redis
-        does not answer (the rest stay queued)."""
+        does not answer; stops (the rest stay queued) when the budget is gone or damaged."""
         async with self._flush_lock:
             while self.pending:
-                op, reserved, billed = self.pending[0]
+                op, budget_id, reserved, billed = self.pending[0]
+                if budget_id != self.budget_id:  # reserved in a count lost since (no budget)
+                    reserved = 0
                 price = repr(self.config.price_per_call)
-                args = [*self._seed(), reserved, billed, price, SETTLED_KEEP_S]
+                args = [self.budget_id or "", reserved, billed, price, SETTLED_KEEP_S]
                 keys = [self.key, self.settled_prefix + op]
-                totals = await self.link.call(
+                status, *totals = await self.link.call(
                     lambda r, k=keys, a=args: self._settle(keys=k, args=a, client=r)
                 )
+                if isinstance(status, bytes):
+                    self._report_problem(status.decode())
+                    return
                 self.pending.pop(0)
                 self._remember(*totals)
 
     async def close(self) -> None:
         """Write what is queued, if Redis answers (a settlement it never gets leaves its calls
-        counted as committed: spent, never unspent)."""
+        counted as committed: spent, never unspent), and the record."""
         with contextlib.suppress(SharedUnavailable):
             await self._flush()
         if self._flusher is not None:
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
+        await self._write_record()

@@ -19,7 +19,9 @@ Three ledgers with one behaviour:
   afterwards, in the background (a crash before they are written leaves them counted as
   unsettled, never as unspent).
 - `RedisLedger` (`cache.backend: redis`, in `retrieval_server.shared`): one ledger for a fleet
-  of replicas, checked and spent in one atomic step by Lua scripts.
+  of replicas, checked and spent in one atomic step by Lua scripts. Each replica keeps a
+  `FleetRecord` in `upstream.spend_path` (which budget it joined), so a budget Redis loses is
+  refused, never started again from a guess.
 
 Spend is counted in whole calls: `max_spend` buys `floor(max_spend / price_per_call)` calls
 (so 0.3 at 0.1 a call buys three calls, although 0.1 x 3 > 0.3 in binary floats).
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SPEND_FILE_KIND = "hdr upstream spend"
+FLEET_RECORD_KIND = "hdr fleet budget record"
 
 
 class BudgetSpent(Exception):
@@ -270,3 +273,75 @@ def read_spend_file(path: Path) -> dict[str, Any]:
 def write_keeping_mode(path: Path, data: bytes) -> None:
     with atomic_file(path, "wb") as file:
         file.write(data)
+
+
+class FleetRecord:
+    """A replica's record of the fleet's budget (`upstream.spend_path` with `cache.backend:
+    redis`): which budget it is (its Redis key, and the id Redis's budget was created with)
+    and the fleet's totals as this replica last saw them. Redis holds the count; this file is
+    what tells a replica, a restarted one too, that the budget existed, so a budget Redis lost
+    (restarted empty, flushed, evicted) is refused rather than started again from zero. The
+    totals it keeps are a lower bound of the fleet's (other replicas spend too): they are shown,
+    never used to refill the count."""
+
+    def __init__(self, path: Path, upstream: str, budget_key: str) -> None:
+        self.path = Path(path)
+        self.upstream = upstream  # as shown (no secrets)
+        self.budget_key = budget_key
+        self.budget_id: str | None = None
+        self.seen = SpendTotals()
+        self._load()
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            return
+        if self.path.is_dir():
+            raise UserError(f"upstream.spend_path {self.path} is a folder; it takes a file")
+        try:
+            data = orjson.loads(self.path.read_bytes())
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or data.get("kind") != FLEET_RECORD_KIND:
+            raise UserError(
+                f"upstream.spend_path {self.path} exists and is not an hdr fleet budget record"
+                " (with cache.backend=redis it holds this replica's record of the fleet's"
+                " budget); hdr writes it only to a new file or over a record of its own"
+            )
+        seen = data.get("seen")
+        fields = ("calls", "spent", "committed_calls", "committed_spend")
+        if (
+            not isinstance(data.get("budget_id"), str)
+            or not isinstance(seen, dict)
+            or not all(isinstance(seen.get(name), int | float) for name in fields)
+        ):
+            raise UserError(
+                f"upstream.spend_path {self.path} is an hdr fleet budget record but damaged;"
+                " restore it from a backup, or correct it by hand, before spending again"
+            )
+        if data.get("budget_key") != self.budget_key:
+            raise UserError(
+                f"upstream.spend_path {self.path} records the fleet budget {data.get('budget_key')}"
+                f" (upstream {data.get('upstream')}), not this one ({self.budget_key}, upstream"
+                f" {self.upstream}); give this budget a record of its own"
+            )
+        self.budget_id = data["budget_id"]
+        self.seen = SpendTotals(
+            calls=int(seen["calls"]),
+            spent=float(seen["spent"]),
+            committed_calls=int(seen["committed_calls"]),
+            committed_spend=float(seen["committed_spend"]),
+        )
+
+    def write(self) -> None:
+        """Write the record whole (a temporary file renamed over it); raises OSError."""
+        seen = self.seen
+        data = {
+            "kind": FLEET_RECORD_KIND,
+            "upstream": self.upstream,
+            "budget_key": self.budget_key,
+            "budget_id": self.budget_id,
+            "seen": {"calls": seen.calls, "spent": seen.spent,
+                     "committed_calls": seen.committed_calls,
+                     "committed_spend": seen.committed_spend},
+        }  # fmt: skip
+        write_keeping_mode(self.path, orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")

@@ -125,8 +125,9 @@ class UpstreamConfig(StrictModel):
     spend_path: Path | None = Field(
         default=None,
         description="File the spend is kept in across restarts (written before every call is "
-        "sent, whole, never half-written). Needed with max_calls or max_spend, unless the "
-        "budget is the fleet's (cache.backend: redis).",
+        "sent, whole, never half-written); with cache.backend=redis, this replica's record of "
+        "the fleet's budget (which budget it is, so one Redis lost is refused, never started "
+        "again). Needed with max_calls or max_spend.",
     )
     token_env: str = Field(
         default="HDR_UPSTREAM_TOKEN",

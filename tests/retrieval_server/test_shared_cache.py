@@ -24,8 +24,6 @@ from fake_upstream import fake_upstream
 from redis_servers import redis_server
 from servers import running_server, serve_process
 
-from retrieval_server.config import ServerConfig
-
 
 def post(url: str, queries: list[str], timeout: float = 60, **extra) -> httpx.Response:
     body = {"queries": queries, "topk": 3, "return_scores": True, **extra}
@@ -146,9 +144,10 @@ def test_two_proxies_never_spend_past_their_one_budget(tmp_path: Path) -> None:
         fake_upstream(delay_s=0.2) as api,
     ):
         budget = {"url": api.url, "max_calls": 7, "max_retries": 0}
+        records = [{**budget, "spend_path": tmp_path / f"record-{i}.json"} for i in (1, 2)]
         with (
-            running_server(None, upstream=budget, **shared(store.url)) as first,
-            running_server(None, upstream=budget, **shared(store.url)) as second,
+            running_server(None, upstream=records[0], **shared(store.url)) as first,
+            running_server(None, upstream=records[1], **shared(store.url)) as second,
         ):
 
             async def twenty() -> list[int]:
@@ -182,7 +181,8 @@ def test_with_redis_stopped_replicas_answer_and_a_paid_budget_fails_closed(
         redis_server(tmp_path / "redis", persist=True) as store,
         fake_upstream(delay_s=2.0) as api,
     ):
-        budget = {"url": api.url, "max_calls": 10, "max_retries": 0}
+        budget = {"url": api.url, "max_calls": 10, "max_retries": 0,
+                  "spend_path": tmp_path / "record.json"}  # fmt: skip
         with (
             running_server(small_index, **shared(store.url)) as first,
             running_server(small_index, **shared(store.url)) as second,
@@ -244,7 +244,8 @@ def test_a_budget_in_a_redis_that_would_forget_it_is_refused(tmp_path: Path) -> 
     with redis_server(tmp_path / "redis", persist=False) as store, fake_upstream() as api:
         result = subprocess.run(
             [sys.executable, "-m", "hdr.cli", "serve", "--upstream", api.url, "--port", "0",
-             "upstream.max_calls=5", "cache.backend=redis", f"cache.redis_url={store.url}"],
+             "upstream.max_calls=5", "cache.backend=redis", f"cache.redis_url={store.url}",
+             f"upstream.spend_path={tmp_path / 'record.json'}"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert result.returncode == 2, result.stderr
@@ -254,11 +255,3 @@ def test_a_budget_in_a_redis_that_would_forget_it_is_refused(tmp_path: Path) -> 
         " would forget the spend; run it with appendonly yes and maxmemory-policy noeviction or"
         " volatile-lru to keep the upstream budget there"
     )
-
-
-def test_a_spend_file_beside_the_fleets_budget_is_refused() -> None:
-    with pytest.raises(ValueError, match="the budget is the fleet's"):
-        ServerConfig(
-            upstream={"url": "http://127.0.0.1:9", "max_calls": 3, "spend_path": "spend.json"},
-            cache={"backend": "redis"},
-        )

@@ -1,0 +1,113 @@
+"""The fleet's budget in Redis (`cache.backend: redis`) where Redis itself misbehaves, against a
+real `redis-server` and a fake paid API that counts what it receives (real `hdr serve`
+proxies on 127.0.0.1): a budget key that Redis loses is never refilled from a guess, before or
+after a replica restarts, and a settlement in flight across the loss counts once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from fake_upstream import fake_upstream
+from redis_servers import redis_server
+from servers import running_server
+
+from retrieval_server.config import ServerConfig
+
+
+def post(url: str, queries: list[str], timeout: float = 60) -> httpx.Response:
+    body = {"queries": queries, "topk": 3, "return_scores": True}
+    return httpx.post(f"{url}/retrieve", json=body, timeout=timeout)
+
+
+def fleet(redis_url: str, record: Path, **upstream) -> dict:
+    """A proxy's settings: the fleet's budget in Redis, this replica's record of it in `record`."""
+    cache = {"backend": "redis", "redis_url": redis_url, "redis_retry_s": 0.2}
+    return {"cache": cache, "upstream": {"max_retries": 0, "spend_path": record, **upstream}}
+
+
+def budget_hash(client: redis.Redis) -> dict[bytes, bytes]:
+    keys = client.keys("hdr:budget:*")
+    assert len(keys) == 1, keys
+    return client.hgetall(keys[0])
+
+
+def test_a_lost_budget_key_stops_spending_and_is_never_refilled(tmp_path: Path) -> None:
+    """Budget 4, all spent, then Redis loses its data (FLUSHALL): every miss is refused in one
+    line, by the replica that saw the budget and by one restarted after the loss. Before: the
+    key was refilled from the replica's last-seen totals (or zero) and the API received more."""
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        settings = fleet(store.url, tmp_path / "a.json", url=api.url, max_calls=4)
+        other = fleet(store.url, tmp_path / "b.json", url=api.url, max_calls=4)
+        with running_server(None, **settings) as first, running_server(None, **other) as second:
+            spent = [post((first, second)[i % 2].url, [f"paid {i}"]) for i in range(4)]
+            redis.Redis.from_url(store.url).flushall()
+            after_loss = [
+                post(s.url, [f"after the loss {i}"]) for i, s in enumerate((first, second))
+            ]
+            hit = post(first.url, ["paid 0"])
+        with running_server(None, **settings) as restarted:
+            after_restart = post(restarted.url, ["after a restart"])
+            report = httpx.get(f"{restarted.url}/health", timeout=10).json()["upstream"]
+    assert [r.status_code for r in spent] == [200] * 4
+    assert [r.status_code for r in after_loss] == [503, 503]
+    assert hit.status_code == 200  # this replica's cache still answers
+    assert after_restart.status_code == 503
+    detail = after_restart.json()["detail"]
+    assert "\n" not in detail
+    assert detail.startswith(f"the fleet's upstream budget is gone from redis at {store.url}")
+    assert "restore Redis's data" in detail
+    assert api.queries == 4
+    assert report["ledger"] == "redis"
+
+
+def test_a_settlement_across_a_loss_is_applied_once(tmp_path: Path) -> None:
+    """A forward in flight while the budget key is lost and then restored (Redis's data brought
+    back): its settlement waits for the key and is applied once. Before: the key was refilled
+    from totals that already held the settlement, which was then applied again (billed 2 for
+    1, committed one call below what was reserved)."""
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        settings = fleet(store.url, tmp_path / "a.json", url=api.url, max_calls=10)
+        client = redis.Redis.from_url(store.url)
+        with running_server(None, **settings) as proxy:
+            assert post(proxy.url, ["first"]).status_code == 200
+            deadline = time.monotonic() + 10
+            while budget_hash(client)[b"billed_calls"] != b"1" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (key,) = client.keys("hdr:budget:*")
+            api.delay_s = 1.0
+            answered: list[httpx.Response] = []
+            forward = threading.Thread(target=lambda: answered.append(post(proxy.url, ["second"])))
+            forward.start()
+            api.wait_for_queries(2)  # reserved in Redis and sent
+            saved = client.dump(key)  # Redis's data, as a backup holds it
+            client.delete(key)  # lost while the call is in flight
+            forward.join(timeout=30)
+            time.sleep(0.5)  # the settlement has tried the lost key
+            assert not client.exists(key), "a settlement refilled the lost budget"
+            client.restore(key, 0, saved)
+            deadline = time.monotonic() + 10
+            while budget_hash(client)[b"billed_calls"] != b"2" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # a second application would land here
+            final = budget_hash(client)
+            again = post(proxy.url, ["third"])
+    assert answered[0].status_code == 200 and again.status_code == 200
+    assert api.queries == 3
+    assert final[b"billed_calls"] == b"2" and final[b"committed_calls"] == b"2"
+
+
+def test_a_fleet_budget_needs_a_record_of_its_own() -> None:
+    """A replica keeps the identity of the fleet's budget in its spend file, so that a restart
+    after Redis lost the budget knows it existed."""
+    with pytest.raises(ValueError, match=r"needs upstream\.spend_path=FILE"):
+        ServerConfig(upstream={"url": "http://127.0.0.1:9", "max_calls": 3},
+                     cache={"backend": "redis"})  # fmt: skip
+    assert ServerConfig(
+        upstream={"url": "http://127.0.0.1:9", "max_calls": 3, "spend_path": "record.json"},
+        cache={"backend": "redis"},
+    )

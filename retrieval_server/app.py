@@ -508,7 +508,7 @@ async def open_upstream_state(config: ServerConfig, redis: RedisLink | None) -> 
     part of our fingerprint) with the answers' cache in front, and the spend's ledger (the
     fleet's, in Redis, with cache.backend redis)."""
     assert config.upstream is not None
-    ledger: MemoryLedger | RedisLedger
+    ledger: MemoryLedger | RedisLedger | None = None
     upstream = None
     try:
         if redis is not None:
@@ -526,6 +526,8 @@ async def open_upstream_state(config: ServerConfig, redis: RedisLink | None) -> 
     except BaseException:
         if upstream is not None:
             await upstream.close()
+        elif ledger is not None:  # its spend file's lock is let go
+            await ledger.close()
         raise
     return ServingState(
         answers=answers,

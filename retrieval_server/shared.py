@@ -694,3 +694,5 @@ class RedisLedger:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
         await self._write_record()
+        if self.record is not None:
+            self.record.close()

@@ -17,7 +17,8 @@ Three ledgers with one behaviour:
   temporary file renamed over it, so never half-written), so a restart, even a kill -9 in the
   middle of a call, starts from everything spent and reserved; its settlements are written
   afterwards, in the background (a crash before they are written leaves them counted as
-  unsettled, never as unspent).
+  unsettled, never as unspent). One server at a time: it holds an flock of `PATH.lock` beside
+  the file while it runs, and a second server on the same file is refused at start in one line.
 - `RedisLedger` (`cache.backend: redis`, in `retrieval_server.shared`): one ledger for a fleet
   of replicas, checked and spent in one atomic step by Lua scripts. Each replica keeps a
   `FleetRecord` in `upstream.spend_path` (which budget it joined), so a budget Redis loses is
@@ -31,8 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +164,12 @@ class FileLedger(MemoryLedger):
         self._written = 0  # the version the file holds
         self._write_lock = asyncio.Lock()
         self._background: asyncio.Task[None] | None = None
-        self._load()
+        self._lock_fd = hold_spend_lock(self.path)  # this server's alone until it closes
+        try:
+            self._load()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     def _load(self) -> None:
         if not self.path.exists():
@@ -242,6 +250,8 @@ class FileLedger(MemoryLedger):
             await self._write()
         except OSError as err:
             log.error("upstream.spend_path %s cannot be written: %s", self.path, err)
+        finally:
+            os.close(self._lock_fd)
 
 
 def read_spend_file(path: Path) -> dict[str, Any]:
@@ -290,7 +300,18 @@ class FleetRecord:
         self.budget_key = budget_key
         self.budget_id: str | None = None
         self.seen = SpendTotals()
-        self._load()
+        self._lock_fd: int | None = hold_spend_lock(self.path)
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let another server take this record (once this one has stopped)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _load(self) -> None:
         if not self.path.exists():
@@ -345,3 +366,29 @@ class FleetRecord:
                      "committed_spend": seen.committed_spend},
         }  # fmt: skip
         write_keeping_mode(self.path, orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def hold_spend_lock(path: Path) -> int:
+    """Lock `path` for this server alone (flock of `PATH.lock` beside it, created if missing
+    and left in place); returns the descriptor that holds the lock until it is closed. A
+    second server on the same file is one UserError line: two servers writing one spend
+    would each send calls the other has already counted."""
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise UserError(
+            f"upstream.spend_path {path}: its lock file {lock_path} cannot be opened"
+            f" ({err.strerror or err})"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise UserError(
+            f"upstream.spend_path {path} is in use by another running hdr serve (it holds"
+            f" {lock_path}); one server per spend file: stop that one first, or give this"
+            " server a spend file of its own"
+        ) from None
+    return fd

@@ -220,3 +220,37 @@ def test_a_spend_path_that_is_not_a_spend_file_is_refused_and_kept(tmp_path: Pat
     lines = [line for line in result.stderr.splitlines() if line.startswith("hdr: error:")]
     assert len(lines) == 1 and "is not an hdr spend file" in lines[0], result.stderr
     assert notes.read_text() == "my notes\n"
+
+
+def test_a_second_proxy_on_the_same_spend_file_is_refused(tmp_path: Path) -> None:
+    """One spend file, one server: while a proxy runs on it, a second (a replacement started
+    before the first has drained) is refused in one line and sends nothing. Before: both
+    spent the same calls (4 sent with 2 left), and the last to write won the file."""
+    spend = tmp_path / "spend.json"
+    settings = {"max_calls": 2, "spend_path": spend}
+    with fake_upstream() as api, running_server(None, upstream={"url": api.url, **settings}):
+        result = subprocess.run(
+            [sys.executable, "-m", "hdr.cli", "serve", "--upstream", api.url, "--port", "0",
+             "upstream.max_calls=2", f"upstream.spend_path={spend}"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        kept = spend.read_bytes() if spend.exists() else b""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("hdr: error:")]
+    assert len(lines) == 1, result.stderr
+    assert f"upstream.spend_path {spend} is in use by another running hdr serve" in lines[0]
+    assert api.queries == 0 and kept == (spend.read_bytes() if spend.exists() else b"")
+
+
+def test_a_stopped_proxy_lets_the_next_one_take_its_spend_file(tmp_path: Path) -> None:
+    spend = tmp_path / "spend.json"
+    settings = {"url": "", "max_calls": 2, "spend_path": spend}
+    with fake_upstream() as api:
+        settings["url"] = api.url
+        with running_server(None, upstream=settings) as proxy:
+            assert post(proxy.url, ["Haiku"]).status_code == 200
+        with running_server(None, upstream=settings) as proxy:
+            assert post(proxy.url, ["Circus"]).status_code == 200
+            refused = post(proxy.url, ["Dada"])
+    assert refused.status_code == 429 and api.queries == 2

@@ -151,6 +151,17 @@ class UpstreamReport(BaseModel):
     ledger: Literal["memory", "file", "redis"]  # where the spend is kept
 
 
+class SnapshotReport(BaseModel):
+    """`/health`'s account of a snapshot served (`--snapshot`) and of one recorded."""
+
+    path: str | None  # the snapshot served; None: a live backend, recorded
+    entries: int  # answers it holds now (grown by forwarded queries, or recorded ones)
+    served: int  # queries answered from it
+    missing: int  # queries refused as not in it (404)
+    added: int  # queries fetched live and added (snapshot.on_miss forward)
+    record_path: str | None  # where the recording is written; None: not recorded
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok", "unhealthy"]
     reason: str | None = None  # why unhealthy, one line; None when ok
@@ -164,6 +175,7 @@ class HealthResponse(BaseModel):
     emulated_cost: EmulatedCostReport
     cache: CacheReport
     upstream: UpstreamReport | None = None  # proxy mode only
+    snapshot: SnapshotReport | None = None  # a snapshot served or recorded
 
 
 class ErrorResponse(BaseModel):

@@ -71,6 +71,13 @@ from retrieval_server.metrics import BatcherCollector, CacheCollector, ServerMet
 from retrieval_server.query_log import QueryLog
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
 from retrieval_server.shared import RedisLedger, RedisLink, SharedCache
+from retrieval_server.snapshot import (
+    Snapshot,
+    SnapshotBackend,
+    SnapshotRecorder,
+    open_snapshot,
+    snapshot_report,
+)
 from retrieval_server.spend import BudgetSpent, BudgetUnavailable, MemoryLedger
 from retrieval_server.upstream import (
     UpstreamBackend,
@@ -78,6 +85,7 @@ from retrieval_server.upstream import (
     default_ledger,
     upstream_description,
 )
+from retrieval_server.web.backend import upstream_backend
 
 KNOWN_PATHS = {"/retrieve", "/health", "/metrics"}
 UNLIMITED_PATHS = {"/health", "/metrics"}  # answered even at the concurrency limit
@@ -110,6 +118,8 @@ class ServingState:
     upstream_health: dict[str, Any] | None = None  # the upstream's /health at start
     query_log: QueryLog | None = None
     redis: RedisLink | None = None  # cache.backend redis: the fleet's cache (and budget)
+    snapshot: SnapshotBackend | None = None  # --snapshot: the answers come from it
+    recorder: SnapshotRecorder | None = None  # --record-snapshot: what clients received
 
     def unhealthy_reason(self) -> str | None:
         return None if self.batcher is None else self.batcher.unhealthy_reason()
@@ -516,12 +526,16 @@ async def open_upstream_state(config: ServerConfig, redis: RedisLink | None) -> 
             await ledger.start()
         else:
             ledger = await asyncio.to_thread(default_ledger, config.upstream)
-        upstream = UpstreamBackend(config.upstream, ledger)
+        upstream = upstream_backend(config.upstream, ledger)
         health = await upstream.describe()
         description = upstream_description(config.upstream, health)
         fingerprint = digest(description, length=FINGERPRINT_DIGITS)
+        backend = snapshot = None
+        if config.snapshot.path is not None:  # the snapshot answers; the upstream what it lacks
+            backend = snapshot = await open_snapshot(config.snapshot, upstream)
+            fingerprint = snapshot.fingerprint(FINGERPRINT_DIGITS)
         answers = await asyncio.to_thread(
-            make_answers, upstream, config, fingerprint, description, redis
+            make_answers, backend or upstream, config, fingerprint, description, redis
         )
     except BaseException:
         if upstream is not None:
@@ -535,7 +549,26 @@ async def open_upstream_state(config: ServerConfig, redis: RedisLink | None) -> 
         upstream=upstream,
         upstream_health=health,
         redis=redis,
+        snapshot=snapshot,
     )
+
+
+async def open_snapshot_state(config: ServerConfig, redis: RedisLink | None) -> ServingState:
+    """A snapshot served alone (offline): its answers, the cache in front."""
+    snapshot = await open_snapshot(config.snapshot, None)
+    fingerprint = snapshot.fingerprint(FINGERPRINT_DIGITS)
+    answers = await asyncio.to_thread(make_answers, snapshot, config, fingerprint, None, redis)
+    return ServingState(answers=answers, fingerprint=fingerprint, redis=redis, snapshot=snapshot)
+
+
+def recorded_snapshot(state: ServingState, config: ServerConfig) -> Snapshot:
+    """What `--record-snapshot` writes: the served snapshot, growing; else a new one, named
+    after the backend its answers come from."""
+    if state.snapshot is not None:
+        return state.snapshot.snapshot
+    if config.upstream is not None:
+        return Snapshot(upstream_description(config.upstream, state.upstream_health or {}))
+    return Snapshot({"index_fingerprint": state.fingerprint})
 
 
 async def client_gone(request: Request) -> None:
@@ -604,15 +637,24 @@ def create_app(config: ServerConfig) -> FastAPI:
                 await redis.check()  # unreachable: the replica starts alone, and says so
             if config.upstream is not None:
                 state = await open_upstream_state(config, redis)
+            elif config.snapshot.path is not None:
+                state = await open_snapshot_state(config, redis)
             else:
                 state = await asyncio.to_thread(load_serving_state, config, metrics, redis)
         except BaseException:
             if redis is not None:
                 await redis.close()
             raise
-        if config.query_log is not None:
+        if config.query_log is not None or config.snapshot.record_path is not None:
             try:
-                state.query_log = QueryLog(config.query_log)
+                if config.query_log is not None:
+                    state.query_log = QueryLog(config.query_log)
+                if (path := config.snapshot.record_path) is not None:
+                    recorder = SnapshotRecorder(
+                        path, recorded_snapshot(state, config), config.snapshot.flush_s
+                    )
+                    await recorder.start()
+                    state.recorder = recorder
             except BaseException:
                 await close_serving_state(state, config)
                 raise
@@ -647,8 +689,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise HTTPException(
                 400, f"unknown retriever; available: {', '.join(sorted(state.retrievers))}"
             )
-        if state.upstream is not None:
-            name = body.retriever or ""  # "": the upstream's own default
+        if state.index is None:
+            name = body.retriever or ""  # "": the upstream's own default (or the snapshot's)
         queries = body.queries
         if config.profile == "search-r1":
             cut = config.max_query_chars
@@ -668,6 +710,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             answered = outcome
             if state.query_log is not None:
                 state.query_log.write(*args, answered.billed, answered.cached)
+            if state.recorder is not None:
+                state.recorder.record(queries, topk, name, body.return_scores, answered.answers)
         # the answers are JSON already (encoded once, when computed): joined, not re-encoded
         headers = {BILLED_HEADER: str(answered.billed), CACHED_HEADER: str(answered.cached)}
         return Response(join_answers(answered.answers), media_type="application/json",
@@ -696,6 +740,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             emulated_cost=state.answers.emulator.report(),
             cache=cache_report(state, config),
             upstream=upstream,
+            snapshot=snapshot_report(state.snapshot, state.recorder),
         )
 
     @app.get("/metrics", response_class=Response)
@@ -722,6 +767,8 @@ async def close_serving_state(state: ServingState, config: ServerConfig) -> None
         state.index.close()
     if state.query_log is not None:
         state.query_log.close()
+    if state.recorder is not None:  # after the drain: forwards that finished are recorded
+        await state.recorder.close()
     cache, path = state.answers.cache, config.cache.persist_path
     if cache is not None and path is not None and not cache.keeps_foreign_file:
         await asyncio.to_thread(cache.save, path)

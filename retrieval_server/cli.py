@@ -59,6 +59,11 @@ SERVE_EXAMPLES = """Examples:
       cache.ttl_s=86400
 
   hdr serve --index data/index cache.backend=redis cache.redis_url=redis://10.0.0.5:6379/0
+
+  SERPER_API_KEY=... hdr serve --web serper --record-snapshot data/eval.snapshot \
+      upstream.price_per_call=0.001 upstream.max_spend=20 upstream.spend_path=data/spend.json
+
+  hdr serve --snapshot data/eval.snapshot
 """
 
 index_app = typer.Typer(
@@ -346,6 +351,24 @@ def serve_command(
         help="Proxy mode: forward what the cache cannot answer to this Search-R1-compatible "
         "server (URL) instead of searching an index; limits and budget: upstream.* settings.",
     ),
+    web: str | None = typer.Option(
+        None,
+        "--web",
+        help="Live web search: serper or serpapi (key in $SERPER_API_KEY / $SERPAPI_API_KEY),"
+        " behind the same cache, budget and fleet as --upstream (which then overrides the API's"
+        " URL); settings: upstream.web.*, upstream.*.",
+    ),
+    snapshot: Path | None = typer.Option(
+        None,
+        "--snapshot",
+        help="Serve a snapshot recorded with --record-snapshot, offline and byte for byte; a"
+        " query it lacks is refused (snapshot.on_miss=forward with --web/--upstream fetches it).",
+    ),
+    record_snapshot: Path | None = typer.Option(
+        None,
+        "--record-snapshot",
+        help="Record what clients receive to this new file (a snapshot --snapshot serves).",
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port."),
     retriever: str | None = typer.Option(
@@ -388,8 +411,12 @@ def serve_command(
     from retrieval_server.config import API_TOKEN_ENV
     from retrieval_server.serving import bind_port, run_server
 
-    if (index is None) == (upstream is None):
-        raise UserError("give --index DIR (serve an index) or --upstream URL (proxy), one of them")
+    if (index is None) == (upstream is None and web is None and snapshot is None):
+        raise UserError(
+            "give --index DIR (serve an index), --upstream URL (proxy), --web API (live web "
+            "search) or --snapshot FILE, one of them (--snapshot beside --web or --upstream only "
+            "with snapshot.on_miss=forward)"
+        )
     served_names = None
     if retrievers is not None:
         served_names = [name.strip() for name in retrievers.split(",") if name.strip()]
@@ -404,8 +431,9 @@ def serve_command(
         "encoder": {"backend": backend, "device": device},
         "dense": {"nprobe": nprobe, "ef_search": ef_search, "mmap": mmap},
     }
-    if upstream is not None:
-        options["upstream"] = {"url": upstream}
+    if upstream is not None or web is not None:
+        options["upstream"] = {"url": upstream, "web": None if web is None else {"api": web}}
+    options["snapshot"] = {"path": snapshot, "record_path": record_snapshot}
     server_config = server_config_from(config, options, all_overrides(overrides, set_))
     if server_config.index_dir is not None:
         check_served_index(server_config, retrievers)
@@ -452,7 +480,9 @@ def check_written_files(server_config) -> None:
     new, a cache file must be one hdr wrote (it is replaced when the server stops)."""
     from core.errors import UserError
     from retrieval_server.cache import FILE_MAGIC, check_cache_file
+    from retrieval_server.snapshot import check_new_record_path
 
+    check_new_record_path(server_config.snapshot.record_path)
     if server_config.query_log is not None and server_config.query_log.exists():
         raise UserError(
             f"query_log {server_config.query_log} exists; hdr writes a query log only to a new"

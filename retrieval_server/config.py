@@ -16,7 +16,9 @@ from pydantic import Field, NonNegativeInt, SecretStr, field_validator
 from core.config import StrictModel
 from retrieval_server.cache import CacheConfig
 from retrieval_server.emulated_cost import EmulatedCostConfig
+from retrieval_server.snapshot import SnapshotConfig
 from retrieval_server.upstream import UpstreamConfig
+from retrieval_server.web.config import DEFAULT_WEB_TTL_S
 
 
 class EncoderConfig(StrictModel):
@@ -134,6 +136,11 @@ class ServerConfig(StrictModel):
     cache: CacheConfig = Field(
         default_factory=CacheConfig,
         description="The result cache and the coalescing of identical queries (on by default).",
+    )
+    snapshot: SnapshotConfig = Field(
+        default_factory=SnapshotConfig,
+        description="Serve a frozen snapshot offline (`--snapshot FILE`, exact), and record "
+        "one (`--record-snapshot FILE`).",
     )
     corpus: Path | None = Field(
         default=None,
@@ -304,8 +311,10 @@ class ServerConfig(StrictModel):
     )
 
     def model_post_init(self, _context: object) -> None:
-        if (self.index_dir is None) == (self.upstream is None):
-            raise ValueError("give exactly one of index_dir (an index) and upstream (proxy mode)")
+        self._check_what_is_served()
+        web = self.upstream is not None and self.upstream.web is not None
+        if web and "ttl_s" not in self.cache.model_fields_set:  # ttl_s=null: no expiry
+            self.cache.ttl_s = DEFAULT_WEB_TTL_S  # the web changes
         if self.upstream is not None and self.upstream.worst_case_s() >= self.request_deadline_s:
             u = self.upstream
             raise ValueError(
@@ -323,6 +332,39 @@ class ServerConfig(StrictModel):
                 f"max_buffered_body_bytes {self.max_buffered_body_bytes} is below max_body_bytes "
                 f"{self.max_body_bytes}: a largest body could never be received"
             )
+
+    def _check_what_is_served(self) -> None:
+        """One source of answers: an index, an upstream (or web API), or a snapshot (with an
+        upstream beside it only to fetch what it lacks)."""
+        snapshot = self.snapshot
+        if snapshot.path is None:
+            if snapshot.on_miss == "forward":
+                raise ValueError("snapshot.on_miss=forward needs a snapshot (snapshot.path)")
+            if (self.index_dir is None) == (self.upstream is None):
+                raise ValueError(
+                    "give exactly one of index_dir (an index) and upstream (proxy mode)"
+                )
+            return
+        if self.index_dir is not None:
+            raise ValueError("a snapshot is served alone: drop index_dir")
+        if snapshot.on_miss == "forward":
+            if self.upstream is None:
+                raise ValueError(
+                    "snapshot.on_miss=forward needs a live backend to forward to (--web or "
+                    "--upstream)"
+                )
+            if snapshot.record_path is None:
+                raise ValueError(
+                    "snapshot.on_miss=forward adds what it fetches to a new snapshot: give "
+                    "snapshot.record_path=FILE (--record-snapshot FILE)"
+                )
+        elif self.upstream is not None:
+            raise ValueError(
+                "a snapshot with snapshot.on_miss=refuse never asks the live backend: drop it, "
+                "or set snapshot.on_miss=forward"
+            )
+        if snapshot.record_path is not None and snapshot.record_path == snapshot.path:
+            raise ValueError("snapshot.record_path is the served snapshot: record to a new file")
 
     def _check_the_budget_is_kept(self, upstream: UpstreamConfig) -> None:
         """A budget must survive a restart: kept in a spend file, or in the fleet's Redis with

@@ -85,6 +85,12 @@ def describe(app: FastAPI, config: ServerConfig) -> str:
     state = app.state.serving
     if state.index is not None:
         served = f"{len(state.index.documents)} passages"
+    elif state.snapshot is not None:
+        served = f"snapshot {state.snapshot.path} ({len(state.snapshot.snapshot.answers)} answers)"
+        if state.upstream is not None:
+            served += f", what it lacks fetched from {config.upstream.shown_url}"
+    elif config.upstream.web is not None:
+        served = f"{config.upstream.web.api} web search at {config.upstream.shown_url}"
     else:
         served = f"proxy of {config.upstream.shown_url}"
     cache = state.answers.cache

@@ -25,7 +25,9 @@ billed and cached.
 
 Secrets: the URL's user and password, its query string's values and the token from `token_env`
 are sent upstream but never shown: `shown_url` is what logs, `/health`, `/metrics` and errors
-say, and an upstream's error detail has them masked before it is passed on. A URL with a user
+say, and an upstream's error detail has them masked before it is passed on, in every form it
+may echo them (as given, URL-encoded, base64 as a Basic header carries the user and password).
+A URL with a user
 and password beside a token in `token_env` is refused (one would silently replace the other).
 
 Whether caching the upstream's answers is exact depends on the upstream: a static index
@@ -36,12 +38,15 @@ search does not, and wants `cache.ttl_s`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, quote_plus
 
 import httpx
 import orjson
@@ -190,12 +195,33 @@ def show_url(url: str) -> str:
 
 def url_secrets(url: str, token: str | None) -> list[str]:
     """What of the URL and token must never be shown: the password, the user, the query
-    string's values (at least 3 characters: shorter ones are no secret and would mask
-    ordinary text), the token."""
+    string's values (decoded, and as the URL spells them), the user and password as a Basic
+    header carries them, the token; each at least 3 characters (shorter ones are no secret
+    and would mask ordinary text). `masked` hides their encoded forms too."""
     parsed = httpx.URL(url)
     found = [token or "", parsed.password or "", parsed.username or ""]
     found += [value for _, value in parsed.params.multi_items()]
+    found += [pair.partition("=")[2] for pair in parsed.query.decode().split("&")]
+    if parsed.userinfo:
+        found.append(f"{parsed.username}:{parsed.password}")
     return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
+
+
+def secret_forms(secret: str) -> set[str]:
+    """`secret` as an error may echo it: itself, URL-encoded (either way of spaces), and in
+    base64 (standard and URL-safe, with and without padding)."""
+    raw = secret.encode()
+    forms = {secret, quote(secret, safe=""), quote_plus(secret), quote(secret)}
+    for encoded in (base64.b64encode(raw), base64.urlsafe_b64encode(raw)):
+        forms |= {encoded.decode(), encoded.decode().rstrip("=")}
+    return {form for form in forms if len(form) >= 3}
+
+
+def secrets_pattern(secrets: list[str]) -> re.Pattern[str] | None:
+    """One pattern for every form of every secret (case-insensitive: an echo may spell
+    %2f for %2F), longest first; None when there is none."""
+    forms = sorted({form for s in secrets for form in secret_forms(s)}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, forms)), re.IGNORECASE) if forms else None
 
 
 class UpstreamError(Exception):
@@ -241,6 +267,7 @@ class UpstreamBackend:
                 "Bearer); give only one of them"
             )
         self.secrets = url_secrets(config.url, token)
+        self._masking: tuple[list[str], re.Pattern[str] | None] = ([], None)
         self.ledger = ledger if ledger is not None else default_ledger(config)
         self.pacer = Pacer(config.rate_limit_rps)
         self.slots = asyncio.Semaphore(config.max_concurrency)
@@ -260,10 +287,12 @@ class UpstreamBackend:
         await self.ledger.close()
 
     def masked(self, text: str) -> str:
-        """`text` with every secret of the URL and token masked."""
-        for secret in self.secrets:
-            text = text.replace(secret, MASK)
-        return text
+        """`text` with every secret of the URL and token masked, in every form
+        (`secret_forms`)."""
+        if self._masking[0] != self.secrets:  # secrets may be added after __init__
+            self._masking = (list(self.secrets), secrets_pattern(self.secrets))
+        pattern = self._masking[1]
+        return text if pattern is None else pattern.sub(MASK, text)
 
     async def describe(self) -> dict[str, Any]:
         """The upstream's /health as JSON ({} if it has none, as Search-R1's server). A refused

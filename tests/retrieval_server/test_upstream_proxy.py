@@ -6,6 +6,7 @@ misses with 429 while hits are still served."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from urllib.parse import quote, quote_plus
 
 import httpx
 import pytest
@@ -362,3 +364,23 @@ def test_a_persisted_proxy_cache_is_not_loaded_after_its_upstream_changed(
         direct = post(upstream.url, query)
     assert loaded == 0 and billed(after) == 1
     assert after.json() == direct.json() != before.json()
+
+
+def test_secrets_echoed_in_encoded_form_are_masked() -> None:
+    """An upstream's error detail that echoes the query string's key URL-encoded (upper and
+    lower hex, `+` for a space) or the Basic header's base64 of the user and password: every
+    form is masked in the 502. Before: only the key as written was, and these went through."""
+    key = "k/ey+81 d1"
+    basic = base64.b64encode(b"alice:s3cret-pw").decode()
+    echoed = [quote(key, safe=""), quote(key, safe="").lower(), quote_plus(key), basic]
+    body = json.dumps({"detail": "refused: " + " | ".join(echoed)}).encode()
+    with fake_upstream(status=503, body=body) as api:
+        port = api.url.rsplit(":", 1)[1]
+        url = f"http://alice:s3cret-pw@127.0.0.1:{port}/v1?api_key={quote(key, safe='')}"
+        with running_server(None, upstream={"url": url, "max_retries": 0}) as proxy:
+            error = post(proxy.url, ["Haiku"])
+    assert api.authorizations[-1] == f"Basic {basic}"  # the secrets did reach the upstream
+    assert api.paths[-1] == f"/v1/retrieve?api_key={quote(key, safe='')}"
+    detail = error.json()["detail"]
+    assert error.status_code == 502
+    assert detail.endswith("answered HTTP 503: refused: *** | *** | *** | ***"), detail

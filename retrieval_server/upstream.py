@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import email.utils
 import hashlib
 import os
 import random
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,7 +52,7 @@ from urllib.parse import quote, quote_plus
 
 import httpx
 import orjson
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from core.config import StrictModel
 from core.errors import UserError
@@ -62,6 +64,7 @@ from retrieval_server.spend import (
     FileLedger,
     MemoryLedger,
 )
+from retrieval_server.web.config import DEFAULT_URLS, WebSearchConfig
 
 if TYPE_CHECKING:
     from retrieval_server.spend import SpendTotals
@@ -139,6 +142,22 @@ class UpstreamConfig(StrictModel):
         description="Environment variable whose value, if set, is sent to the upstream as a "
         "Bearer token.",
     )
+    web: WebSearchConfig | None = Field(
+        default=None,
+        description="A live web search API (`hdr serve --web serper|serpapi`) instead of a "
+        "Search-R1 server: each query one call, its results mapped to Search-R1 documents "
+        "(retrieval_server.web); `url` defaults to the API's own.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _web_url(cls, data: Any) -> Any:
+        """A web API's URL, where none is given, is the API's own."""
+        if isinstance(data, dict) and data.get("url") is None and isinstance(data.get("web"), dict):
+            api = data["web"].get("api")
+            if api in DEFAULT_URLS:
+                data = {**data, "url": DEFAULT_URLS[api]}
+        return data
 
     @property
     def limited(self) -> bool:
@@ -224,6 +243,36 @@ def secrets_pattern(secrets: list[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(map(re.escape, forms)), re.IGNORECASE) if forms else None
 
 
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One request toward the upstream, and its URL as errors show it (no secrets)."""
+
+    method: str
+    url: httpx.URL
+    shown: str
+    body: bytes | None = None
+    headers: dict[str, str] | None = None
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header in seconds (delta-seconds or an HTTP date); None if absent or
+    unreadable."""
+    if not value:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - time.time(), 0.0) if when.tzinfo else None
+
+
 class UpstreamError(Exception):
     """The upstream could not answer: the status to answer with and its one-line detail."""
 
@@ -258,7 +307,7 @@ class UpstreamBackend:
     def __init__(self, config: UpstreamConfig, ledger: MemoryLedger | None = None) -> None:
         self.config = config
         self.counts = UpstreamCounts()
-        token = os.environ.get(config.token_env) or None
+        token = self.credential()
         parsed = httpx.URL(config.url)
         if token and parsed.userinfo:
             raise UserError(
@@ -268,12 +317,13 @@ class UpstreamBackend:
             )
         self.secrets = url_secrets(config.url, token)
         self._masking: tuple[list[str], re.Pattern[str] | None] = ([], None)
+        self.queries_per_request = config.max_batch_queries  # a web API takes one at a time
         self.ledger = ledger if ledger is not None else default_ledger(config)
         self.pacer = Pacer(config.rate_limit_rps)
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self.rng = random.Random()
         self.http = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {token}"} if token else None,
+            headers=self.auth_headers(token),
             timeout=httpx.Timeout(config.timeout_s),
             limits=httpx.Limits(
                 max_connections=config.max_concurrency,
@@ -281,6 +331,19 @@ class UpstreamBackend:
                 keepalive_expiry=2.0,  # below the keep-alive of common servers (hdr's 20 s)
             ),
         )
+
+    def credential(self) -> str | None:
+        """The secret sent upstream: the Bearer token in `token_env`, if set."""
+        return os.environ.get(self.config.token_env) or None
+
+    def auth_headers(self, token: str | None) -> dict[str, str] | None:
+        """The headers that carry the credential on every request."""
+        return {"Authorization": f"Bearer {token}"} if token else None
+
+    def refused(self, status: int, content: bytes) -> Exception | None:
+        """What to raise, unretried, for an error status that is not the proxy's ordinary
+        failure (a web API's spent quota or refused key); None: the ordinary handling."""
+        return None
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -300,7 +363,7 @@ class UpstreamBackend:
         UserError at start (a wrong URL, or not a Search-R1 server)."""
         shown = self.config.shown_url
         try:
-            status, content = await asyncio.wait_for(
+            status, content, _ = await asyncio.wait_for(
                 self._send("GET", self.config.endpoint("/health")), HEALTH_TIMEOUT_S
             )
         except (httpx.HTTPError, asyncio.TimeoutError, _Unsent) as err:
@@ -334,7 +397,7 @@ class UpstreamBackend:
         except BudgetUnavailable:
             self.counts.refused_unavailable += 1
             raise
-        size = self.config.max_batch_queries
+        size = self.queries_per_request
         chunks = [queries[lo : lo + size] for lo in range(0, len(queries), size)]
         started = [False] * len(chunks)
         try:
@@ -369,7 +432,9 @@ class UpstreamBackend:
         body: dict[str, Any] = {"queries": queries, "topk": topk, "return_scores": return_scores}
         if retriever:
             body["retriever"] = retriever
-        content = await self._post(orjson.dumps(body), len(queries))
+        url, shown = self.config.endpoint("/retrieve"), self.config.shown_endpoint("/retrieve")
+        request = Outgoing("POST", url, shown, orjson.dumps(body), JSON_HEADERS)
+        content = await self._post(request, len(queries))
         answers = search_r1_answers(content, len(queries), return_scores)
         if answers is None:
             self.counts.failures += 1
@@ -380,17 +445,20 @@ class UpstreamBackend:
             )
         return answers
 
-    async def _post(self, body: bytes, calls: int) -> bytes:
+    async def _post(self, request: Outgoing, calls: int) -> bytes:
         """The upstream's 200 body, after retries; UpstreamError when it does not come. Each
-        attempt is settled in the ledger; each retry reserves its calls anew."""
+        attempt is settled in the ledger; each retry reserves its calls anew. A 429's
+        Retry-After is waited for (instead of the backoff) up to `backoff_max_s`; a longer one
+        ends the forward at once."""
         c = self.config
-        url, shown = c.endpoint("/retrieve"), c.shown_endpoint("/retrieve")
+        shown = request.shown
         failure = UpstreamError(502, "")
+        wait_s = 0.0  # the upstream's Retry-After of its last 429
         for attempt in range(c.max_retries + 1):
             if attempt:
                 self.counts.retries += 1
                 cap = min(c.backoff_max_s, c.backoff_s * 2 ** (attempt - 1))
-                await asyncio.sleep(self.rng.uniform(0, cap))
+                await asyncio.sleep(max(self.rng.uniform(0, cap), wait_s))
                 try:
                     await self.ledger.reserve(calls)
                 except (BudgetSpent, BudgetUnavailable) as err:
@@ -398,18 +466,28 @@ class UpstreamBackend:
                     raise UpstreamError(
                         failure.status, f"{failure.detail}; not retried: {err}"
                     ) from None
-            outcome = await self._attempt(url, body, calls)
+            outcome = await self._attempt(request, calls)
             if isinstance(outcome, UpstreamError):
                 failure = outcome
                 continue
-            status, content = outcome
+            status, content, retry_after = outcome
             self.counts.requests += 1
             if status == 200:
                 return content
+            if (refusal := self.refused(status, content)) is not None:
+                raise refusal
             line = f"upstream {shown} answered HTTP {status}: {one_line(content, self.masked)}"
             if status in CLIENT_STATUSES:
                 raise UpstreamError(status, line)
             failure = UpstreamError(502, line)
+            wait_s = retry_after if status == 429 and retry_after is not None else 0.0
+            if wait_s > c.backoff_max_s and attempt < c.max_retries:
+                self.counts.failures += 1
+                raise UpstreamError(
+                    503,
+                    f"{line}; it asks to wait {wait_s:g} s (Retry-After), longer than "
+                    f"upstream.backoff_max_s {c.backoff_max_s:g}: retry later",
+                )
             if status not in RETRY_STATUSES:
                 break
         self.counts.failures += 1
@@ -417,27 +495,29 @@ class UpstreamBackend:
         raise UpstreamError(failure.status, failure.detail + attempts)
 
     async def _attempt(
-        self, url: httpx.URL, body: bytes, calls: int
-    ) -> tuple[int, bytes] | UpstreamError:
-        """One attempt: (status, body), or the UpstreamError of a failure to retry. Its
+        self, request: Outgoing, calls: int
+    ) -> tuple[int, bytes, float | None] | UpstreamError:
+        """One attempt: (status, body, Retry-After), or the UpstreamError of a failure to
+        retry. Its
         reserved `calls` are settled however it ends: billed when the upstream answered 200,
         or when the request was sent and no answer came (`bill_timeouts`; always when the
         attempt was cancelled, as the upstream answers it regardless)."""
         c = self.config
-        shown = c.shown_endpoint("/retrieve")
+        shown = request.shown
         billed = False
         try:
             async with self.slots:
                 await self.pacer.wait()
                 try:
-                    status, content = await asyncio.wait_for(  # httpx's timeout is per read
-                        self._send("POST", url, body), c.timeout_s
+                    status, content, retry_after = await asyncio.wait_for(  # per read: httpx
+                        self._send(request.method, request.url, request.body, request.headers),
+                        c.timeout_s,
                     )
                 except asyncio.CancelledError:
                     billed = True  # sent, perhaps: the upstream answers and bills it anyway
                     raise
             billed = status == 200
-            return status, content
+            return status, content, retry_after
         except _Unsent as err:
             return UpstreamError(502, f"upstream {shown} unreachable: {err}")
         except UpstreamError as err:  # too large: the upstream answered
@@ -453,13 +533,17 @@ class UpstreamBackend:
             self.ledger.settle(calls, calls if billed else 0)
 
     async def _send(
-        self, method: str, url: httpx.URL, body: bytes | None = None
-    ) -> tuple[int, bytes]:
-        """(status, body) of one request, the body read up to `max_response_bytes`; raises
+        self,
+        method: str,
+        url: httpx.URL,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes, float | None]:
+        """(status, body, Retry-After in seconds) of one request, the body read up to
+        `max_response_bytes`; raises
         `_Unsent` when no connection was made, UpstreamError (with the upstream's status) for
         a body past the cap."""
         cap = self.config.max_response_bytes
-        headers = {"content-type": "application/json"} if body is not None else None
         try:
             async with self.http.stream(method, url, content=body, headers=headers) as response:
                 chunks, size = [], 0
@@ -472,7 +556,8 @@ class UpstreamBackend:
                             f" {cap} bytes (upstream.max_response_bytes)",
                         )
                     chunks.append(chunk)
-                return response.status_code, b"".join(chunks)
+                retry_after = retry_after_s(response.headers.get("retry-after"))
+                return response.status_code, b"".join(chunks), retry_after
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as err:
             raise _Unsent(type(err).__name__) from None
 
@@ -514,6 +599,7 @@ def upstream_description(config: UpstreamConfig, health: dict[str, Any]) -> dict
         "url": config.shown_url,
         "query_sha256": hashlib.sha256(query).hexdigest() if query else None,
         "fingerprint": served.get("fingerprint"),
+        **({"web": config.web.answer_settings()} if config.web is not None else {}),
         **{name: health.get(name) for name in ANSWER_DECIDING},
     }
 

@@ -210,11 +210,16 @@ class SharedUnavailable(Exception):
 
 
 def shown_redis_url(url: str) -> str:
-    """The Redis URL without its user and password."""
+    """The Redis URL without its user and password, its query string's values masked (a
+    password may be given as `?password=`, the only way for a unix:// socket)."""
+    base, _, query = url.partition("?")
     try:
-        return str(httpx.URL(url).copy_with(userinfo=b""))
+        parsed = httpx.URL(base)
     except httpx.InvalidURL:
         return "(an invalid URL)"
+    shown = str(parsed.copy_with(userinfo=b"")) if parsed.userinfo else base
+    names = [pair.partition("=")[0] for pair in query.split("&") if pair]
+    return shown + ("?" + "&".join(f"{name}=***" for name in names) if names else "")
 
 
 class RedisLink:

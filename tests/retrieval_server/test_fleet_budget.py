@@ -14,7 +14,7 @@ import pytest
 import redis
 from fake_upstream import fake_upstream
 from redis_servers import redis_server
-from servers import running_server
+from servers import running_server, serve_process
 
 from retrieval_server.config import ServerConfig
 
@@ -111,3 +111,28 @@ def test_a_fleet_budget_needs_a_record_of_its_own() -> None:
         upstream={"url": "http://127.0.0.1:9", "max_calls": 3, "spend_path": "record.json"},
         cache={"backend": "redis"},
     )
+
+
+def test_a_redis_password_in_the_query_string_is_never_shown(tmp_path: Path) -> None:
+    """`?password=...` (the only form a unix:// URL has) is masked in the ready line,
+    /health, a budget's 503 and the outage's log line. Before: shown in all four."""
+    password = "query-pw-4711"
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        redis.Redis.from_url(store.url).config_set("requirepass", password)
+        url = f"{store.url}?password={password}"
+        settings = ("cache.backend=redis", f"cache.redis_url={url}", "cache.redis_retry_s=0.2",
+                    "upstream.max_calls=5", f"upstream.spend_path={tmp_path / 'record.json'}",
+                    "upstream.max_retries=0")  # fmt: skip
+        with serve_process(None, *settings, upstream=api.url) as proxy:
+            assert post(proxy.url, ["paid"]).status_code == 200
+            store.kill()
+            refused = post(proxy.url, ["a miss while Redis is down"])
+            health = httpx.get(f"{proxy.url}/health", timeout=10).text
+            proxy.stop()
+    assert refused.status_code == 503
+    shown = f"{store.url}?password=***"
+    assert shown in refused.json()["detail"] and shown in health
+    assert f"shared with the replicas on {shown}" in proxy.output
+    assert f"redis at {shown} unreachable" in proxy.output
+    for text in (refused.text, health, proxy.output):
+        assert password not in text

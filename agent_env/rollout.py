@@ -99,7 +99,7 @@ class RolloutConfig(StrictModel):
 
 @dataclass
 class Trajectory:
-    """One sampled response; see docs/contracts.md."""
+    """One sampled response; see docs/design.md, "Interfaces between the packages"."""
 
     group_id: str
     example: QAExample

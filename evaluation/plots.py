@@ -1,6 +1,6 @@
 """PNG charts from run directories (`hdr plot`), the paper's mechanism views on our runs.
 
-Reads only the files a run dir holds (docs/contracts.md): `config.yaml`, `metrics.jsonl`,
+Reads only the files a run dir holds (docs/design.md): `config.yaml`, `metrics.jsonl`,
 `eval.jsonl`, `groups.jsonl`. Which lines a chart has (`line_groups`): `hdr plot` draws one
 line per run, labelled by arm and seed; the experiment's charts draw one line per arm, its
 seeds averaged (the mean, with the min-max over seeds shaded and a footnote saying so). Either

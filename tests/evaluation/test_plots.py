@@ -1,4 +1,5 @@
-"""`hdr plot` on synthetic run dirs written here in the run-dir format of docs/contracts.md."""
+"""`hdr plot` on synthetic run dirs written here in the run-dir format of docs/design.md ("The run
+directory")."""
 
 from __future__ import annotations
 

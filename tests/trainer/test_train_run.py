@@ -1,5 +1,6 @@
 """A short real training run: tiny policy after a short SFT, the test retrieval server, the
-small task. Checks the run directory against docs/contracts.md and the replay mechanics."""
+small task. Checks the run directory against docs/design.md ("The run directory") and the replay
+mechanics."""
 
 import json
 

@@ -256,13 +256,28 @@ class FileLedger(MemoryLedger):
 
 def read_spend_file(path: Path) -> dict[str, Any]:
     """The spend file at `path`, checked; anything else (another file, a damaged one) is one
-    UserError line, and the file is left as it is."""
+    UserError line, and the file is left as it is. A file that may be a spend file cut short
+    (empty, or not JSON but naming the spend file's kind) is called damaged, never another's
+    file: a new path would start the budget again from zero."""
     try:
-        data = orjson.loads(path.read_bytes())
-    except (OSError, ValueError):
+        content = path.read_bytes()
+    except OSError as err:
+        raise UserError(
+            f"upstream.spend_path {path} cannot be read ({err.strerror or err})"
+        ) from None
+    try:
+        data = orjson.loads(content)
+    except ValueError:
         data = None
     fields = {"upstream": str, "calls": int, "spent": float, "unsettled_calls": int,
               "unsettled_spend": float}  # fmt: skip
+    damaged = (
+        f"upstream.spend_path {path} is an hdr spend file but damaged (%s); restore it from a"
+        " backup, or correct it by hand, before spending again (a new spend file would start"
+        " the budget again from zero)"
+    )
+    if data is None and (not content.strip() or SPEND_FILE_KIND.encode() in content):
+        raise UserError(damaged % ("empty" if not content.strip() else "cut short: not JSON"))
     if not isinstance(data, dict) or data.get("kind") != SPEND_FILE_KIND:
         raise UserError(
             f"upstream.spend_path {path} exists and is not an hdr spend file; hdr writes its"
@@ -273,10 +288,9 @@ def read_spend_file(path: Path) -> dict[str, Any]:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = data[name] = float(value)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise UserError(
-                f"upstream.spend_path {path} is an hdr spend file but damaged ({name!r}); "
-                "restore it from a backup, or correct it by hand, before spending again"
-            )
+            raise UserError(damaged % repr(name))
+        if kind is not str and not (0 <= value < math.inf):  # also refuses NaN
+            raise UserError(damaged % f"{name!r} is {value}, not a count")
     return data
 
 

@@ -254,3 +254,48 @@ def test_a_stopped_proxy_lets_the_next_one_take_its_spend_file(tmp_path: Path) -
             assert post(proxy.url, ["Circus"]).status_code == 200
             refused = post(proxy.url, ["Dada"])
     assert refused.status_code == 429 and api.queries == 2
+
+
+SPEND_FILE = {"kind": "hdr upstream spend", "upstream": "", "calls": 3, "spent": 0.0,
+              "unsettled_calls": 0, "unsettled_spend": 0.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ({"calls": -1000}, "('calls' is -1000, not a count)"),
+        ({"unsettled_spend": -2.5}, "('unsettled_spend' is -2.5, not a count)"),
+        ("cut short", "(cut short: not JSON)"),
+        ("empty", "(empty)"),
+    ],
+    ids=["negative calls", "negative spend", "truncated", "empty"],
+)
+def test_a_damaged_spend_file_is_refused_without_advising_a_new_one(
+    tmp_path: Path, damage: dict | str, named: str
+) -> None:
+    """A negative count (which would buy calls) and a file cut short are refused in one line
+    that never suggests another path (a new spend file starts the budget from zero); the file
+    is left as it is. Before: -1000 calls forwarded misses past the budget, and a truncated
+    file was "not an hdr spend file ...: choose another path"."""
+    spend = tmp_path / "spend.json"
+    with fake_upstream() as api:
+        content = json.dumps({**SPEND_FILE, "upstream": api.url}, indent=2)
+        if damage == "cut short":
+            content = content[: len(content) // 2]
+        elif damage == "empty":
+            content = ""
+        else:
+            content = json.dumps({**SPEND_FILE, "upstream": api.url, **damage})
+        spend.write_text(content)
+        result = subprocess.run(
+            [sys.executable, "-m", "hdr.cli", "serve", "--upstream", api.url, "--port", "0",
+             "upstream.max_calls=3", f"upstream.spend_path={spend}"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("hdr: error:")]
+    assert len(lines) == 1, result.stderr
+    assert f"upstream.spend_path {spend} is an hdr spend file but damaged {named}" in lines[0]
+    assert "choose another path" not in lines[0]
+    assert spend.read_text() == content and api.queries == 0

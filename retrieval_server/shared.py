@@ -16,11 +16,14 @@ one script must share a slot):
   its answer (polling, 2 ms growing to 50 ms); when the lock goes without an answer (its
   holder failed, or died and the lock expired) it takes the query over. So identical queries
   in flight on several replicas are computed once;
-- the budget of proxy mode, `NS:budget:SHA256(upstream URL)`: `RedisLedger`, one hash for the
-  fleet, checked and spent in one step. It carries the id it was created with, which each
-  replica keeps in its record (`upstream.spend_path`): a budget that Redis loses (restarted
-  empty, flushed, evicted) is never refilled from what a replica last saw or from zero;
-  reservations are refused in one line until Redis's data is restored.
+- the budget of proxy mode, `NS:budget:SHA256(upstream identity)`: `RedisLedger`, one hash for
+  the fleet, checked and spent in one step. The identity is the URL normalised
+  (`upstream_identity`: host case, default port, `localhost` and `127.0.0.1` alike), so
+  replicas that spell one upstream differently share one budget. It carries the id it was
+  created with, which each replica keeps in its record (`upstream.spend_path`): a budget
+  that Redis loses (restarted empty, flushed, evicted) is never refilled from what a replica
+  last saw or from zero; reservations are refused in one line until Redis's data is
+  restored.
 
 Every check-and-change is a Lua script (redis-py's `register_script`), so it is atomic. Redis
 commands are not retried by the client: a reservation sent twice would spend twice.
@@ -41,8 +44,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -145,9 +150,14 @@ local function totals(key)
                     'billed_spend')
 end
 """
-# KEYS: budget; ARGV: a new id, the upstream (shown), the id this replica's record knows ('':
-# none) -> the budget's id, or nil when the record knows one and the hash is gone (lost)
+# KEYS: budget, its key before upstream identities were normalised; ARGV: a new id, the
+# upstream (shown), the id this replica's record knows ('': none) -> the budget's id, or nil
+# when the record knows one and the hash is gone (lost)
 INIT = """
+if KEYS[2] ~= KEYS[1] and redis.call('EXISTS', KEYS[1]) == 0
+   and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('RENAME', KEYS[2], KEYS[1])
+end
 local id = redis.call('HGET', KEYS[1], 'budget_id')
 if id then return id end
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -203,6 +213,36 @@ local t = totals(KEYS[1])
 return {1, t[1], t[2], t[3], t[4]}
 """
 )
+
+
+def upstream_identity(url: str) -> str:
+    """The upstream as one budget, however its URL is spelled: scheme, host in lower case (an
+    address in its canonical form; a name or address that is only this machine's loopback,
+    `localhost` and `127.0.0.1` alike, as `loopback`), the port with the scheme's default
+    filled in, path and query string (the user and password left out)."""
+    parsed = httpx.URL(url)
+    port = parsed.port or {"http": 80, "https": 443}.get(parsed.scheme, 0)
+    host = parsed.host.lower().rstrip(".")
+    try:
+        addresses = {ipaddress.ip_address(host)}
+    except ValueError:
+        try:
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:  # unresolvable now: its name is its identity
+            found = []
+        addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in found}
+        if not (addresses and all(address.is_loopback for address in addresses)):
+            addresses = set()
+    if addresses:
+        host = "loopback" if all(a.is_loopback for a in addresses) else str(addresses.pop())
+    query = parsed.query.decode()
+    return f"{parsed.scheme}://{host}:{port}{parsed.path.rstrip('/')}" + (
+        f"?{query}" if query else ""
+    )
+
+
+def budget_key(namespace: str, identity: str) -> str:
+    return f"{namespace}:budget:{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
 
 
 class SharedUnavailable(Exception):
@@ -454,8 +494,10 @@ class RedisLedger:
     def __init__(self, link: RedisLink, settings: CacheConfig, config: UpstreamConfig) -> None:
         self.link = link
         self.config = config
-        identity = str(httpx.URL(config.url).copy_with(userinfo=b"")).encode()
-        self.key = f"{settings.redis_namespace}:budget:{hashlib.sha256(identity).hexdigest()[:32]}"
+        self.key = budget_key(settings.redis_namespace, upstream_identity(config.url))
+        # the key of a budget written before identities were normalised: taken over by INIT
+        legacy = str(httpx.URL(config.url).copy_with(userinfo=b""))
+        self.legacy_key = budget_key(settings.redis_namespace, legacy)
         self.settled_prefix = f"{settings.redis_namespace}:settled:"
         self.record = (
             None
@@ -500,7 +542,8 @@ class RedisLedger:
         is left gone (every reservation then says so). Raises SharedUnavailable."""
         known = self.budget_id or "" if self.limited else ""
         args = [uuid.uuid4().hex, self.config.shown_url, known]
-        found = await self.link.call(lambda r: self._init(keys=[self.key], args=args, client=r))
+        keys = [self.key, self.legacy_key]
+        found = await self.link.call(lambda r: self._init(keys=keys, args=args, client=r))
         if found is None:
             return
         found = found.decode() if isinstance(found, bytes) else str(found)

@@ -136,3 +136,30 @@ def test_a_redis_password_in_the_query_string_is_never_shown(tmp_path: Path) -> 
     assert f"redis at {shown} unreachable" in proxy.output
     for text in (refused.text, health, proxy.output):
         assert password not in text
+
+
+def test_one_upstream_is_one_budget_however_its_url_is_spelled(tmp_path: Path) -> None:
+    """Three replicas name one upstream as `localhost`, `127.0.0.1` with its default-less
+    port and a trailing slash, and `LOCALHOST`: one budget of 5 for the three, so 5 calls
+    reach the API. Before: each spelling had a budget of its own (15 calls on a budget of 5)."""
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        port = api.url.rsplit(":", 1)[1]
+        spellings = [f"http://localhost:{port}", f"http://127.0.0.1:{port}/",
+                     f"http://LOCALHOST:{port}/retrieve"]  # fmt: skip
+        settings = [
+            fleet(store.url, tmp_path / f"record-{i}.json", url=url, max_calls=5)
+            for i, url in enumerate(spellings)
+        ]
+        with (
+            running_server(None, **settings[0]) as first,
+            running_server(None, **settings[1]) as second,
+            running_server(None, **settings[2]) as third,
+        ):
+            statuses = [
+                post(proxy.url, [f"query {i} of {n}"]).status_code
+                for n, proxy in enumerate((first, second, third))
+                for i in range(5)
+            ]
+        budgets = redis.Redis.from_url(store.url).keys("hdr:budget:*")
+    assert sorted(statuses) == [200] * 5 + [429] * 10
+    assert api.queries == 5 and len(budgets) == 1

@@ -163,3 +163,25 @@ def test_one_upstream_is_one_budget_however_its_url_is_spelled(tmp_path: Path) -
         budgets = redis.Redis.from_url(store.url).keys("hdr:budget:*")
     assert sorted(statuses) == [200] * 5 + [429] * 10
     assert api.queries == 5 and len(budgets) == 1
+
+
+def test_a_damaged_budget_hash_is_refused_in_one_line_and_left_as_it_is(tmp_path: Path) -> None:
+    """`billed_calls` that is not a count (written by hand, or by another program): misses are
+    refused with a one-line 503 naming the field, nothing is reserved, /health answers.
+    Before: a 500 with a traceback, and committed_calls grew a call a request."""
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        settings = fleet(store.url, tmp_path / "a.json", url=api.url, max_calls=10)
+        client = redis.Redis.from_url(store.url)
+        with running_server(None, **settings) as proxy:
+            assert post(proxy.url, ["first"]).status_code == 200
+            (key,) = client.keys("hdr:budget:*")
+            client.hset(key, "billed_calls", "1.5x")
+            before = client.hget(key, "committed_calls")
+            refused = [post(proxy.url, [f"miss {i}"]) for i in range(3)]
+            after = client.hget(key, "committed_calls")
+            health = httpx.get(f"{proxy.url}/health", timeout=10)
+    assert [r.status_code for r in refused] == [503] * 3
+    detail = refused[0].json()["detail"]
+    assert "\n" not in detail and "is damaged (billed_calls is not a count" in detail
+    assert before == after and api.queries == 1
+    assert health.status_code == 200

@@ -111,7 +111,7 @@ class FakeWebSearch:
         return JSONResponse(body, 429, headers=headers)
 
     def search(self, key: str | None, query: str, num: int) -> JSONResponse:
-        """The answer to one search request (called in the server's thread pool)."""
+        """The answer to one search request, at once."""
         with self.lock:
             self.searches += 1
             self.queries.append(query)
@@ -128,22 +128,27 @@ class FakeWebSearch:
                     return self.spent_quota()
                 self.searches_left -= 1
             self.answered += 1
-        if self.latency_s:
-            time.sleep(self.latency_s)
         return JSONResponse(self.results(query, num))
+
+    async def answer(self, key: str | None, query: str, num: int) -> JSONResponse:
+        """`search`, an answered one after `latency_s` (awaited: calls in flight overlap)."""
+        response = self.search(key, query, num)
+        if response.status_code == 200 and self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        return response
 
     def app(self) -> Starlette:
         async def serper_search(request: Request) -> JSONResponse:
             body = await request.json()
             key = request.headers.get("x-api-key")
-            return await asyncio.to_thread(self.search, key, body["q"], int(body.get("num", 10)))
+            return await self.answer(key, body["q"], int(body.get("num", 10)))
 
         async def serpapi_search(request: Request) -> JSONResponse:
             params = request.query_params
             if params.get("engine") != "google" or "q" not in params:
                 return JSONResponse({"error": "Missing query `q` parameter."}, 400)
             num = int(params.get("num", 10))
-            return await asyncio.to_thread(self.search, params.get("api_key"), params["q"], num)
+            return await self.answer(params.get("api_key"), params["q"], num)
 
         async def serpapi_account(request: Request) -> JSONResponse:
             if request.query_params.get("api_key") != self.key:

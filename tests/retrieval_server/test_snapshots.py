@@ -167,3 +167,31 @@ def test_a_recording_is_never_written_over_a_file_it_did_not_create(tmp_path: Pa
     with pytest.raises(UserError, match="exists; hdr records a snapshot only in a new file"):
         write_own_file(path, b"fourth\n", None)
     assert path.read_bytes() == b"someone else's\n"
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"index_dir": "data/index", "snapshot": {"path": "a"}}, "a snapshot is served alone"),
+        ({"snapshot": {"path": "a", "on_miss": "forward"}}, "needs a live backend"),
+        (
+            {
+                "upstream": {"url": "http://127.0.0.1:9"},
+                "snapshot": {"path": "a", "on_miss": "forward"},
+            },
+            "give snapshot.record_path",
+        ),
+        (
+            {"upstream": {"url": "http://127.0.0.1:9"}, "snapshot": {"path": "a"}},
+            "never asks the live backend",
+        ),
+        ({"snapshot": {"path": "a", "record_path": "a"}}, "record to a new file"),
+    ],
+)
+def test_what_a_snapshot_is_served_with_is_checked_in_one_line(settings: dict, said: str) -> None:
+    from core.config import build_config
+    from retrieval_server.config import ServerConfig
+
+    with pytest.raises(UserError) as refused:
+        build_config(ServerConfig, settings)
+    assert said in str(refused.value) and "\n" not in str(refused.value).strip()

@@ -204,3 +204,15 @@ def test_hdr_serve_web_process_says_what_it_serves() -> None:
             server.stop()
     assert answered.status_code == 200
     assert "serper web search at" in server.output and fake.key not in server.output
+
+
+def test_a_web_api_needs_no_url_and_its_answers_expire_unless_told() -> None:
+    from retrieval_server.config import ServerConfig
+
+    serpapi = ServerConfig(upstream={"web": {"api": "serpapi"}})
+    assert serpapi.upstream.url == "https://serpapi.com/search.json"
+    assert serpapi.cache.ttl_s == 86400.0
+    kept = ServerConfig(upstream={"web": {"api": "serper"}}, cache={"ttl_s": None})
+    assert kept.upstream.url == "https://google.serper.dev/search" and kept.cache.ttl_s is None
+    proxy = ServerConfig(upstream={"url": "http://127.0.0.1:9"})
+    assert proxy.cache.ttl_s is None  # a Search-R1 upstream: as before

@@ -33,10 +33,16 @@ replica says so in one log line and in /health, serves from its own cache and it
 (as `cache.backend: memory` would; what it computes meanwhile is written to Redis once Redis is
 back), and tries Redis again after `cache.redis_retry_s`. A budget
 kept in Redis fails closed meanwhile: reservations are refused (misses answered 503, cached
-queries still served), and the settlements of calls already sent wait in memory, each with an
-id that makes it count once, until Redis is back. A budget is only kept in a Redis that
-persists (append-only file on) and never evicts it (`maxmemory-policy` noeviction or
-volatile-*: answers expire, the budget does not): `hdr serve` refuses any other at start.
+queries still served), and the settlements of calls already sent wait in memory, each
+numbered so that it counts once, until Redis is back. A budget is only kept in a Redis that
+persists (append-only file on) and never evicts it (`maxmemory-policy` volatile-*: answers
+expire and are evicted, the budget does not; or noeviction without a `maxmemory`, which would
+fill with answers and then refuse the budget's updates): `hdr serve` refuses any other at
+start. An error reply (out of memory, a read-only replica) is not an outage: Redis is
+reachable, the command did nothing; the replica says so in one log line for each new reply,
+an answer it could not write stays in its own cache, and a reservation it could not make is
+a 503 naming the reply. A replica's settlements are numbered, and Redis keeps one key per
+replica with the last number applied, so a settlement resent after a lost reply counts once.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 FIRST_POLL_S, LAST_POLL_S = 0.002, 0.05  # a waiter's polls for another replica's answer
-SETTLED_KEEP_S = 86400  # how long a settlement's id is kept (it counts once within that)
+SETTLED_KEEP_S = 86400  # how long a replica's last settlement number is kept after its last
 UNPUBLISHED_KEEP = 10_000  # answers kept to write once Redis is back (the oldest go first)
 
 # KEYS: answer, lock, answer, lock, ...; ARGV: token, expiry (ms) -> per pair the answer if
@@ -191,15 +197,17 @@ end
 return {ok, t[1], t[2], t[3], t[4]}
 """
 )
-# KEYS: budget, the settlement's id; ARGV: budget id, reserved (in Redis), billed, price, how
-# long the id is kept (s) -> {1, totals...}, or {problem} (the settlement is not applied)
+# KEYS: budget, this replica's last applied settlement number; ARGV: budget id, reserved (in
+# Redis), billed, price, how long the number is kept (s), the settlement's number (a replica
+# settles in order, one at a time) -> {1, totals...}, or {problem} (not applied)
 SETTLE = (
     BUDGET_PRELUDE
     + """
 local problem = check(KEYS[1], ARGV[1])
 if problem then return {problem} end
 local reserved, billed, price = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[5]) then
+if tonumber(ARGV[6]) > tonumber(redis.call('GET', KEYS[2]) or '0') then
+  redis.call('SET', KEYS[2], ARGV[6], 'EX', ARGV[5])
   if billed ~= reserved then
     redis.call('HINCRBY', KEYS[1], 'committed_calls', billed - reserved)
     redis.call('HINCRBYFLOAT', KEYS[1], 'committed_spend', (billed - reserved) * price)
@@ -249,6 +257,11 @@ class SharedUnavailable(Exception):
     """Redis did not answer (or is waited out after a failure); the detail says why."""
 
 
+class SharedRefused(SharedUnavailable):
+    """Redis answered a command with an error (out of memory under noeviction, a read-only
+    replica, a command renamed away): Redis is reachable, the command did nothing."""
+
+
 def shown_redis_url(url: str) -> str:
     """The Redis URL without its user and password, its query string's values masked (a
     password may be given as `?password=`, the only way for a unix:// socket)."""
@@ -283,23 +296,43 @@ class RedisLink:
         )
         self.reachable = True
         self.reason: str | None = None
+        self.last_error: str | None = None  # Redis's last error reply (logged once each)
+        self.consequence_of_errors = (
+            "the command is not retried; this replica goes on without it"
+            " (its answers are not shared, a reservation it refused is refused)"
+        )
         self.down_since: float | None = None  # unix time
         self._retry_at = 0.0
         self.on_reachable: list[Callable[[], Awaitable[None]]] = []  # run when Redis is back
 
     async def call(self, operation: Callable[[Redis], Awaitable[T]]) -> T:
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisError, ResponseError
 
         if not self.reachable and time.monotonic() < self._retry_at:
             raise SharedUnavailable(self.reason)
         try:
             result = await operation(self.client)
+        except ResponseError as err:  # Redis answered, with an error: not an outage
+            if not self.reachable:
+                self._back()
+            raise self._refused(err) from None
         except (RedisError, OSError, asyncio.TimeoutError) as err:
             self._unreachable(err)
             raise SharedUnavailable(self.reason) from None
         if not self.reachable:
             self._back()
         return result
+
+    def _refused(self, err: Exception) -> SharedRefused:
+        """The error reply as one line, logged once for each new reply (not per command)."""
+        # the reply without the script's name and line (which would make each script's new)
+        reply = " ".join(str(err).split(" script: ")[0].split()).rstrip(".")[:200]
+        reply = reply if type(err).__name__ == "ResponseError" else f"{type(err).__name__}: {reply}"
+        refused = SharedRefused(f"redis at {self.shown_url} answered an error ({reply})")
+        if reply != self.last_error:
+            self.last_error = reply
+            log.warning("%s: %s", refused, self.consequence_of_errors)
+        return refused
 
     def _unreachable(self, err: BaseException) -> None:
         self._retry_at = time.monotonic() + self.retry_s
@@ -394,6 +427,8 @@ class SharedCache:
         self._let_go(names[1::2])
         try:
             await self._write(names, list(answers.values()))
+        except SharedRefused:
+            return  # Redis answered and refused: the answer stays in this replica's cache
         except SharedUnavailable:
             for (answer, lock), value in zip(
                 zip(names[::2], names[1::2], strict=True), answers.values(), strict=True
@@ -412,6 +447,8 @@ class SharedCache:
             names = [name for answer, (lock, _) in waiting.items() for name in (answer, lock)]
             try:
                 await self._write(names, [value for _, value in waiting.values()])
+            except SharedRefused:
+                pass  # Redis answered and refused them: they stay in this replica's cache
             except SharedUnavailable:
                 self.unpublished = {**waiting, **self.unpublished}
 
@@ -498,7 +535,9 @@ class RedisLedger:
         # the key of a budget written before identities were normalised: taken over by INIT
         legacy = str(httpx.URL(config.url).copy_with(userinfo=b""))
         self.legacy_key = budget_key(settings.redis_namespace, legacy)
-        self.settled_prefix = f"{settings.redis_namespace}:settled:"
+        # this replica's settlements are numbered; Redis keeps the last one applied
+        self.settled_key = f"{settings.redis_namespace}:settled:{uuid.uuid4().hex}"
+        self.settlements = 0
         self.record = (
             None
             if config.spend_path is None
@@ -507,8 +546,8 @@ class RedisLedger:
         self.budget_id = None if self.record is None else self.record.budget_id
         # the fleet's totals as last seen (shown in /health; never written back to Redis)
         self.known = SpendTotals() if self.record is None else self.record.seen
-        # (settlement id, the budget it was reserved in, calls reserved in Redis, billed)
-        self.pending: list[tuple[str, str | None, int, int]] = []
+        # (settlement number, the budget it was reserved in, calls reserved in Redis, billed)
+        self.pending: list[tuple[int, str | None, int, int]] = []
         self.unrecorded = 0  # calls reserved while Redis was unreachable (no budget: allowed)
         self.refusal: str | None = None  # why this Redis may not keep a budget
         self.problem: str | None = None  # what the last script found wrong with the budget
@@ -600,16 +639,13 @@ class RedisLedger:
         allkeys-* eviction policy. At start, one UserError line; later (Redis came back), the
         budget stays closed with the reason. A Redis that does not let INFO be read is
         trusted, with a warning; an unreachable one is checked when it comes back."""
-        from redis.exceptions import ResponseError
-
         try:
             persistence = await self.link.call(lambda r: r.info("persistence"))
             memory = await self.link.call(lambda r: r.info("memory"))
-        except SharedUnavailable:
+        except SharedRefused as err:
+            log.warning("%s to INFO; its durability is not checked", err)
             return
-        except ResponseError as err:
-            log.warning("redis at %s: INFO refused (%s); its durability is not checked",
-                        self.link.shown_url, err)  # fmt: skip
+        except SharedUnavailable:
             return
         policy = str(memory.get("maxmemory_policy", "noeviction"))
         problem = None
@@ -617,12 +653,18 @@ class RedisLedger:
             problem = "does not persist (appendonly no): a restart of Redis would forget the spend"
         elif policy.startswith("allkeys"):
             problem = f"may evict the budget (maxmemory-policy {policy})"
+        elif policy == "noeviction" and int(memory.get("maxmemory", 0)) > 0:
+            problem = (
+                f"would fill with answers and then refuse every update of the budget"
+                f" (maxmemory {memory.get('maxmemory')} with maxmemory-policy noeviction)"
+            )
         if problem is None:
             self.refusal = None
             return
         self.refusal = (
             f"redis at {self.link.shown_url} {problem}; run it with appendonly yes and "
-            "maxmemory-policy noeviction or volatile-lru to keep the upstream budget there"
+            "maxmemory-policy volatile-lru (or noeviction without maxmemory) to keep the"
+            " upstream budget there"
         )
         if at_start:
             raise UserError(self.refusal)
@@ -658,6 +700,14 @@ class RedisLedger:
             status, *totals = await self.link.call(
                 lambda r: self._reserve(keys=[self.key], args=args, client=r)
             )
+        except SharedRefused as err:
+            if not self.limited:  # nothing to protect: count it once Redis takes it
+                self.unrecorded += calls
+                return
+            raise BudgetUnavailable(
+                f"the upstream budget is shared in Redis and {err}; calls are refused until"
+                " Redis accepts the budget's update"
+            ) from None
         except SharedUnavailable as err:
             if not self.limited:  # nothing to protect: count it once Redis is back
                 self.unrecorded += calls
@@ -689,7 +739,8 @@ class RedisLedger:
     def settle(self, reserved: int, billed: int) -> None:
         unrecorded = min(self.unrecorded, reserved)
         self.unrecorded -= unrecorded
-        self.pending.append((uuid.uuid4().hex, self.budget_id, reserved - unrecorded, billed))
+        self.settlements += 1
+        self.pending.append((self.settlements, self.budget_id, reserved - unrecorded, billed))
         price = self.config.price_per_call
         k = self.known  # seen at once in /health; Redis's own totals replace it when written
         self.known = SpendTotals(
@@ -717,12 +768,12 @@ class RedisLedger:
         does not answer; stops (the rest stay queued) when the budget is gone or damaged."""
         async with self._flush_lock:
             while self.pending:
-                op, budget_id, reserved, billed = self.pending[0]
+                number, budget_id, reserved, billed = self.pending[0]
                 if budget_id != self.budget_id:  # reserved in a count lost since (no budget)
                     reserved = 0
                 price = repr(self.config.price_per_call)
-                args = [self.budget_id or "", reserved, billed, price, SETTLED_KEEP_S]
-                keys = [self.key, self.settled_prefix + op]
+                args = [self.budget_id or "", reserved, billed, price, SETTLED_KEEP_S, number]
+                keys = [self.key, self.settled_key]
                 status, *totals = await self.link.call(
                     lambda r, k=keys, a=args: self._settle(keys=k, args=a, client=r)
                 )

@@ -5,6 +5,9 @@ after a replica restarts, and a settlement in flight across the loss counts once
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -185,3 +188,72 @@ def test_a_damaged_budget_hash_is_refused_in_one_line_and_left_as_it_is(tmp_path
     assert "\n" not in detail and "is damaged (billed_calls is not a count" in detail
     assert before == after and api.queries == 1
     assert health.status_code == 200
+
+
+def test_an_error_reply_of_redis_is_said_for_what_it_is_not_an_outage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis out of memory under noeviction (maxmemory reached after start): a price-only proxy
+    goes on answering misses, /health keeps Redis reachable, and one log line gives Redis's own
+    reply; a budgeted proxy refuses misses with a 503 that names the reply. A Redis that would
+    fill with answers this way is refused at start for a budget. Before: each error reply
+    marked Redis unreachable ("unreachable (OutOfMemoryError)"), and a budgeted Redis with
+    maxmemory and noeviction was accepted."""
+    caplog.set_level(logging.WARNING, logger="retrieval_server.shared")
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        client = redis.Redis.from_url(store.url)
+        priced = fleet(store.url, tmp_path / "a.json", url=api.url, price_per_call=0.01)
+        budgeted = fleet(store.url, tmp_path / "b.json", url=api.url, max_calls=10)
+        with running_server(None, **priced) as free, running_server(None, **budgeted) as paid:
+            assert post(free.url, ["before"]).status_code == 200
+            client.config_set("maxmemory", 1)  # every write is refused from now on
+            answered = post(free.url, ["out of memory"])
+            refused = post(paid.url, ["out of memory too"])
+            shared = httpx.get(f"{free.url}/health", timeout=10).json()["cache"]["shared"]
+            client.config_set("maxmemory", 0)
+        client.config_set("maxmemory", 10**9)
+        result = subprocess.run(
+            [sys.executable, "-m", "hdr.cli", "serve", "--upstream", api.url, "--port", "0",
+             "upstream.max_calls=5", "cache.backend=redis", f"cache.redis_url={store.url}",
+             f"upstream.spend_path={tmp_path / 'c.json'}"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert answered.status_code == 200 and shared["reachable"] is True
+    assert refused.status_code == 503
+    detail = refused.json()["detail"]
+    assert detail.startswith(
+        f"the upstream budget is shared in Redis and redis at {store.url} answered an error"
+        " (OutOfMemoryError: command not allowed when used memory > 'maxmemory');"
+    )
+    assert "unreachable" not in detail
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("unreachable" in line for line in lines), lines
+    errors = [line for line in lines if "answered an error (OutOfMemoryError" in line]
+    assert len(errors) == 2, lines  # one for each replica, however many commands it refused
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"hdr: error: redis at {store.url} would fill with answers and then refuse every update"
+            " of the budget (maxmemory 1000000000 with maxmemory-policy noeviction)"
+        )
+    )
+
+
+def test_settlements_leave_one_key_per_replica_not_one_per_forward(tmp_path: Path) -> None:
+    """Each settlement is numbered; Redis keeps the last number a replica applied (one key per
+    replica) instead of a key per forward kept a day. Before: 8 forwards left 8 keys."""
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        settings = fleet(store.url, tmp_path / "a.json", url=api.url, max_calls=10)
+        client = redis.Redis.from_url(store.url)
+        with running_server(None, **settings) as proxy:
+            for i in range(8):
+                assert post(proxy.url, [f"query {i}"]).status_code == 200
+            deadline = time.monotonic() + 10
+            while budget_hash(client)[b"billed_calls"] != b"8" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            settled = client.keys("hdr:settled:*")
+            final = budget_hash(client)
+    assert len(settled) == 1
+    assert final[b"billed_calls"] == b"8" == final[b"committed_calls"]

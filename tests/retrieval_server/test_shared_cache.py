@@ -252,6 +252,6 @@ def test_a_budget_in_a_redis_that_would_forget_it_is_refused(tmp_path: Path) -> 
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"hdr: error: redis at {store.url} does not persist (appendonly no): a restart of Redis"
-        " would forget the spend; run it with appendonly yes and maxmemory-policy noeviction or"
-        " volatile-lru to keep the upstream budget there"
+        " would forget the spend; run it with appendonly yes and maxmemory-policy volatile-lru (or"
+        " noeviction without maxmemory) to keep the upstream budget there"
     )

@@ -6,7 +6,9 @@ one script must share a slot):
 
 - answers, `NS:answer:FINGERPRINT:SHA256(key)`: the answer's bytes, written by the replica that
   computed (or paid for) it, with an expiry (`cache.ttl_s`, else `cache.redis_ttl_s`), so a miss
-  of one replica is a hit on every other, byte for byte. FINGERPRINT is the replica's own (its
+  of one replica is a hit on every other, byte for byte. An answer read from Redis is checked
+  (a list of documents, with scores where asked) before it is served or cached; anything else
+  is computed again and written over. FINGERPRINT is the replica's own (its
   index and the settings that decide answers, or its upstream's description), so replicas of
   different indexes never share an answer;
 - locks, `NS:lock:FINGERPRINT:SHA256(key)`: set if absent (with an expiry, `cache.redis_lock_s`,
@@ -61,8 +63,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 import orjson
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from core.errors import UserError
+from retrieval_server.api import Document
 from retrieval_server.cache import CacheKey
 from retrieval_server.spend import BudgetUnavailable, FleetRecord, SpendTotals, refusal
 
@@ -253,6 +257,18 @@ def budget_key(namespace: str, identity: str) -> str:
     return f"{namespace}:budget:{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
 
 
+class SharedScored(BaseModel):
+    """One ranked document of an answer with scores (a score that was not finite is null)."""
+
+    document: Document
+    score: float | None
+
+
+# what an answer read from Redis must be, as hdr's client reads it
+SHARED_SCORED = TypeAdapter(list[SharedScored])
+SHARED_PLAIN = TypeAdapter(list[Document])
+
+
 class SharedUnavailable(Exception):
     """Redis did not answer (or is waited out after a failure); the detail says why."""
 
@@ -374,6 +390,7 @@ class SharedCache:
         self.token = secrets.token_hex(16)  # this replica's, in every lock it holds
         self.held: dict[str, int] = {}  # lock key -> this replica's leaders holding it
         self.took_over = 0  # queries computed here after their lock went without an answer
+        self.rejected = 0  # answers read from Redis that were not answers (computed again)
         # answers computed while Redis did not answer: written when it is back, so another
         # replica does not pay for them again (name of the answer -> (its lock, the answer))
         self.unpublished: dict[str, tuple[str, bytes]] = {}
@@ -402,8 +419,10 @@ class SharedCache:
             return {}, list(keys), []
         answered, mine, theirs = {}, [], []
         for key, lock, reply in zip(keys, names[1::2], replies, strict=True):
-            if isinstance(reply, bytes):
+            if isinstance(reply, bytes) and self.valid(key, reply):
                 answered[key] = reply
+            elif isinstance(reply, bytes):  # computed here, and its answer written over it
+                mine.append(key)
             elif reply == 1:
                 mine.append(key)
                 self.held[lock] = self.held.get(lock, 0) + 1
@@ -412,6 +431,27 @@ class SharedCache:
         if mine and (self._renewer is None or self._renewer.done()):
             self._renewer = asyncio.get_running_loop().create_task(self._renew_held())
         return answered, mine, theirs
+
+    def valid(self, key: CacheKey, answer: bytes) -> bool:
+        """Whether an answer read from Redis is one query's answer as a client reads it (the
+        documents, with scores where the key asks for them); another is never served, and
+        the replica computes the query and writes its answer over it (one log line a
+        replica)."""
+        try:
+            (SHARED_SCORED if key.return_scores else SHARED_PLAIN).validate_json(answer)
+            return True
+        except ValidationError:
+            self.rejected += 1
+            if self.rejected == 1:
+                log.warning(
+                    "redis at %s holds an answer that is not a list of documents (%d bytes at"
+                    " an answer of fingerprint %s): not served; computed again and written"
+                    " over it (said once)",
+                    self.link.shown_url,
+                    len(answer),
+                    self.prefix.split(":")[-2],
+                )
+            return False
 
     def _let_go(self, locks: list[str]) -> None:
         for lock in locks:
@@ -474,8 +514,10 @@ class SharedCache:
                 return got, remaining
             locked, orphaned = [], []
             for key, reply in zip(remaining, replies, strict=True):
-                if isinstance(reply, bytes):
+                if isinstance(reply, bytes) and self.valid(key, reply):
                     got[key] = reply
+                elif isinstance(reply, bytes):
+                    orphaned.append(key)
                 else:
                     (locked if reply == 1 else orphaned).append(key)
             if orphaned:

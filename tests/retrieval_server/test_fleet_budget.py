@@ -257,3 +257,30 @@ def test_settlements_leave_one_key_per_replica_not_one_per_forward(tmp_path: Pat
             final = budget_hash(client)
     assert len(settled) == 1
     assert final[b"billed_calls"] == b"8" == final[b"committed_calls"]
+
+
+@pytest.mark.parametrize("stored", [b"\x00\xffgarbage", b'{"a": 1}', b'[{"document": 3}]'])
+def test_an_answer_in_redis_that_is_not_an_answer_is_never_served(
+    tmp_path: Path, stored: bytes
+) -> None:
+    """Bytes at an answer's key that are not a list of documents: the second replica asks the
+    upstream instead, answers it and writes the true answer over them; nothing of them stays
+    in its cache. Before: they were served with a 200 and kept in the replica's cache."""
+    with redis_server(tmp_path / "redis") as store, fake_upstream() as api:
+        cache = {"backend": "redis", "redis_url": store.url}
+        client = redis.Redis.from_url(store.url)
+        with (
+            running_server(None, upstream={"url": api.url}, cache=cache) as first,
+            running_server(None, upstream={"url": api.url}, cache=cache) as second,
+        ):
+            computed = post(first.url, ["Haiku"])
+            (key,) = client.keys("hdr:answer:*")
+            client.set(key, stored)
+            fetched = post(second.url, ["Haiku"])
+            rewritten = client.get(key)
+            client.delete(key)
+            again = post(second.url, ["Haiku"])
+    assert fetched.status_code == 200 and fetched.content == computed.content
+    assert fetched.headers["x-hdr-billed-queries"] == "1" and api.queries == 2
+    assert rewritten != stored and b"Haiku" in rewritten
+    assert again.content == computed.content and again.headers["x-hdr-cached-queries"] == "1"

@@ -756,7 +756,8 @@ class RedisLedger:
                 return
             raise BudgetUnavailable(
                 f"the upstream budget is shared in Redis and {err}; calls are refused until it"
-                " is back (cached queries are still answered)"
+                " is back (queries in this replica's own cache are still answered; those only in"
+                " Redis are not)"
             ) from None
         if isinstance(status, bytes):
             problem = status.decode()

@@ -284,3 +284,24 @@ def test_an_answer_in_redis_that_is_not_an_answer_is_never_served(
     assert fetched.headers["x-hdr-billed-queries"] == "1" and api.queries == 2
     assert rewritten != stored and b"Haiku" in rewritten
     assert again.content == computed.content and again.headers["x-hdr-cached-queries"] == "1"
+
+
+def test_an_outage_refusal_says_which_cached_queries_are_answered(tmp_path: Path) -> None:
+    """Redis down: a query that only Redis holds (another replica paid for it) cannot be
+    answered, and the 503 says that only this replica's own cache is still served. Before: it
+    said "cached queries are still answered" while refusing a cached one."""
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        first = fleet(store.url, tmp_path / "a.json", url=api.url, max_calls=10)
+        second = fleet(store.url, tmp_path / "b.json", url=api.url, max_calls=10)
+        with running_server(None, **first) as paid, running_server(None, **second) as other:
+            assert post(paid.url, ["Haiku"]).status_code == 200
+            store.stop()
+            own = post(paid.url, ["Haiku"])
+            only_in_redis = post(other.url, ["Haiku"])
+    assert own.status_code == 200
+    assert only_in_redis.status_code == 503
+    detail = only_in_redis.json()["detail"]
+    assert "cached queries are still answered" not in detail
+    assert detail.endswith(
+        "(queries in this replica's own cache are still answered; those only in Redis are not)"
+    )

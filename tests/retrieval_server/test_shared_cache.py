@@ -227,7 +227,8 @@ def test_with_redis_stopped_replicas_answer_and_a_paid_budget_fails_closed(
     detail = refused.json()["detail"]
     assert detail.startswith("the upstream budget is shared in Redis and redis at ")
     assert detail.endswith("unreachable (ConnectionError); calls are refused until it is back"
-                           " (cached queries are still answered)")  # fmt: skip
+                           " (queries in this replica's own cache are still answered;"
+                           " those only in Redis are not)")  # fmt: skip
     assert down["reachable"] is False and "unreachable" in down["reason"]
     assert ledger(after) == (1, 0) and back["shared"]["reachable"] is True
     assert ledger(from_the_fleet) == (0, 1) and from_the_fleet.content == new_search.content

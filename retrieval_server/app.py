@@ -494,7 +494,7 @@ def make_answers(
         )
         open_persisted(cache, settings.persist_path)
         if redis is not None:
-            shared = SharedCache(redis, settings, fingerprint)
+            shared = SharedCache(redis, settings, fingerprint, cache)
     return Answers(backend, cache, CostEmulator(config.emulated_cost), shared)
 
 

@@ -218,6 +218,13 @@ class ResultCache:
         self._entries.move_to_end(key)
         return value
 
+    def peek(self, key: CacheKey) -> bytes | None:
+        """The answer stored for `key` if it has not expired, without counting a use."""
+        entry = self._entries.get(key)
+        if entry is None or (self.ttl_s is not None and self.clock() - entry[1] > self.ttl_s):
+            return None
+        return entry[0]
+
     def put(self, key: CacheKey, value: bytes, stored_at: float | None = None) -> None:
         """Store `value`, evicting the least recently used entries past `max_bytes`; an
         answer larger than the whole bound is not stored."""

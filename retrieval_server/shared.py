@@ -33,7 +33,8 @@ commands are not retried by the client: a reservation sent twice would spend twi
 Redis unreachable (a refused connection, or no answer within `cache.redis_timeout_s`): the
 replica says so in one log line and in /health, serves from its own cache and its own searches
 (as `cache.backend: memory` would; what it computes meanwhile is written to Redis once Redis is
-back), and tries Redis again after `cache.redis_retry_s`. A budget
+back, as far as its own cache still holds it: the answers waiting stay inside
+`cache.max_bytes`), and tries Redis again after `cache.redis_retry_s`. A budget
 kept in Redis fails closed meanwhile: reservations are refused (misses answered 503, cached
 queries still served), and the settlements of calls already sent wait in memory, each
 numbered so that it counts once, until Redis is back. A budget is only kept in a Redis that
@@ -67,7 +68,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from core.errors import UserError
 from retrieval_server.api import Document
-from retrieval_server.cache import CacheKey
+from retrieval_server.cache import CacheKey, ResultCache
 from retrieval_server.spend import BudgetUnavailable, FleetRecord, SpendTotals, refusal
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FIRST_POLL_S, LAST_POLL_S = 0.002, 0.05  # a waiter's polls for another replica's answer
 SETTLED_KEEP_S = 86400  # how long a replica's last settlement number is kept after its last
-UNPUBLISHED_KEEP = 10_000  # answers kept to write once Redis is back (the oldest go first)
+UNPUBLISHED_KEEP = 10_000  # keys of answers to write once Redis is back (the oldest go first)
 
 # KEYS: answer, lock, answer, lock, ...; ARGV: token, expiry (ms) -> per pair the answer if
 # there is one, else 1 if this replica took the lock, else 0 (another holds it). One step, so
@@ -382,8 +383,11 @@ class SharedCache:
     "nothing shared" when Redis is unreachable: `claim` finds no answer and gives every query
     to this replica, `wait` hands the queries back, writes wait until Redis is back."""
 
-    def __init__(self, link: RedisLink, settings: CacheConfig, fingerprint: str) -> None:
+    def __init__(
+        self, link: RedisLink, settings: CacheConfig, fingerprint: str, local: ResultCache
+    ) -> None:
         self.link = link
+        self.local = local  # this replica's cache, in front
         self.prefix = f"{settings.redis_namespace}:%s:{fingerprint}:"
         self.lock_ms = int(settings.redis_lock_s * 1000)
         self.answer_ms = int((settings.ttl_s or settings.redis_ttl_s) * 1000)
@@ -391,9 +395,11 @@ class SharedCache:
         self.held: dict[str, int] = {}  # lock key -> this replica's leaders holding it
         self.took_over = 0  # queries computed here after their lock went without an answer
         self.rejected = 0  # answers read from Redis that were not answers (computed again)
-        # answers computed while Redis did not answer: written when it is back, so another
-        # replica does not pay for them again (name of the answer -> (its lock, the answer))
-        self.unpublished: dict[str, tuple[str, bytes]] = {}
+        # the keys of answers computed while Redis did not answer: written when it is back, so
+        # another replica does not pay for them again. Only the keys wait: the answers are
+        # this replica's cache's own (read from it then), so they stay inside cache.max_bytes,
+        # and one the cache evicted meanwhile is not written
+        self.unpublished: dict[CacheKey, None] = {}
         self._renewer: asyncio.Task[None] | None = None
         link.on_reachable.append(self._publish_the_unpublished)
         client = link.client
@@ -462,7 +468,7 @@ class SharedCache:
 
     async def store(self, answers: dict[CacheKey, bytes]) -> None:
         """Write the answers this replica computed and release their locks; while Redis does
-        not answer they wait (at most UNPUBLISHED_KEEP of them) until it is back."""
+        not answer their keys wait (at most UNPUBLISHED_KEEP) until it is back."""
         names = [name for key in answers for name in self._names(key)]
         self._let_go(names[1::2])
         try:
@@ -470,10 +476,11 @@ class SharedCache:
         except SharedRefused:
             return  # Redis answered and refused: the answer stays in this replica's cache
         except SharedUnavailable:
-            for (answer, lock), value in zip(
-                zip(names[::2], names[1::2], strict=True), answers.values(), strict=True
-            ):
-                self.unpublished[answer] = (lock, value)
+            self.unpublished.update(dict.fromkeys(answers))
+            if len(self.unpublished) > 2 * len(self.local) + 64:  # forget what the cache let go
+                self.unpublished = {
+                    key: None for key in self.unpublished if self.local.peek(key) is not None
+                } | dict.fromkeys(answers)
             while len(self.unpublished) > UNPUBLISHED_KEEP:
                 self.unpublished.pop(next(iter(self.unpublished)))
 
@@ -483,10 +490,11 @@ class SharedCache:
 
     async def _publish_the_unpublished(self) -> None:
         waiting, self.unpublished = self.unpublished, {}
-        if waiting:
-            names = [name for answer, (lock, _) in waiting.items() for name in (answer, lock)]
+        held = {key: value for key in waiting if (value := self.local.peek(key)) is not None}
+        if held:
+            names = [name for key in held for name in self._names(key)]
             try:
-                await self._write(names, [value for _, value in waiting.values()])
+                await self._write(names, list(held.values()))
             except SharedRefused:
                 pass  # Redis answered and refused them: they stay in this replica's cache
             except SharedUnavailable:

@@ -305,3 +305,29 @@ def test_an_outage_refusal_says_which_cached_queries_are_answered(tmp_path: Path
     assert detail.endswith(
         "(queries in this replica's own cache are still answered; those only in Redis are not)"
     )
+
+
+def test_answers_waiting_for_redis_stay_inside_the_cache_bound(tmp_path: Path) -> None:
+    """Redis down while 150 distinct queries are answered by a proxy whose cache holds about
+    30 of them: what waits to be written is the cache's own entries, so once Redis is back it
+    receives at most what the cache still holds. Before: all 150 answers waited in a queue of
+    their own, outside cache.max_bytes, and were written."""
+    with redis_server(tmp_path / "redis") as store, fake_upstream() as api:
+        cache = {"backend": "redis", "redis_url": store.url, "redis_retry_s": 0.2,
+                 "max_bytes": 16_384}  # fmt: skip
+        client = redis.Redis.from_url(store.url)
+        with running_server(None, upstream={"url": api.url}, cache=cache) as proxy:
+            store.stop()
+            for i in range(150):
+                assert post(proxy.url, [f"query number {i}"]).status_code == 200
+            held = httpx.get(f"{proxy.url}/health", timeout=10).json()["cache"]
+            store.start()
+            deadline = time.monotonic() + 30
+            while not httpx.get(f"{proxy.url}/health").json()["cache"]["shared"]["reachable"]:
+                assert time.monotonic() < deadline
+                post(proxy.url, ["query number 149"])
+                time.sleep(0.1)
+            time.sleep(1.0)  # the writes of what waited
+            written = len(client.keys("hdr:answer:*"))
+    assert 0 < held["entries"] < 150 and held["bytes"] <= held["max_bytes"]
+    assert 0 < written <= held["entries"]

@@ -119,7 +119,8 @@ CALIBRATION = Artifact(
 
 def _is_experiment(path: Path) -> bool:
     """A folder `hdr experiment` wrote, or one holding only runs copied from one (and the
-    start's evaluation) for a new experiment to reuse, as docs/results.md's ablations do."""
+    start's evaluation) for a new experiment to reuse, as the ablations of
+    docs/notebook/experiments.md do."""
     if (path / "experiment_config.json").is_file():
         return True
     if not {p.name for p in path.iterdir()} <= {"runs", "sft_start"}:

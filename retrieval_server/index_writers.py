@@ -38,7 +38,8 @@ FAST_SCAN_ALIAS = "fast-scan"
 
 
 def fast_scan_factory(vectors: int, dimension: int) -> str:
-    """The compressed layout chosen by measurement (docs/retrieval.md, "Operating points"):
+    """The compressed layout chosen by measurement (docs/notebook/retrieval.md, "Operating
+    points"):
     IVF lists near sqrt(vectors) (a power of two, 16..65,536, at least 39 vectors a list to
     train: IVF1024 at 1M, IVF4096 at 10M and 21M), 4-bit fast-scan PQ with one sub-quantizer
     per 8 dimensions (768-d: PQ96x4fs, half the bytes of PQ96 and 3-4x faster to scan).

@@ -35,7 +35,7 @@ uvicorn_log = logging.getLogger("uvicorn.error")
 # FAISS's OpenMP (libgomp) reads this once, when it loads (the index loads after this module is
 # imported): its idle threads then sleep instead of spinning. Spinning threads take the 2 cores
 # the event loop and the encoder need between two searches: one client's one-query requests
-# went from 42 to 96 q/s with it (bench/retrieval.py --cells limit, docs/retrieval.md).
+# went from 42 to 96 q/s with it (bench/retrieval.py --cells limit, docs/notebook/retrieval.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -224,8 +224,9 @@ def shutdown(dist: Dist) -> None:
     worker thread frees a finished collective's tensors after the caller has its result, and
     freeing a tensor that Python made (`all_gather_object`'s) needs the GIL; the group's
     destructor joins that thread while holding the GIL (in `destroy_process_group`, or later
-    when DDP's reducer lets go of the group): a rank that never exits (docs/trainer.md,
-    "Leaving the group"). Sleeping releases the GIL, so the thread finishes first."""
+    when DDP's reducer lets go of the group): a rank that never exits (docs/notebook/trainer.md,
+    "why the group pauses before it leaves"). Sleeping releases the GIL, so the thread finishes
+    first."""
     if dist.owns_group and torch_dist.is_initialized():
         torch_dist.barrier()
         if torch_dist.get_backend() == "gloo":

@@ -1,7 +1,8 @@
 """`hf` backend: transformers `generate` with left padding, the sampler's own log-probs and an
 explicit finish reason per row.
 
-Choices that keep the sampler's log-probs equal to teacher forcing (docs/cpu-bed.md, pitfalls):
+Choices that keep the sampler's log-probs equal to teacher forcing (the pitfalls of
+docs/notebook/cpu-bed.md):
 - during `generate` the model's own generation config is swapped for a neutral one, so a
   checkpoint's generation_config.json (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k
   20, top_p 0.8) cannot fill the fields we leave unset and change the distribution unseen;

@@ -285,8 +285,9 @@ def test_a_missing_model_path_is_one_line_at_once_without_a_hub(hub_trap, args) 
 
 
 def test_runs_copied_for_an_experiment_to_reuse_are_taken_and_nothing_else_is(tmp_path):
-    """docs/results.md's ablations copy finished runs (and the start's evaluation) into a new
-    --out for `hdr experiment` to reuse: such a folder is an experiment's; a stray file is not."""
+    """docs/notebook/experiments.md's ablations copy finished runs (and the start's evaluation)
+    into a new --out for `hdr experiment` to reuse: such a folder is an experiment's; a stray
+    file is not."""
     from core.errors import UserError
     from core.paths import EXPERIMENT, check_output
 

@@ -90,6 +90,28 @@ def test_every_link_of_the_docs_reaches_its_page_and_heading() -> None:
     assert broken_links(pages) == []
 
 
+def notebook_entries() -> list[tuple[str, str, str]]:
+    """(page, heading, the line after it) of every entry (a `## ` heading) of the notebook."""
+    entries = []
+    for page in sorted(NOTEBOOK.glob("*.md")):
+        if page.name != "README.md":
+            for match in re.finditer(r"^## (.+)\n\n(.*)$", unfenced(page), re.M):
+                entries.append((page.name, match.group(1), match.group(2)))
+    return entries
+
+
+def test_every_notebook_entry_is_dated_and_in_the_notebooks_index() -> None:
+    entries = notebook_entries()
+    assert len(entries) > 20
+    undated = [f"{page}: {heading}" for page, heading, after in entries
+               if not re.match(r"\*Written 20\d\d-\d\d-\d\d", after)]  # fmt: skip
+    assert undated == []
+    index = (NOTEBOOK / "README.md").read_text()
+    missing = [f"{page}: {heading}" for page, heading, _ in entries
+               if f"]({page}#{slug(heading)})" not in index]  # fmt: skip
+    assert missing == []
+
+
 def test_the_link_check_finds_a_missing_page_and_a_missing_heading(tmp_path: Path) -> None:
     """The checker itself."""
     (tmp_path / "a.md").write_text(

@@ -28,6 +28,9 @@ keys up there before computing, takes the fleet's lock of the ones it computes a
 their answers back; a key another replica holds the lock of is waited for, and taken over if
 that lock goes without an answer. Redis unreachable: the leader computes, as without it.
 
+A backend may answer some queries without computing them (a served snapshot reads them): it
+returns `Computed(answers, paid)`, and only `paid` are billed; the rest count as hits.
+
 With the cache disabled every query goes to the backend as it came (no lookup, no
 coalescing): every query billed, as before the cache existed.
 """
@@ -96,6 +99,26 @@ class BatcherBackend:
         return [render_query(query, return_scores) for query in passages]
 
 
+class Computed(list):
+    """A backend's answers of which only `paid` were computed (billed): a snapshot's others
+    were read, as a cache's are. A plain list is all paid for."""
+
+    def __init__(self, answers: list[bytes], paid: int) -> None:
+        super().__init__(answers)
+        self.paid = paid
+
+
+def paid_for(answers: list[bytes]) -> int:
+    """How many of a backend's answers were computed for them (billed)."""
+    return answers.paid if isinstance(answers, Computed) else len(answers)
+
+
+class LedAnswers(dict):
+    """A leader's computed answers by key, and how many of them were paid for."""
+
+    paid: int = 0
+
+
 @dataclass
 class Answered:
     """A request's answers in order, and how many of its queries were computed for it."""
@@ -143,7 +166,7 @@ class Answers:
     ) -> Answered:
         if self.cache is None:
             answers = await self._compute(list(queries), topk, retriever, return_scores)
-            return Answered(answers, billed=len(queries))
+            return Answered(answers, billed=paid_for(answers))
         keys = [CacheKey(scope, retriever, topk, return_scores, query) for query in queries]
         found: dict[CacheKey, bytes] = {}
         billed = hits = 0
@@ -234,8 +257,10 @@ class Answers:
                 self.cache.stats.shared_hits += len(from_fleet)
                 self._publish(from_fleet, found)
                 if mine:
-                    self._publish(await self._compute_led(mine), found)
-                    computed += len(mine)
+                    answers = await self._compute_led(mine)
+                    self._publish(answers, found)
+                    computed += answers.paid  # the rest the backend had (a snapshot): hits
+                    hits += len(mine) - answers.paid
                 pending = []
                 if theirs:
                     answered, pending = await shared.wait(theirs)  # type: ignore[union-attr]
@@ -248,7 +273,7 @@ class Answers:
                     future.set_exception(LeaderGone())
                     future.exception()  # retrieved: nobody may be waiting
 
-    async def _compute_led(self, keys: list[CacheKey]) -> dict[CacheKey, bytes]:
+    async def _compute_led(self, keys: list[CacheKey]) -> LedAnswers:
         """The backend's answers for `keys` (whose locks this replica holds, if shared),
         written to the shared cache; on failure the locks are let go."""
         assert self.cache is not None
@@ -260,8 +285,9 @@ class Answers:
             if self.shared is not None:
                 await asyncio.shield(self.shared.release(keys))
             raise
-        self.cache.stats.misses += len(keys)
-        computed = dict(zip(keys, answers, strict=True))
+        computed = LedAnswers(zip(keys, answers, strict=True))
+        computed.paid = paid_for(answers)
+        self.cache.stats.misses += computed.paid
         if self.shared is not None:
             await self.shared.store(computed)  # before answering: the next replica finds it
         return computed

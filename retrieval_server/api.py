@@ -114,7 +114,7 @@ class CacheReport(BaseModel):
     """`/health`'s account of the result cache (queries since start; see docs/retrieval.md)."""
 
     enabled: bool
-    hits: int  # queries answered from the cache (this replica's or the shared one)
+    hits: int  # queries answered without a computation: the caches, or a served snapshot
     misses: int  # queries computed: the billed ones
     coalesced: int  # queries answered by a computation in flight (or a duplicate in a request)
     shared_hits: int = 0  # of the hits: found in the shared cache

@@ -43,6 +43,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from core.config import StrictModel
 from core.errors import UserError
 from core.fingerprint import digest
+from retrieval_server.answers import Computed
 from retrieval_server.api import Document, ScoredDocument, SnapshotReport
 from retrieval_server.upstream import UpstreamBackend, UpstreamError
 
@@ -252,7 +253,8 @@ class SnapshotBackend:
                 self.snapshot.add(key, answer, now)
             self.counts.added += len(missing)
         self.counts.served += len(keys) - len(missing)
-        return [self.snapshot.answers[key] for key in keys]
+        # read, not computed: the client is told they were not billed (as a cache hit)
+        return Computed([self.snapshot.answers[key] for key in keys], paid=len(missing))
 
     def _refusal(
         self, missing: list[SnapshotKey], topk: int, return_scores: bool, retriever: str

@@ -62,6 +62,7 @@ def test_a_recorded_run_is_served_back_offline_byte_for_byte(
         report = httpx.get(f"{server.url}/health").json()["snapshot"]
     assert [r.status_code for r in replayed] == [200] * len(RUN)
     assert [r.content for r in replayed] == recorded
+    assert [int(r.headers["x-hdr-billed-queries"]) for r in replayed] == [0] * len(RUN)
     assert fake.searches == searches
     detail = missing.json()["detail"]
     assert missing.status_code == 404 and "\n" not in detail
@@ -88,6 +89,7 @@ def test_a_query_the_snapshot_lacks_is_fetched_live_and_added_to_a_new_file(
             new = ask(server.url, ["london", "paris"], 3, False)
     assert old.content == recorded[0]  # from the snapshot, not today's web
     assert new.status_code == 200 and fake.searches == searches + 1  # london alone fetched
+    assert (new.headers["x-hdr-billed-queries"], new.headers["x-hdr-cached-queries"]) == ("1", "1")
     assert "generation 2" in new.json()["result"][0][0]["contents"]
     assert path.read_bytes() == original  # the served snapshot is never written
     loaded = load_snapshot(grown)

@@ -136,6 +136,7 @@ class UpstreamReport(BaseModel):
     alone without either); `requests` to `refused_unavailable` count this process's."""
 
     url: str  # without user, password or query values
+    api: str = "search-r1"  # what it speaks: a Search-R1 server, or a web API (serper, serpapi)
     requests: int  # HTTP requests the upstream answered
     calls: int  # queries billed: answered, or sent and unanswered (upstream.bill_timeouts)
     committed_calls: int  # what the budget counts: billed, in flight, unsettled by a stopped server

@@ -565,6 +565,7 @@ class UpstreamBackend:
         c = self.config
         return UpstreamReport(
             url=c.shown_url,
+            api=c.web.api if c.web is not None else "search-r1",
             requests=self.counts.requests,
             calls=totals.calls,
             committed_calls=totals.committed_calls,

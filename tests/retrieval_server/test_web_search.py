@@ -81,7 +81,7 @@ def test_each_distinct_query_is_one_billed_call_and_answers_expire(
     assert fake.keys == [fake.key] * 4
     assert third.json()["result"][0] == first.json()["result"][1]
     assert [doc["source"] for doc in second.json()["result"][0]] == ["organic"] * 3
-    assert health["upstream"]["calls"] == 4
+    assert health["upstream"]["calls"] == 4 and health["upstream"]["api"] == api
     assert health["upstream"]["spent"] == pytest.approx(4 * 0.005)
     assert health["cache"]["ttl_s"] == 86400.0  # on by default: the web changes
 

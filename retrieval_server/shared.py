@@ -46,11 +46,18 @@ reachable, the command did nothing; the replica says so in one log line for each
 an answer it could not write stays in its own cache, and a reservation it could not make is
 a 503 naming the reply. A replica's settlements are numbered, and Redis keeps one key per
 replica with the last number applied, so a settlement resent after a lost reply counts once.
+Each reservation is numbered too and kept open under its replica until settled
+(`NS:replica:DIGEST:open:TOKEN`): one whose reply was lost (a timeout after Redis ran it) is
+released once Redis answers again, and a replica whose liveness key (`...:alive:TOKEN`,
+renewed while it runs, expiring after `cache.redis_lock_s`) is gone with reservations open is
+found by the next replica that starts or renews: one log line, and its calls stay counted as
+spent (the upstream may have billed them), as a spend file counts a crashed server's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import ipaddress
@@ -180,8 +187,10 @@ redis.call('HSET', KEYS[1], 'budget_id', ARGV[1], 'upstream', ARGV[2], 'committe
            'committed_spend', 0, 'billed_calls', 0, 'billed_spend', 0)
 return ARGV[1]
 """
-# KEYS: budget; ARGV: budget id, calls, price, max_calls (-1: none), max_spend (-1: none)
-# -> {1 or 0 (refused), totals...}, or {problem}
+# KEYS: budget, this replica's open reservations, its liveness, the budget's replicas; ARGV:
+# budget id, calls, price, max_calls (-1: none), max_spend (-1: none), the reservation's
+# number, this replica's token, liveness expiry (ms) -> {1 or 0 (refused), totals...}, or
+# {problem}
 RESERVE = (
     BUDGET_PRELUDE
     + """
@@ -197,14 +206,18 @@ if ok == 1 and max_spend >= 0 and price > 0
 if ok == 1 then
   redis.call('HINCRBY', KEYS[1], 'committed_calls', calls)
   redis.call('HINCRBYFLOAT', KEYS[1], 'committed_spend', calls * price)
+  redis.call('HSET', KEYS[2], ARGV[6], calls)
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[8])
+  redis.call('SADD', KEYS[4], ARGV[7])
   t = totals(KEYS[1])
 end
 return {ok, t[1], t[2], t[3], t[4]}
 """
 )
-# KEYS: budget, this replica's last applied settlement number; ARGV: budget id, reserved (in
-# Redis), billed, price, how long the number is kept (s), the settlement's number (a replica
-# settles in order, one at a time) -> {1, totals...}, or {problem} (not applied)
+# KEYS: budget, this replica's last applied settlement number, its open reservations; ARGV:
+# budget id, reserved (in Redis), billed, price, how long the number is kept (s), the
+# settlement's number (a replica settles in order, one at a time), then pairs (reservation
+# number, calls of it still open) -> {1, totals...}, or {problem} (not applied)
 SETTLE = (
     BUDGET_PRELUDE
     + """
@@ -220,6 +233,13 @@ if tonumber(ARGV[6]) > tonumber(redis.call('GET', KEYS[2]) or '0') then
   if billed > 0 then
     redis.call('HINCRBY', KEYS[1], 'billed_calls', billed)
     redis.call('HINCRBYFLOAT', KEYS[1], 'billed_spend', billed * price)
+  end
+  for i = 7, #ARGV, 2 do
+    if tonumber(ARGV[i + 1]) > 0 then
+      redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+    else
+      redis.call('HDEL', KEYS[3], ARGV[i])
+    end
   end
 end
 local t = totals(KEYS[1])
@@ -256,6 +276,48 @@ def upstream_identity(url: str) -> str:
 
 def budget_key(namespace: str, identity: str) -> str:
     return f"{namespace}:budget:{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
+
+
+# KEYS: budget, this replica's open reservations; ARGV: budget id, a reservation's number,
+# price -> {1, totals...}, or {problem}. Releases a reservation whose reply was lost, if it
+# was made (once: its record goes with it)
+CANCEL = (
+    BUDGET_PRELUDE
+    + """
+local problem = check(KEYS[1], ARGV[1])
+if problem then return {problem} end
+local calls = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0')
+if calls > 0 then
+  redis.call('HINCRBY', KEYS[1], 'committed_calls', -calls)
+  redis.call('HINCRBYFLOAT', KEYS[1], 'committed_spend', -calls * tonumber(ARGV[3]))
+  redis.call('HDEL', KEYS[2], ARGV[2])
+end
+local t = totals(KEYS[1])
+return {1, t[1], t[2], t[3], t[4]}
+"""
+)
+# KEYS: budget, the budget's replicas; ARGV: the prefix of a replica's keys (PREFIX..'open:'..
+# token, PREFIX..'alive:'..token) -> {token, calls, ...} of the replicas whose liveness
+# expired with reservations open: those stay committed (the upstream may have billed them),
+# are added to unsettled_calls, and their records go
+REAP = """
+local out = {}
+for _, token in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('EXISTS', ARGV[1] .. 'alive:' .. token) == 0 then
+    local open = ARGV[1] .. 'open:' .. token
+    local calls = 0
+    for _, value in ipairs(redis.call('HVALS', open)) do calls = calls + tonumber(value) end
+    redis.call('DEL', open)
+    redis.call('SREM', KEYS[2], token)
+    if calls > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
+      redis.call('HINCRBY', KEYS[1], 'unsettled_calls', calls)
+      out[#out + 1] = token
+      out[#out + 1] = calls
+    end
+  end
+end
+return out
+"""
 
 
 class SharedScored(BaseModel):
@@ -339,6 +401,10 @@ class RedisLink:
         if not self.reachable:
             self._back()
         return result
+
+    def will_send(self) -> bool:
+        """Whether a call now goes to Redis (not failed at once, Redis being waited out)."""
+        return self.reachable or time.monotonic() >= self._retry_at
 
     def _refused(self, err: Exception) -> SharedRefused:
         """The error reply as one line, logged once for each new reply (not per command)."""
@@ -586,8 +652,21 @@ class RedisLedger:
         legacy = str(httpx.URL(config.url).copy_with(userinfo=b""))
         self.legacy_key = budget_key(settings.redis_namespace, legacy)
         # this replica's settlements are numbered; Redis keeps the last one applied
-        self.settled_key = f"{settings.redis_namespace}:settled:{uuid.uuid4().hex}"
+        self.token = uuid.uuid4().hex
+        self.settled_key = f"{settings.redis_namespace}:settled:{self.token}"
         self.settlements = 0
+        # this replica's reservations open in Redis (number -> calls), its liveness (expiring
+        # unless renewed) and the budget's replicas, so that a replica that stopped with
+        # reservations open is found by another, said in one line and counted as spent
+        self.replica_prefix = self.key.replace(":budget:", ":replica:", 1) + ":"
+        self.open_key = f"{self.replica_prefix}open:{self.token}"
+        self.alive_key = f"{self.replica_prefix}alive:{self.token}"
+        self.replicas_key = f"{self.replica_prefix}replicas"
+        self.alive_ms = int(settings.redis_lock_s * 1000)
+        self.reservations = 0  # numbers given so far
+        self.open: collections.deque[list[int]] = collections.deque()  # [number, calls open]
+        self.cancels: list[int] = []  # reservations whose reply was lost: released once
+        self._liveness: asyncio.Task[None] | None = None
         self.record = (
             None
             if config.spend_path is None
@@ -596,8 +675,9 @@ class RedisLedger:
         self.budget_id = None if self.record is None else self.record.budget_id
         # the fleet's totals as last seen (shown in /health; never written back to Redis)
         self.known = SpendTotals() if self.record is None else self.record.seen
-        # (settlement number, the budget it was reserved in, calls reserved in Redis, billed)
-        self.pending: list[tuple[int, str | None, int, int]] = []
+        # (settlement number, the budget it was reserved in, calls reserved in Redis, billed,
+        # the open reservations it settles: (number, calls left open) pairs)
+        self.pending: list[tuple[int, str | None, int, int, list[int]]] = []
         self.unrecorded = 0  # calls reserved while Redis was unreachable (no budget: allowed)
         self.refusal: str | None = None  # why this Redis may not keep a budget
         self.problem: str | None = None  # what the last script found wrong with the budget
@@ -605,6 +685,8 @@ class RedisLedger:
         self._init = client.register_script(INIT)
         self._reserve = client.register_script(RESERVE)
         self._settle = client.register_script(SETTLE)
+        self._cancel = client.register_script(CANCEL)
+        self._reap = client.register_script(REAP)
         self._flusher: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         link.on_reachable.append(self._on_reachable)
@@ -721,12 +803,14 @@ class RedisLedger:
         log.error("the upstream budget stays closed: %s", self.refusal)
 
     async def start(self) -> None:
-        """At start: check this Redis may keep a budget (one UserError line if not) and join
-        the fleet's budget; an unreachable Redis is checked and joined when it comes back."""
+        """At start: check this Redis may keep a budget (one UserError line if not), join the
+        fleet's budget and say what replicas that stopped left open; an unreachable Redis is
+        checked and joined when it comes back."""
         if self.limited:
             await self.verify(at_start=True)
         with contextlib.suppress(SharedUnavailable):
             await self.join()
+            await self.reap()
 
     async def _on_reachable(self) -> None:
         if self.limited:
@@ -744,12 +828,25 @@ class RedisLedger:
             await self._flush()  # what was settled may free budget
             if self.budget_id is None:
                 await self.join()
+            self.reservations += 1
+            number = self.reservations
             args = [self.budget_id or "", calls, repr(c.price_per_call),
                     -1 if c.max_calls is None else c.max_calls,
-                    -1 if c.max_spend is None else repr(c.max_spend)]  # fmt: skip
-            status, *totals = await self.link.call(
-                lambda r: self._reserve(keys=[self.key], args=args, client=r)
-            )
+                    -1 if c.max_spend is None else repr(c.max_spend),
+                    number, self.token, self.alive_ms]  # fmt: skip
+            keys = [self.key, self.open_key, self.alive_key, self.replicas_key]
+            sent = self.link.will_send()
+            try:
+                status, *totals = await self.link.call(
+                    lambda r: self._reserve(keys=keys, args=args, client=r)
+                )
+            except SharedRefused:
+                raise
+            except SharedUnavailable:
+                if sent:  # perhaps made, its reply lost: released once Redis answers
+                    self.cancels.append(number)
+                    self._start_flusher()
+                raise
         except SharedRefused as err:
             if not self.limited:  # nothing to protect: count it once Redis takes it
                 self.unrecorded += calls
@@ -780,6 +877,37 @@ class RedisLedger:
         known = self._remember(*totals)
         if not status:
             raise refusal(c, known, calls)
+        self.open.append([number, calls])
+        if self._liveness is None or self._liveness.done():
+            self._liveness = asyncio.get_running_loop().create_task(self._stay_alive())
+
+    async def _stay_alive(self) -> None:
+        """Renew this replica's liveness while it runs (a third of its expiry apart), and
+        look for replicas that stopped with reservations open."""
+        while True:
+            with contextlib.suppress(SharedUnavailable):
+                await self.link.call(lambda r: r.set(self.alive_key, "1", px=self.alive_ms))
+                await self.reap()
+            await asyncio.sleep(self.alive_ms / 3000)
+
+    async def reap(self) -> None:
+        """Count as spent, with one log line each, the reservations of replicas whose
+        liveness expired (killed, or cut off from Redis past cache.redis_lock_s)."""
+        found = await self.link.call(
+            lambda r: self._reap(
+                keys=[self.key, self.replicas_key], args=[self.replica_prefix], client=r
+            )
+        )
+        for token, calls in zip(found[::2], found[1::2], strict=True):
+            token = token.decode() if isinstance(token, bytes) else str(token)
+            log.warning(
+                "%d calls were in flight on a replica that stopped without settling them"
+                " (replica %s of the fleet's budget at %s); they count as spent (the upstream"
+                " may have billed them)",
+                int(calls),
+                token[:8],
+                self.link.shown_url,
+            )
 
     def _report_problem(self, problem: str) -> None:
         """One log line when the budget turns out gone, replaced or damaged."""
@@ -791,7 +919,18 @@ class RedisLedger:
         unrecorded = min(self.unrecorded, reserved)
         self.unrecorded -= unrecorded
         self.settlements += 1
-        self.pending.append((self.settlements, self.budget_id, reserved - unrecorded, billed))
+        left, closing = reserved - unrecorded, []
+        while left > 0 and self.open:  # the oldest open reservations are settled first
+            number, still_open = self.open[0]
+            taken = min(still_open, left)
+            left -= taken
+            self.open[0][1] -= taken
+            closing += [number, still_open - taken]
+            if self.open[0][1] == 0:
+                self.open.popleft()
+        self.pending.append(
+            (self.settlements, self.budget_id, reserved - unrecorded, billed, closing)
+        )
         price = self.config.price_per_call
         k = self.known  # seen at once in /health; Redis's own totals replace it when written
         self.known = SpendTotals(
@@ -803,14 +942,15 @@ class RedisLedger:
         self._start_flusher()
 
     def _start_flusher(self) -> None:
-        if self.pending and (self._flusher is None or self._flusher.done()):
+        waiting = self.pending or self.cancels
+        if waiting and (self._flusher is None or self._flusher.done()):
             self._flusher = asyncio.get_running_loop().create_task(self._flush_until_done())
 
     async def _flush_until_done(self) -> None:
-        while self.pending:
+        while self.pending or self.cancels:
             with contextlib.suppress(SharedUnavailable):
                 await self._flush()
-            if self.pending:  # Redis does not answer, or the budget is gone: later
+            if self.pending or self.cancels:  # Redis does not answer, or the budget is gone
                 await asyncio.sleep(self.link.retry_s)
         await self._write_record()
 
@@ -818,13 +958,24 @@ class RedisLedger:
         """Write the queued settlements, oldest first; raises SharedUnavailable when Redis
         does not answer; stops (the rest stay queued) when the budget is gone or damaged."""
         async with self._flush_lock:
+            while self.cancels:
+                args = [self.budget_id or "", self.cancels[0], repr(self.config.price_per_call)]
+                status, *totals = await self.link.call(
+                    lambda r, a=args: self._cancel(keys=[self.key, self.open_key], args=a, client=r)
+                )
+                if isinstance(status, bytes):
+                    self._report_problem(status.decode())
+                    return
+                self.cancels.pop(0)
+                self._remember(*totals)
             while self.pending:
-                number, budget_id, reserved, billed = self.pending[0]
+                number, budget_id, reserved, billed, closing = self.pending[0]
                 if budget_id != self.budget_id:  # reserved in a count lost since (no budget)
                     reserved = 0
                 price = repr(self.config.price_per_call)
-                args = [self.budget_id or "", reserved, billed, price, SETTLED_KEEP_S, number]
-                keys = [self.key, self.settled_key]
+                args = [self.budget_id or "", reserved, billed, price, SETTLED_KEEP_S, number,
+                        *closing]  # fmt: skip
+                keys = [self.key, self.settled_key, self.open_key]
                 status, *totals = await self.link.call(
                     lambda r, k=keys, a=args: self._settle(keys=k, args=a, client=r)
                 )
@@ -839,10 +990,14 @@ class RedisLedger:
         counted as committed: spent, never unspent), and the record."""
         with contextlib.suppress(SharedUnavailable):
             await self._flush()
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+        for task in (self._flusher, self._liveness):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if not self.open and not self.pending:  # nothing open: this replica leaves no trace
+            with contextlib.suppress(SharedUnavailable):
+                await self.link.call(lambda r: r.delete(self.alive_key))
         await self._write_record()
         if self.record is not None:
             self.record.close()

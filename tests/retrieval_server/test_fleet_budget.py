@@ -331,3 +331,77 @@ def test_answers_waiting_for_redis_stay_inside_the_cache_bound(tmp_path: Path) -
             written = len(client.keys("hdr:answer:*"))
     assert 0 < held["entries"] < 150 and held["bytes"] <= held["max_bytes"]
     assert 0 < written <= held["entries"]
+
+
+BUSY_SCRIPT = """
+local start = redis.call('TIME')
+local now = start
+while (now[1] - start[1]) * 1000000 + (now[2] - start[2]) < tonumber(ARGV[1]) do
+  now = redis.call('TIME')
+end
+return 1
+"""
+
+
+def test_a_reservation_whose_reply_was_lost_is_released(tmp_path: Path) -> None:
+    """Redis busy for 1.5 s (another client's script) while a reservation waits: the replica's
+    0.3 s timeout gives up on it, Redis runs it afterwards and its reply is lost. Once Redis
+    answers again the replica releases it, so the budget counts what was billed. Before: the
+    call stayed in committed_calls for ever."""
+    with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
+        settings = fleet(store.url, tmp_path / "a.json", url=api.url, max_calls=10)
+        settings["cache"] |= {"enabled": False, "redis_timeout_s": 0.3}  # Redis: the budget
+        client = redis.Redis.from_url(store.url)
+        with running_server(None, **settings) as proxy:
+            assert post(proxy.url, ["first"]).status_code == 200
+            busy = threading.Thread(target=lambda: client.eval(BUSY_SCRIPT, 0, 1_500_000))
+            busy.start()
+            time.sleep(0.3)  # the script runs
+            lost = post(proxy.url, ["second"])
+            busy.join()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                httpx.get(f"{proxy.url}/health", timeout=10)  # tries Redis again
+                if budget_hash(client)[b"committed_calls"] == b"1":
+                    break
+                time.sleep(0.1)
+            after = post(proxy.url, ["third"])
+            time.sleep(0.5)
+            final = budget_hash(client)
+    assert lost.status_code == 503 and after.status_code == 200
+    assert api.queries == 2
+    assert final[b"committed_calls"] == b"2" == final[b"billed_calls"]
+
+
+def test_a_killed_replicas_reservations_are_said_and_counted(tmp_path: Path) -> None:
+    """A replica killed (kill -9) while its forward is in flight: the next replica to start
+    says in one log line that its calls were in flight when it stopped, and they stay
+    counted as spent. Before: no line."""
+    with (
+        redis_server(tmp_path / "redis", persist=True) as store,
+        fake_upstream(stall=True) as api,
+    ):
+        settings = ("cache.backend=redis", f"cache.redis_url={store.url}", "cache.redis_lock_s=1",
+                    "upstream.max_calls=5", "upstream.max_retries=0")  # fmt: skip
+        record = f"upstream.spend_path={tmp_path / 'a.json'}"
+        with serve_process(None, *settings, record, upstream=api.url) as doomed:
+
+            def call_that_dies_with_the_replica() -> None:
+                with pytest.raises(httpx.TransportError):
+                    post(doomed.url, ["Haiku"])
+
+            caller = threading.Thread(target=call_that_dies_with_the_replica)
+            caller.start()
+            api.wait_for_queries(1)
+            doomed.process.kill()
+            doomed.process.wait(timeout=30)
+            caller.join(timeout=30)
+        time.sleep(1.5)  # its liveness expires
+        other = f"upstream.spend_path={tmp_path / 'b.json'}"
+        with serve_process(None, *settings, other, upstream=api.url) as survivor:
+            report = httpx.get(f"{survivor.url}/health", timeout=10).json()["upstream"]
+            survivor.stop()
+    lines = [line for line in survivor.output.splitlines() if "in flight" in line]
+    assert len(lines) == 1, survivor.output
+    assert "1 calls were in flight on a replica that stopped without settling them" in lines[0]
+    assert report["committed_calls"] == 1 and api.queries == 1

@@ -52,7 +52,7 @@ def test_health_is_open_and_describes_the_index(protected_url: str, small_corpus
     assert cache["bytes"] <= cache["max_bytes"] and re.fullmatch(
         "[0-9a-f]{16}", cache["fingerprint"]
     )
-    assert health.pop("upstream") is None
+    assert health.pop("upstream") is None and health.pop("snapshot") is None
     assert health == {
         "status": "ok",
         "reason": None,

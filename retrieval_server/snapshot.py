@@ -18,6 +18,8 @@ seconds) and the answer as the JSON text that went into the response. It is chec
 load (kind, version, checksum, count, every field, every answer a valid Search-R1 result list):
 a damaged file is refused in one line, never served in part.
 
+In a fleet each replica records what its own clients received (give each its own file).
+
 Files: a recording is written only to a path that does not exist when the server starts
 (created there at once, empty, so a wrong path fails at start), and is then replaced only while
 it is still the file this server created (same inode): every `flush_s` seconds while answers

@@ -1,15 +1,16 @@
 """SerpApi (serpapi.com): Google results as JSON.
 
 From SerpApi's public documentation: `GET https://serpapi.com/search.json?engine=google&q=...
-&num=...&api_key=...` (and `gl`, `hl`, `location`); the answer holds `organic_results` (title,
-link, snippet, position), and where Google shows them `answer_box` (an object, or a list of
-them: title, answer, snippet or result, link) and `knowledge_graph` (title, description,
-website, source.link). Errors carry `{"error": message}`: 401 for a key it does not know, 403
-for an account without the right, 429 for both the hourly throughput limit and an account that
-"has run out of searches" (told apart by the message). A 200 may carry `error` too: with
-`search_metadata.status` "Success" it is a search without results (an empty answer), otherwise a
-failed search (502). The Account API (`/account.json?api_key=...`, free, not counted) checks
-the key at start and says how many searches are left.
+&api_key=...` (and `gl`, `hl`, `location`; `num` only past the default page of 10, topk is
+cut here); the answer holds `organic_results` (title, link, snippet, position), and where
+Google shows them `answer_box` (an object, or a list of them: title, answer, snippet or
+result, link) and `knowledge_graph` (title, description, website, source.link). Errors carry
+`{"error": message}`: 401 for a key it does not know, 403 for an account without the right,
+429 for both the hourly throughput limit and an account that "has run out of searches" (told
+apart by the message). A 200 may carry `error` too: with `search_metadata.status` "Success" it
+is a search without results (an empty answer), otherwise a failed search (502). The Account
+API (`/account.json?api_key=...`, free, not counted) checks the key at start and says how
+many searches are left.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from retrieval_server.web.config import WebSearchConfig
 
 QUOTA_WORDS = "run out of searches"
+PAGE_RESULTS = 10
 
 
 class SerpApi:
@@ -40,7 +42,9 @@ class SerpApi:
     def request(
         self, url: httpx.URL, query: str, topk: int, key: str, settings: WebSearchConfig
     ) -> WebRequest:
-        params = {"engine": "google", "q": query, "num": str(topk)}
+        params = {"engine": "google", "q": query}
+        if topk > PAGE_RESULTS:  # a page of 10 is the default (and the price of one search)
+            params["num"] = str(topk)
         for field, value in (("gl", settings.country), ("hl", settings.language),
                              ("location", settings.location)):  # fmt: skip
             if value is not None:

@@ -2,13 +2,14 @@
 
 From Serper's public documentation: `POST https://google.serper.dev/search` with the key in the
 `X-API-KEY` header and a JSON body `{"q": query, "num": results, "gl": country, "hl":
-language, "location": place}`; the answer holds `organic` (title, link, snippet, position), and
-where Google shows them `answerBox` (title, answer or snippet, link) and `knowledgeGraph`
-(title, description, descriptionLink or website). Serper publishes no table of error statuses;
-its users report 401/403 with `{"message": ..., "statusCode": ...}` for a key it refuses, 429
-for too many requests, and 400 (or 402) naming credits for an account whose credits are spent,
-and that is what is mapped here. Serper offers no free way to check a key, so a bad key shows
-at the first search.
+language, "location": place}` (`num` is sent only past the default page of 10; topk is cut
+here); the answer holds `organic` (title, link, snippet, position), and where Google shows them
+`answerBox` (title, answer or snippet, link) and `knowledgeGraph` (title, description,
+descriptionLink or website). Serper publishes no table of error statuses; its users report
+401/403 with `{"message": ..., "statusCode": ...}` for a key it refuses, 429 for too many
+requests, and 400 (or 402) naming credits for an account whose credits are spent, and that is
+what is mapped here. Serper offers no free way to check a key, so a bad key shows at the first
+search.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from retrieval_server.web.base import (
 if TYPE_CHECKING:
     from retrieval_server.web.config import WebSearchConfig
 
+PAGE_RESULTS = 10
 RESULT_FIELDS = ("organic", "answerBox", "knowledgeGraph", "searchParameters")
 
 
@@ -40,7 +42,9 @@ class Serper:
     def request(
         self, url: httpx.URL, query: str, topk: int, key: str, settings: WebSearchConfig
     ) -> WebRequest:
-        body: dict[str, Any] = {"q": query, "num": topk}
+        body: dict[str, Any] = {"q": query}
+        if topk > PAGE_RESULTS:  # a page of 10 is the default (and the price of one search)
+            body["num"] = topk
         for field, value in (("gl", settings.country), ("hl", settings.language),
                              ("location", settings.location)):  # fmt: skip
             if value is not None:

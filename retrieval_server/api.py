@@ -150,6 +150,7 @@ class UpstreamReport(BaseModel):
     max_calls: int | None
     max_spend: float | None
     ledger: Literal["memory", "file", "redis"]  # where the spend is kept
+    refusing: str | None = None  # why every call is refused now (the fleet's budget lost), one line
 
 
 class SnapshotReport(BaseModel):

@@ -764,7 +764,19 @@ class RedisLedger:
             if values[0] is not None and values[0].decode() == self.budget_id:
                 with contextlib.suppress(ValueError):
                     self._remember(*values[1:])
+            elif self.limited and self.budget_id is not None:
+                self._report_problem(
+                    "missing" if values[0] is None else f"other {values[0].decode()}"
+                )
         return self.known
+
+    @property
+    def refusing(self) -> str | None:
+        """Why every reservation is refused now (one line), for /health; None while the budget
+        is there (past its limit, calls are refused as spent, not here)."""
+        if self.refusal is not None:
+            return self.refusal
+        return None if self.problem is None else self._problem_line(self.problem)
 
     async def verify(self, at_start: bool) -> None:
         """Refuse a Redis that would forget or evict the budget: no append-only file, or an

@@ -579,6 +579,7 @@ class UpstreamBackend:
             max_calls=c.max_calls,
             max_spend=c.max_spend,
             ledger=self.ledger.where,
+            refusing=getattr(self.ledger, "refusing", None),
         )
 
 

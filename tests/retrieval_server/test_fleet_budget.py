@@ -65,7 +65,7 @@ def test_a_lost_budget_key_stops_spending_and_is_never_refilled(tmp_path: Path) 
     assert detail.startswith(f"the fleet's upstream budget is gone from redis at {store.url}")
     assert "restore Redis's data" in detail
     assert api.queries == 4
-    assert report["ledger"] == "redis"
+    assert report["ledger"] == "redis" and report["refusing"] == detail
 
 
 def test_a_settlement_across_a_loss_is_applied_once(tmp_path: Path) -> None:

@@ -487,6 +487,8 @@ class SharedCache:
             replies = await self.link.call(
                 lambda r: self._claim(keys=names, args=[self.token, self.lock_ms], client=r)
             )
+        except SharedRefused:  # no lock can be written (out of memory): answers still read
+            return await self._read_only(keys, names)
         except SharedUnavailable:
             return {}, list(keys), []
         answered, mine, theirs = {}, [], []
@@ -503,6 +505,22 @@ class SharedCache:
         if mine and (self._renewer is None or self._renewer.done()):
             self._renewer = asyncio.get_running_loop().create_task(self._renew_held())
         return answered, mine, theirs
+
+    async def _read_only(
+        self, keys: list[CacheKey], names: list[str]
+    ) -> tuple[dict[CacheKey, bytes], list[CacheKey], list[CacheKey]]:
+        """`claim` where Redis refuses writes: the answers it holds, every other key computed
+        here without a lock."""
+        try:
+            replies = await self.link.call(lambda r: self._peek(keys=names, client=r))
+        except SharedUnavailable:
+            return {}, list(keys), []
+        answered = {
+            key: reply
+            for key, reply in zip(keys, replies, strict=True)
+            if isinstance(reply, bytes) and self.valid(key, reply)
+        }
+        return answered, [key for key in keys if key not in answered], []
 
     def valid(self, key: CacheKey, answer: bytes) -> bool:
         """Whether an answer read from Redis is one query's answer as a client reads it (the

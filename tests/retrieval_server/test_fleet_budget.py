@@ -209,6 +209,7 @@ def test_an_error_reply_of_redis_is_said_for_what_it_is_not_an_outage(
             client.config_set("maxmemory", 1)  # every write is refused from now on
             answered = post(free.url, ["out of memory"])
             refused = post(paid.url, ["out of memory too"])
+            from_redis = post(paid.url, ["before"])  # the fleet's answer is still read
             shared = httpx.get(f"{free.url}/health", timeout=10).json()["cache"]["shared"]
             client.config_set("maxmemory", 0)
         client.config_set("maxmemory", 10**9)
@@ -219,6 +220,7 @@ def test_an_error_reply_of_redis_is_said_for_what_it_is_not_an_outage(
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert answered.status_code == 200 and shared["reachable"] is True
+    assert from_redis.status_code == 200 and from_redis.headers["x-hdr-cached-queries"] == "1"
     assert refused.status_code == 503
     detail = refused.json()["detail"]
     assert detail.startswith(

@@ -1,7 +1,11 @@
-"""The fleet's budget in Redis (`cache.backend: redis`) where Redis itself misbehaves, against a
-real `redis-server` and a fake paid API that counts what it receives (real `hdr serve`
-proxies on 127.0.0.1): a budget key that Redis loses is never refilled from a guess, before or
-after a replica restarts, and a settlement in flight across the loss counts once."""
+"""The fleet's budget and cache in Redis (`cache.backend: redis`) where Redis itself misbehaves,
+against real `redis-server` processes and a fake paid API that counts what it receives (real
+`hdr serve` proxies on 127.0.0.1): a budget key Redis loses is never refilled from a guess,
+before or after a replica restarts, and a settlement across the loss counts once; a password
+in the Redis URL's query is never shown; one upstream is one budget however its URL is
+spelled; a damaged budget hash, an error reply (out of memory) and garbage at an answer's key
+are each answered for what they are; answers waiting for Redis stay inside the cache's bound;
+a reservation whose reply was lost is released, and a killed replica's are said and counted."""
 
 from __future__ import annotations
 

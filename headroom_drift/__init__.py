@@ -24,7 +24,7 @@ from headroom_drift.lifecycle import GroupReplay, LateGroups
 from headroom_drift.objective import group_advantages, kl_k3, masked_mean, policy_loss
 from headroom_drift.rules import ARMS, RULES, is_gated, register_rule, rule_params
 from headroom_drift.scores import headroom, policy_drift
-from headroom_drift.selection import ScanParams, ScoreFn, Selection
+from headroom_drift.selection import Candidate, ScanParams, ScoreFn, Selection
 from headroom_drift.staleness import STALENESS_RULES, LateDecision
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "STALENESS_RULES",
     "AdaptiveGate",
     "Batch",
+    "Candidate",
     "FixedGate",
     "Gate",
     "GroupReplay",

@@ -31,7 +31,14 @@ from headroom_drift.gates import FixedGate, Gate
 from headroom_drift.groups import GroupTensors, ReplayBuffer, StoredGroup, make_group
 from headroom_drift.objective import group_advantages
 from headroom_drift.rules import RULES
-from headroom_drift.selection import ScoreFn, Selection
+from headroom_drift.selection import (
+    Candidate,
+    ScoreFn,
+    Selection,
+    by_recency,
+    eligible,
+    survey,
+)
 from headroom_drift.staleness import STALENESS_RULES, LateDecision, admit_late
 
 STATE_FORMAT = "headroom_drift.GroupReplay"
@@ -150,6 +157,17 @@ class GroupReplay:
         )
         self.pending = selection
         return selection
+
+    def survey(self, step: int, score: ScoreFn, newest: int | None = None) -> list[Candidate]:
+        """The stored groups eligible at `step` (entered before it) as the current policy sees
+        them, newest first, changing nothing: all of them, or the `newest` few (what
+        `replay_recency` replays with that budget). Call it before `select` or after, at the
+        same weights; `score` as in `select`, in the rule's chunks and drift norm."""
+        groups = by_recency(eligible(self.buffer, step))
+        if newest is not None:
+            groups = groups[:newest]
+        norm = getattr(self.params, "norm", "l2")
+        return survey(groups, step, norm, score, getattr(self.params, "chunk", 8))
 
     def admit_late(
         self, fresh: Sequence[StoredGroup], sampled: Sequence[Tensor], lags: list[int]

@@ -138,6 +138,44 @@ def scan(
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """A read-only view of one stored group under the current policy: its age at the step,
+    `D(g)`, its headroom now and the stored headroom it was ranked by."""
+
+    group_id: str
+    age: int
+    drift: float
+    headroom: float
+    stored_headroom: float
+    initial_headroom: float
+
+
+def survey(
+    groups: Sequence[StoredGroup], step: int, norm: str, score: ScoreFn, chunk: int
+) -> list[Candidate]:
+    """Each of `groups` scored under the current policy, in chunks, without admitting or
+    changing anything (the stored headroom stays as it was): what a scan would see of them.
+    A diagnostic: the admissible pool at any tau, the same-buffer counterfactual of another
+    rule's choice."""
+    out: list[Candidate] = []
+    for i in range(0, len(groups), max(1, chunk)):
+        batch = groups[i : i + max(1, chunk)]
+        for group, logprobs in zip(batch, score(batch), strict=True):
+            values = logprobs.detach()
+            out.append(
+                Candidate(
+                    group_id=group.group_id,
+                    age=step - group.entered_step,
+                    drift=float(policy_drift(values, group.gen_logprobs, group.loss_mask, norm)),
+                    headroom=float(headroom(values, group.loss_mask, group.advantages)),
+                    stored_headroom=group.headroom,
+                    initial_headroom=group.initial_headroom,
+                )
+            )
+    return out
+
+
+@dataclass(frozen=True)
 class OrderedReplay:
     """An arm of the Headroom-Drift family, as ordering x re-scoring x gate x norm.
 

@@ -191,6 +191,14 @@ class ReplayConfig(StrictModel):
     store_zero_advantage: bool = Field(
         False, description="Store groups whose advantages are all 0 (they carry no gradient)."
     )
+    survey: Literal["off", "newest", "buffer"] = Field(
+        "off",
+        description="A diagnostic, off the cost ledger and timed apart (time_survey): each"
+        " step, before the selection and at its weights, score stored groups without admitting"
+        " them and log their age, drift and headroom (survey_*): `newest`, the `budget` newest"
+        " (what replay_recency would replay from the same buffer: the counterfactual);"
+        " `buffer`, every eligible group (the admissible pool at any tau: calibration).",
+    )
     reuse_scan_forward: bool = Field(
         False,
         description="Score replay candidates with grad and keep the admitted groups' graphs,"

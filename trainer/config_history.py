@@ -36,6 +36,7 @@ ADDED_KEYS = {
     "sft.train_layers": None,
     "grpo.skip_zero_advantage": False,
     "generation.kv_cache_gib": None,
+    "replay.survey": "off",
 }
 """Keys added since hdr first recorded a run's settings, each with the value that does what hdr
 did before it: settings recorded without the key are compared as if they held it

@@ -42,6 +42,7 @@ from trainer.checkpoint import (
 from trainer.config import TrainConfig
 from trainer.config_history import read_as_today
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
+from trainer.frozen_bottom import attached
 from trainer.scoring import compute_context, distinct_tokens, score_groups
 from trainer.telemetry import RunLogs, StepCost
 
@@ -83,6 +84,9 @@ class Run:
     ref_model: PreTrainedModel | None = None
     cost: StepCost = field(default_factory=StepCost)  # the current step's ledger
     phase_seconds: dict[str, float] = field(default_factory=dict)  # the current step's phases
+    # tokens the frozen bottom (`model.train_layers`) forwarded in each phase of the step: 0
+    # in the selection phase when every scanned group ran the top layers on its kept states
+    phase_bottom_tokens: dict[str, int] = field(default_factory=dict)
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
@@ -105,11 +109,15 @@ class Run:
     def phase(self, name: str) -> Iterator[None]:
         """One phase of a step (rollout, scoring, selection, update): its process CPU seconds
         go to the step's cost ledger (`cost_cpu_<name>_s`), its wall seconds to
-        `phase_seconds[name]`."""
-        started = time.perf_counter()
+        `phase_seconds[name]`, the tokens a frozen bottom forwarded in it to
+        `phase_bottom_tokens[name]`."""
+        started, bottom = time.perf_counter(), attached(self.model)
+        before = bottom.computed_tokens if bottom is not None else 0
         with self.cost.cpu(name):
             yield
         self.phase_seconds[name] = time.perf_counter() - started
+        if bottom is not None:
+            self.phase_bottom_tokens[name] = bottom.computed_tokens - before
 
     def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
         """The replay `ScoreFn`: current-policy log-probs of stored groups; across processes
@@ -125,6 +133,21 @@ class Run:
                     self.config.grpo.score_chunk,
                     self.config.rollout.temperature,
                     with_grad=self.reuses_scan_forward,
+                ),
+            )
+
+    def score_uncounted(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
+        """`score` without gradient and off the cost ledger: for diagnostics that look at
+        stored groups (`replay.survey`), which the method itself never pays for."""
+        with self.autocast():
+            return self.dist.split_map(
+                groups,
+                lambda part: score_groups(
+                    self.model,
+                    part,
+                    self.config.grpo.score_chunk,
+                    self.config.rollout.temperature,
+                    with_grad=False,
                 ),
             )
 

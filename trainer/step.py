@@ -57,6 +57,7 @@ from headroom_drift.staleness import on_time
 from trainer.fresh import FreshBatch
 from trainer.run import Run
 from trainer.scoring import behaviour_groups, distinct_tokens, left_pad
+from trainer.survey import survey_candidates, survey_record
 from trainer.telemetry import StepCost, StepRecord, quantiles
 from trainer.update import UpdateStats, update_policy
 
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
 def train_step(run: Run, step: int) -> StepRecord:
     """One GRPO step with replay; returns what it logs."""
     cfg, started = run.config, time.perf_counter()
-    run.cost, run.phase_seconds = StepCost(), {}
+    run.cost, run.phase_seconds, run.phase_bottom_tokens = StepCost(), {}, {}
     client_before = replace(run.client.stats)  # a copy of the counters
     # 1-2. rollout of b prompts x G responses, each rewarded by agent_env
     with run.phase("rollout"):
@@ -90,7 +91,9 @@ def train_step(run: Run, step: int) -> StepRecord:
         # late groups (asynchronous rollout) pass the staleness rule or go to the buffer
         late = admit_late_groups(run, fresh, sampled, batch.lags)
         fresh = late.trained
-    # 4. replay selection: one decision, the same on every process
+    # 4. replay selection: one decision, the same on every process (a survey beside it, at
+    # the same weights, changes nothing and is timed apart)
+    surveyed = survey_candidates(run, step)
     with run.phase("selection"):
         replay_tau = float(run.replay.gate.tau)  # the tau this step's scan admits by
         selection = run.replay.select(step, run.score, fresh)
@@ -120,6 +123,10 @@ def train_step(run: Run, step: int) -> StepRecord:
     record = step_record(run, step, started, batch, fresh, entropy, gap, selection, update,
                          client_before)  # fmt: skip
     record.async_rollout = late.record()
+    if surveyed is not None:
+        record.survey = survey_record(surveyed, selection)
+    if run.phase_bottom_tokens:  # with a frozen bottom (`model.train_layers`)
+        record.frozen_bottom = {f"bottom_tokens_{k}": v for k, v in run.phase_bottom_tokens.items()}
     if run.config.replay.gate == "adaptive":
         record.replay_gate = {
             "replay_tau": replay_tau,

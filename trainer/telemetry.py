@@ -152,16 +152,22 @@ class StepRecord:
     # an adaptive replay gate (`replay.gate: adaptive`): the tau the step's scan admitted by,
     # the tau after it, and what the gate measured; None with the fixed gate
     replay_gate: dict[str, Any] | None = None
+    # the replay survey (`replay.survey`, trainer/survey.py); None when it is off
+    survey: dict[str, Any] | None = None
+    # tokens the frozen bottom forwarded per phase (`bottom_tokens_<phase>`); None without one
+    frozen_bottom: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The metrics.jsonl line: every field, the ledger as `cost_*` keys, and the TIS
         fields only when TIS is on."""
-        skip = ("cost", "async_rollout", "replay_gate")
+        skip = ("cost", "async_rollout", "replay_gate", "survey", "frozen_bottom")
         record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         for name in ("is_weight_mean", "is_capped_frac"):
             if record[name] is None:
                 del record[name]
-        extra = {**(self.async_rollout or {}), **(self.replay_gate or {})}
+        extra = {}
+        for part in (self.async_rollout, self.replay_gate, self.survey, self.frozen_bottom):
+            extra.update(part or {})
         return {**record, **extra, **self.cost.record()}
 
 

@@ -82,3 +82,29 @@ def test_rows_never_filled_are_computed_together_and_kept():
         want, _ = token_logprobs(plain, ids, attn)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert bottom.computed_tokens == 7
+
+
+def test_in_a_run_the_replay_scan_forwards_no_bottom_layer(
+    sft_policy, small_qa, retrieval_url, tmp_path
+):
+    # every scanned group had its states kept by its behaviour pass: the selection phase
+    # forwards the top layer only (0 bottom tokens), the behaviour pass all of its rows
+    import json
+
+    from conftest import TINY_CPU, tiny_overrides
+
+    from core.config import load_config
+    from trainer.config import TrainConfig
+    from trainer.loop import train
+
+    overrides = tiny_overrides(
+        retrieval_url, sft_policy, small_qa, tmp_path / "run", "steps=4", "eval.every=0",
+        "checkpoint.save_every=0", "model.train_layers=1", "replay.tau=1.0",
+    )  # fmt: skip
+    run_dir = train(load_config(TrainConfig, TINY_CPU, overrides))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    scanned = [r for r in rows if r["scanned_groups"]]
+    assert scanned, "no step scanned a stored group"
+    for r in rows:
+        assert r["bottom_tokens_scoring"] > 0
+        assert r["bottom_tokens_selection"] == 0

@@ -658,7 +658,9 @@ class RedisLedger:
     record knows of it (Redis restarted empty, flushed, evicted) is never refilled: every
     reservation is refused in one line, and settlements wait, until Redis's data is restored
     (then each is applied once). Without a budget (price only) a lost count starts again from
-    zero, with a log line."""
+    zero, with a log line. What no record can tell: a replica with a new spend file that
+    starts after the loss finds no budget and creates one (the replicas whose records know the
+    old one then refuse, naming the new id)."""
 
     where = "redis"
 

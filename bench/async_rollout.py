@@ -131,7 +131,7 @@ def overrides(paths, url: str, out: Path, steps: int, eval_questions: int) -> li
 def sft(paths, url: str) -> None:
     from core.config import load_config
     from trainer.config import TrainConfig
-    from trainer.sft import run_sft
+    from trainer.tools.sft import run_sft
 
     if (paths["sft"] / "config.json").exists():
         return

@@ -40,7 +40,7 @@ from gpu_smoke import FAIL, PASS, TOLERANCES, say
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "search-r1-qwen2.5-3b.yaml"
 GIB = 2**30
-# the loop's phases (trainer/loop.py) as the planner's (trainer/memory_plan.py) name them
+# the loop's phases (trainer/loop.py) as the planner's (trainer/tools/memory_plan.py) name them
 PLANNED_AS = {
     "rollout": "rollout", "scoring": "scoring", "selection": "scoring", "update": "update",
 }  # fmt: skip
@@ -209,7 +209,7 @@ def memory(work, bed, url, device="cuda:0") -> int:
     from core.config import load_config
     from trainer.config import TrainConfig
     from trainer.loop import train as train_loop
-    from trainer.memory_plan import model_shape, plan_memory
+    from trainer.tools.memory_plan import model_shape, plan_memory
 
     out = Path(work) / "run-memory"
     overrides = train_overrides(bed, out, url, "hf", 2, 2, device)

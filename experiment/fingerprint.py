@@ -39,7 +39,7 @@ def _without(settings: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any
 
 # What a training run's contents do not depend on.
 RUN_VOLATILE = ("out_dir", "retrieval.urls", "log.progress", "log.tensorboard")
-# What an SFT start reads (trainer/sft.py: seed, sft, data, rollout, and the model it is
+# What an SFT start reads (trainer/tools/sft.py: seed, sft, data, rollout, and the model it is
 # initialised from), less where it is written and where the server listened.
 SFT_SECTIONS = ("seed", "sft", "data", "rollout", "model", "retrieval")
 SFT_VOLATILE = ("model.path", "retrieval.urls", "sft.init_model")  # init: by identity

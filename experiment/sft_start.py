@@ -38,7 +38,7 @@ def ensure_policy(cfg: ExperimentConfig) -> Path:
     there on first use where it names SmolLM2), else the tiny policy (`tiny-policy`, or
     `tiny-policy-<hash>` for a non-default `policy`), built once."""
     from models.tiny import init_tiny_policy, vital_corpus_texts
-    from trainer.sft import ensure_init_model
+    from trainer.tools.sft import ensure_init_model
 
     if cfg.init_model:
         path = Path(cfg.data_dir) / cfg.init_model
@@ -100,7 +100,7 @@ def sft_prerequisite(cfg: ExperimentConfig) -> ExperimentConfig | None:
 def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     """The shared SFT start (`sft_start_dir`), trained once (`run_sft`) and then reused."""
     from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
-    from trainer.sft import run_sft
+    from trainer.tools.sft import run_sft
 
     sft_dir = sft_start_dir(cfg)
     prerequisite = sft_prerequisite(cfg)

@@ -2,7 +2,7 @@
 
 A group sampled by the weights of update `v` and trained at the update after `u` (the
 trainer's version) is `lag = u - v` updates late. With rollouts running ahead of the trainer
-(`trainer/async_rollout.py`), every fresh group has a lag in `0 .. max_lag`; a late group
+(`trainer/async_rollout/workers.py`), every fresh group has a lag in `0 .. max_lag`; a late group
 (lag >= 1) is, to the drift gate, the same object as a replayed group: its tokens and the
 log-probs of an older policy. Its Policy Drift under the current weights is
 `D(g) = mean over policy tokens of (logprob_current - logprob_sampler)^2` (L2; L1: `|.|`),

@@ -72,7 +72,7 @@ def sft_command(
     together with the prompt and rollout settings `hdr rollout` and `hdr eval` then use."""
     from core.config import load_config
     from trainer.config import TrainConfig
-    from trainer.sft import run_sft
+    from trainer.tools.sft import run_sft
 
     settings = [*server_overrides(server), *all_overrides(overrides, set_)]
     out = run_sft(load_config(TrainConfig, config, settings), force=force)
@@ -94,8 +94,8 @@ def calibrate_command(
     """Three-point log-spaced tau sweep: acceptance rate per point and a recommendation."""
     from core.config import load_config
     from core.errors import UserError
-    from trainer.calibrate import calibrate
     from trainer.config import TrainConfig
+    from trainer.tools.calibrate import calibrate
 
     cfg = load_config(
         TrainConfig, config, [*server_overrides(server), *all_overrides(overrides, set_)]
@@ -138,7 +138,7 @@ def plan_memory_command(
     from core.errors import UserError
     from trainer.config import TrainConfig
     from trainer.integrations.trl_memory import is_trl_config, plan_trl
-    from trainer.memory_plan import model_shape, plan_memory
+    from trainer.tools.memory_plan import model_shape, plan_memory
 
     if is_trl_config(config):
         plan, steps = plan_trl(config, all_overrides(overrides, set_), gpu_gb, gpus, tflops)

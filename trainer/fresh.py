@@ -1,6 +1,7 @@
 """Fresh rollouts: where every step's new groups come from (steps 1-2 of docs/design.md).
 
-What the synchronous loop and the rollout workers (`trainer/async_rollout.py`) both do, once:
+What the synchronous loop and the rollout workers (`trainer/async_rollout/workers.py`) both
+do, once:
 
 - Prompts. `sample_prompts`: the step's `b` prompts, epochs of seeded permutations, a pure
   function of (seed, step), so a resumed run draws what the original would. Dynamic sampling
@@ -20,7 +21,7 @@ What the synchronous loop and the rollout workers (`trainer/async_rollout.py`) b
   made to get them (the cost ledger counts them all).
 - Sources. The loop takes each step's batch from a `FreshSource`: `InProcessRollout` (the
   trainer's own processes, after the previous update) or `RolloutWorkers` (worker processes
-  that run ahead, `trainer/async_rollout.py`), and publishes each update's weights to it.
+  that run ahead, `trainer/async_rollout/workers.py`), and publishes each update's weights to it.
 
 A rollout reads a `RolloutContext`: the run's config, the generator, the retrieval client,
 the tokenizer and the process's place in the job. `LazyGenerator` is the trainer's generator

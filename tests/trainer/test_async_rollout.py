@@ -1,4 +1,4 @@
-"""Asynchronous rollout in hdr's loop (trainer/async_rollout.py), with real rollout worker
+"""Asynchronous rollout in hdr's loop (trainer/async_rollout/workers.py), with real rollout worker
 processes, a real retrieval server and the tiny policy:
 
 - with the queue bound 0 a worker-run training run is the synchronous loop: the same tokens
@@ -128,7 +128,7 @@ def test_late_groups_pass_the_staleness_rule(rule, sft_policy, small_qa, retriev
 
 
 def test_steps_are_dealt_round_robin_or_shared():
-    from trainer.async_rollout import responsible
+    from trainer.async_rollout.workers import responsible
 
     assert [responsible("steps", 2, 3, s) for s in (3, 4, 5)] == [{0}, {1}, {0}]
     assert responsible("shards", 3, 1, 7) == {0, 1, 2}

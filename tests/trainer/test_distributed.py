@@ -238,7 +238,7 @@ def test_ddp_gradients_stay_views_into_its_buckets(two_and_one):
     updates, so a pass's no_sync micro-batches accumulate into the buckets, not into a second
     copy; the buckets hold the fp32 parameters' bytes, as `hdr plan-memory` counts them. In one
     process the gradients are dropped after the step."""
-    from trainer.memory_plan import ModelShape, plan_memory
+    from trainer.tools.memory_plan import ModelShape, plan_memory
 
     (r0, r1), one = two_and_one
     parameters = sum(p.numel() for p in tiny_llama(seed=0).parameters())

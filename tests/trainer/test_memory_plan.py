@@ -11,7 +11,7 @@ from conftest import REPO
 
 from core.config import load_config
 from trainer.config import TrainConfig
-from trainer.memory_plan import PHASES, ModelShape, model_shape, plan_memory
+from trainer.tools.memory_plan import PHASES, ModelShape, model_shape, plan_memory
 
 GIB = 2**30
 
@@ -281,7 +281,7 @@ def test_the_3b_config_with_two_engine_workers_on_its_gpu_is_refused_in_one_line
     """`hdr plan-memory`, and the same arithmetic at `hdr train`'s start (`placement_refusal`
     before any worker is spawned): two vLLM workers beside the trainer on one 80 GB GPU do not
     fit; a GPU each does."""
-    from trainer.memory_plan import placement_refusal
+    from trainer.tools.memory_plan import placement_refusal
 
     args = ["async_rollout.workers=2", "async_rollout.max_lag=1", "grpo.tis_cap=null"]
     config = load_config(TrainConfig, REPO / "configs/search-r1-qwen2.5-3b.yaml", args)

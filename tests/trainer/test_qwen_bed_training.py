@@ -36,7 +36,7 @@ def test_sft_then_train_on_the_qwen_bed(qwen_policy_dir, small_qa, retrieval_url
     from transformers import AutoModelForCausalLM
 
     from trainer.loop import train
-    from trainer.sft import run_sft
+    from trainer.tools.sft import run_sft
 
     sft_dir = tmp_path / "sft"
     sft_cfg = load_config(

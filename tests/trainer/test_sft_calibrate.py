@@ -6,8 +6,8 @@ import pytest
 from conftest import TINY_CPU, tiny_overrides
 
 from core.config import load_config
-from trainer.calibrate import CalibrationPoint, calibrate, log_spaced, recommend
 from trainer.config import TrainConfig
+from trainer.tools.calibrate import CalibrationPoint, calibrate, log_spaced, recommend
 
 
 def test_scripted_sft_rows_train_only_on_policy_tokens(
@@ -17,7 +17,7 @@ def test_scripted_sft_rows_train_only_on_policy_tokens(
 
     from agent_env.data import load_task
     from agent_env.retrieval_client import RetrievalClient
-    from trainer.sft import scripted_rows
+    from trainer.tools.sft import scripted_rows
 
     overrides = tiny_overrides(retrieval_url, tmp_path / "m", small_qa, tmp_path / "r")
     cfg = load_config(TrainConfig, TINY_CPU, [*overrides, "rollout.max_tokens_per_turn=48"])
@@ -71,7 +71,7 @@ def test_drawn_sft_queries_vary_the_words_that_reach_the_retriever(
     from agent_env.data import load_task
     from agent_env.prompts import format_documents
     from agent_env.retrieval_client import RetrievalClient
-    from trainer.sft import scripted_rows
+    from trainer.tools.sft import scripted_rows
 
     extra = ["rollout.max_tokens_per_turn=48", "rollout.max_query_words=2", "rollout.doc_words=8"]
     extra += ["rollout.max_obs_tokens=400", f"sft.query={form}", "sft.queries_per_question=3"]
@@ -123,7 +123,7 @@ def test_sft_answer_doc1_always_answers_the_first_document(
     from agent_env.data import load_task
     from agent_env.generation.scripted import document_titles
     from agent_env.retrieval_client import RetrievalClient
-    from trainer.sft import scripted_rows
+    from trainer.tools.sft import scripted_rows
 
     extra = ["rollout.max_tokens_per_turn=48", "rollout.max_query_words=2", "rollout.doc_words=8"]
     extra += ["rollout.max_obs_tokens=400", "sft.query=subset", "sft.queries_per_question=3"]
@@ -198,7 +198,7 @@ def test_calibrate_closed_and_open_gates(sft_policy, small_qa, retrieval_url, tm
 def test_sft_batches_cover_every_row_once_with_little_padding():
     import random
 
-    from trainer.sft import length_batches
+    from trainer.tools.sft import length_batches
 
     rng = random.Random(0)
     lengths = [rng.randint(90, 180) for _ in range(1000)]
@@ -269,7 +269,7 @@ def test_a_kill_between_the_epoch_checkpoints_renames_resumes_from_the_earlier_e
     import torch
     from conftest import tiny_llama
 
-    from trainer.sft import Best, EpochCheckpoint
+    from trainer.tools.sft import Best, EpochCheckpoint
 
     out = tmp_path / "policy"
     config = TrainConfig.model_validate({"model": {"path": str(out)}})

@@ -1,4 +1,5 @@
-"""Where asynchronous rollout workers run (trainer/worker_devices.py, `async_rollout.devices`):
+"""Where asynchronous rollout workers run (trainer/async_rollout/devices.py,
+`async_rollout.devices`):
 the device map read from the config, applied in each worker's own process (it sees its one
 GPU: CUDA_VISIBLE_DEVICES), vLLM engines sharing a GPU started one at a time, and the map
 refused in one line where it cannot be honoured. The engines are tests/fakes/vllm (vLLM 0.31 on
@@ -18,8 +19,8 @@ from conftest import TINY_CPU, tiny_overrides
 
 from core.config import load_config
 from core.errors import UserError
+from trainer.async_rollout.devices import place_worker, shared_vllm_gpus, worker_placement
 from trainer.config import TrainConfig
-from trainer.worker_devices import place_worker, shared_vllm_gpus, worker_placement
 
 
 def async_config(url, model, qa, out, *extra: str) -> TrainConfig:
@@ -117,7 +118,7 @@ def test_vllm_workers_build_their_engines_on_their_gpus(
     uniprocess executor's device); where both share a GPU the second worker is started only
     once the first reported ready (its engine built)."""
     from agent_env.retrieval_client import connect
-    from trainer.async_rollout import RolloutWorkers
+    from trainer.async_rollout.workers import RolloutWorkers
     from trainer.run import load_policy
 
     monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "engines"))

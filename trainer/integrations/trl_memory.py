@@ -20,7 +20,7 @@ fp32 master weights and AdamW's two moments 12P/N; a bf16 reference 2P/N when `b
 groups per process, round-robin, spread over `steps_per_generation` micro-batches); a row is
 at most a 1,024-token prompt allowance plus `max_completion_length`.
 
-Estimates (as trainer/memory_plan.py states them): the per-token activation bytes of a layer
+Estimates (as trainer/tools/memory_plan.py states them): the per-token activation bytes of a layer
 for the backward, the no-grad forward's, gradient checkpointing keeping each layer's input
 (bf16 under DeepSpeed's bf16: 2h per layer); ZeRO-3's gathered parameters in flight taken as
 the largest module (the embedding or output layer) plus one decoder layer, twice (the one
@@ -44,7 +44,8 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from trainer.memory_plan import (
+from trainer.scoring import HEAD_SLICE
+from trainer.tools.memory_plan import (
     CONTEXT_GIB,
     GIB,
     NCCL_GIB,
@@ -53,7 +54,6 @@ from trainer.memory_plan import (
     MemoryPlan,
     ModelShape,
 )
-from trainer.scoring import HEAD_SLICE
 
 TOKEN_TILE, VOCAB_TILE = 4096, 32768  # TRL 1.16's fused output layer
 
@@ -289,7 +289,7 @@ def plan_trl(path, overrides: list[str], gpu_gib: float, processes: int, tflops:
     """The memory plan and the step-compute table of the TRL run config at `path`."""
     from core.config import load_config
     from trainer.integrations.trl_run import TRLRunConfig, grpo_args
-    from trainer.memory_plan import model_shape
+    from trainer.tools.memory_plan import model_shape
 
     config = load_config(TRLRunConfig, path, overrides)
     # TRL's dataclass resolves the sizes (steps_per_generation, ...); bf16 is the recipe's

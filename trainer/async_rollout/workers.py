@@ -52,7 +52,7 @@ out together, each trajectory under its own seed, as the synchronous loop does w
 The trainer's own engine (held-out evaluation) is then built only when first used
 (`trainer.fresh.LazyGenerator`), so a run holds `workers` engines while it trains.
 
-Devices. `async_rollout.devices` maps each worker to a device (trainer/worker_devices.py):
+Devices. `async_rollout.devices` maps each worker to a device (trainer/async_rollout/devices.py):
 a worker on `cuda:N` sees that one GPU only, its engine (or hf module) runs there, a vllm
 worker's module stays on the CPU, and vLLM engines that share a GPU start one at a time.
 `hdr plan-memory` plans the same map, and the run refuses one that does not fit.
@@ -77,6 +77,7 @@ import torch
 import torch.multiprocessing as mp
 
 from core.errors import UserError
+from trainer.async_rollout.devices import place_worker, shared_vllm_gpus
 from trainer.fresh import (
     FreshBatch,
     RolloutContext,
@@ -87,8 +88,7 @@ from trainer.fresh import (
     roll_shards,
     sample_prompts,
 )
-from trainer.memory_plan import check_worker_placement
-from trainer.worker_devices import place_worker, shared_vllm_gpus
+from trainer.tools.memory_plan import check_worker_placement
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig

@@ -26,7 +26,7 @@ second copy. AdamW is fused on CUDA (no per-tensor temporaries). vLLM takes
 live inside that share).
 
 Asynchronous rollout workers (`async_rollout.workers`) are planned on the GPUs the device map
-sends them to (`async_rollout.devices`, trainer/worker_devices.py), and are held in every
+sends them to (`async_rollout.devices`, trainer/async_rollout/devices.py), and are held in every
 phase, since they roll out while the trainer scores and updates: each its own CUDA context; a
 vllm worker its engine's `gpu_memory_utilization` of the card (its module stays on the CPU); an
 hf worker its fp32 copy of the policy (4P), autocast's bf16 copies while it generates (2P, bf16
@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import UserError
+from trainer.async_rollout.devices import worker_device, worker_placement
 from trainer.config import TrainConfig
 from trainer.scoring import HEAD_SLICE
-from trainer.worker_devices import worker_device, worker_placement
 
 GIB = 2**30
 PHASES = ("rollout", "scoring", "update")

@@ -1,5 +1,6 @@
-"""Where asynchronous rollout workers run (`async_rollout.devices`): the device map that
-trainer/async_rollout.py applies in each worker process and trainer/memory_plan.py plans.
+"""Where asynchronous rollout workers run (`async_rollout.devices`): the device map
+that trainer/async_rollout/workers.py applies in each worker process and
+trainer/tools/memory_plan.py plans.
 
 Each worker is mapped to one device (empty map: `model.device`). A worker on `cuda:N` sees
 that one GPU only: its process's CUDA_VISIBLE_DEVICES, set before anything in it touches

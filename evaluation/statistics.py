@@ -235,6 +235,14 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return adjusted
 
 
+def greater(estimate: Estimate) -> Estimate:
+    """The one-sided test of H0: difference <= 0 on the estimate's own SE and df (p =
+    P(T_df > mean / se)); the interval stays the two-sided one it was made with."""
+    mean, se = estimate.estimate, estimate.se
+    p = float(stats.t.sf(mean / se, estimate.df)) if se > 0 else (0.0 if mean > 0 else 1.0)
+    return replace(estimate, p=p, method=f"{estimate.method}, one-sided (greater)")
+
+
 def verdict(estimate: Estimate, alpha: float = 0.05, p: float | None = None) -> str:
     """ "+" or "−" when the difference is significant at `alpha` (`p`: an adjusted p-value
     in place of the estimate's own), "0" when it is not (no difference shown: not "equal",

@@ -20,6 +20,7 @@ from core.config import StrictModel, build_config, format_validation_error, read
 from core.errors import UserError
 from evaluation.costs import MEASURED_HERE, CostModel
 from experiment.arms import ARMS, Arm
+from experiment.decision import DecisionRule
 from experiment.diagnostics import DoseScreen, PoolCheck
 from experiment.precondition import Precondition
 from models.tiny import TinyPolicyConfig
@@ -36,6 +37,11 @@ class Contrast(StrictModel):
     reference: str = Field(description="The arm (or variant) it is compared with.")
     metric: Literal["mean_at_k", "best_at_k", "greedy_em"] = Field(
         "mean_at_k", description="The held-out metric of the final evaluation."
+    )
+    alternative: Literal["two-sided", "greater"] = Field(
+        "two-sided",
+        description="The test: two-sided, or one-sided `greater` (H0: arm - reference <= 0),"
+        " declared before the runs; the interval shown stays two-sided.",
     )
     primary: bool = Field(
         False,
@@ -156,6 +162,12 @@ class ExperimentConfig(StrictModel):
         description="The dose screen of a candidate bed: a low against a high number of fresh"
         " prompts a step, projected to the pilot's 1.5x step by log-dose arithmetic. Reported"
         " in results.json as `dose_screen`.",
+    )
+    decision: DecisionRule | None = Field(
+        None,
+        description="The replay comparison's decision rule (experiment/decision.py): which"
+        " arms answer its three questions, and the margin of its equivalence claims. Reported"
+        " in results.md above the contrasts.",
     )
     pilot_bed: str | None = Field(
         None,

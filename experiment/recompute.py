@@ -37,6 +37,8 @@ RUN_EVIDENCE = ("config.yaml", "metrics.jsonl", "eval.jsonl", "heldout/eval.json
 # copied too where a run has it (fingerprint.HASH_FILE): the hash `hdr experiment` checks to
 # take an exported run as finished in another session (runs.carried); the recompute needs it not
 RUN_HASH = HASH_FILE
+# copied too where a run has it: the groups that left its buffer, for the mechanism views
+RUN_GROUPS = "groups.jsonl"
 
 
 def read_config(root: Path) -> ExperimentConfig:
@@ -131,8 +133,7 @@ def export_evidence(root: str | Path, dest: Path) -> list[Path]:
             if not found.is_file():
                 raise UserError(f"{run_dir}: no {name}; the recompute needs it")
             sources.append(found)
-        if (run_dir / RUN_HASH).is_file():
-            sources.append(run_dir / RUN_HASH)
+        sources += [run_dir / name for name in (RUN_HASH, RUN_GROUPS) if (run_dir / name).is_file()]
     staged = staging_dir(dest)
     written = []
     for source in sources:
@@ -149,7 +150,7 @@ def export_evidence(root: str | Path, dest: Path) -> list[Path]:
     # an earlier export's files that this one lacks go; nothing else in `dest` is touched
     patterns = ["experiment_config.json", f"sft_start/eval.json{GZIPPED}"] + [
         f"runs/*/seed-*/{name}{GZIPPED if name.endswith('eval.json') else ''}"
-        for name in (*RUN_EVIDENCE, RUN_HASH)
+        for name in (*RUN_EVIDENCE, RUN_HASH, RUN_GROUPS)
     ]
     previous = sorted(
         {p.relative_to(dest).as_posix() for pattern in patterns for p in dest.glob(pattern)}

@@ -11,6 +11,8 @@ from evaluation.costs import modelled_cost_markdown
 from evaluation.metrics import Spread, markdown_table
 from evaluation.statistics import Equivalence, Estimate
 from experiment.config import ExperimentConfig
+from experiment.decision import decision_lines
+from experiment.mechanism import mechanism_lines
 from experiment.summary import CPU_KEYS, TIME_KEYS, BudgetRow, ExperimentSummary
 
 SFT_START = "sft_start"
@@ -78,7 +80,11 @@ def results_markdown(
             " that says GO.\n"
         )
     lines += diagnostics_lines(summary)
+    if cfg.decision is not None:
+        lines += decision_lines(cfg.decision, summary.contrasts)
     lines += [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
+    if summary.mechanism is not None:
+        lines += mechanism_lines(summary.mechanism)
     if summary.modelled_cost:
         lines.append("\n" + modelled_cost_markdown(summary.modelled_cost, cfg.cost_model))
     lines += [

@@ -29,6 +29,7 @@ from evaluation.statistics import (
     components,
     crossed_interval,
     equivalence,
+    greater,
     holm,
     mean_interval,
     minimum_detectable_effect,
@@ -38,6 +39,7 @@ from evaluation.statistics import (
 )
 from experiment.config import ExperimentConfig
 from experiment.diagnostics import DoseScreenResult, PoolCheckResult, dose_screen, pool_check
+from experiment.mechanism import MechanismSummary, summarize_mechanism
 from experiment.precondition import PreconditionResult, gate, precondition_line
 from trainer.telemetry import cost_totals
 
@@ -182,6 +184,8 @@ class ExperimentSummary:
     """The pool-size check, when the config declares one: both gains and their difference."""
     dose_screen: DoseScreenResult | None = None
     """The dose screen, when the config declares one: the projected 1.5x step."""
+    mechanism: MechanismSummary | None = None
+    """The paper's mechanism views of the replaying arms (experiment/mechanism.py)."""
 
 
 @dataclass(frozen=True)
@@ -353,7 +357,10 @@ def contrast_results(
             )
         k = mine[seeds[0]].report.k
         parts = components(a - b, noise, k)
-        measured.append((c, seeds, crossed_interval(a - b, 1 - cfg.alpha), seed_t(a - b), parts))
+        est = crossed_interval(a - b, 1 - cfg.alpha)
+        if c.alternative == "greater":
+            est = greater(est)
+        measured.append((c, seeds, est, seed_t(a - b), parts))
     secondary = [i for i, (c, *_) in enumerate(measured) if not c.primary]
     adjusted = dict(zip(secondary, holm([measured[i][2].p for i in secondary]), strict=True))
     out = []
@@ -501,7 +508,14 @@ def summarize(
         precondition=precondition_result(arms, cfg) if cfg is not None else None,
         pool_check=pool_check_result(arms, sft_report, cfg) if cfg is not None else None,
         dose_screen=dose_screen_result(arms, cfg) if cfg is not None else None,
+        mechanism=summarize_mechanism(arms, entropy_arms(cfg)) if cfg is not None else None,
     )
+
+
+def entropy_arms(cfg: ExperimentConfig) -> tuple[str, ...]:
+    """The arms whose entropy is compared at matched training score: the decision rule's
+    replay arm and 1.5x-fresh arm."""
+    return () if cfg.decision is None else (cfg.decision.replay, cfg.decision.larger)
 
 
 def paired_tables(

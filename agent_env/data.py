@@ -186,7 +186,7 @@ def in_split(title: str, split: str) -> bool:
 
 def wiki_vital_examples(split: str = "test") -> list[QAExample]:
     """The embedded task: description -> title, unique non-empty descriptions only."""
-    from retrieval_server.corpus import iter_vital_articles
+    from retrieval_server.index.corpus import iter_vital_articles
 
     if split not in SPLITS:
         raise UserError(f"unknown wiki-vital split {split!r}; valid: {', '.join(SPLITS)}")
@@ -250,7 +250,7 @@ def wiki_bridge_examples(split: str = "test", limit: int | None = None) -> list[
     `limit` articles of the corpus take part (the tests' small index holds only those)."""
     import itertools
 
-    from retrieval_server.corpus import iter_vital_articles
+    from retrieval_server.index.corpus import iter_vital_articles
 
     if split not in SPLITS:
         raise UserError(f"unknown wiki-bridge split {split!r}; valid: {', '.join(SPLITS)}")

@@ -87,8 +87,8 @@ def prepare(work: Path) -> dict[str, Path]:
     from collections import Counter
 
     from models.tiny import TinyPolicyConfig, init_tiny_policy, vital_corpus_texts
-    from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
+    from retrieval_server.index.corpus import article_contents, iter_vital_articles, write_corpus
 
     work.mkdir(parents=True, exist_ok=True)
     paths = {k: work / v for k, v in

@@ -88,7 +88,7 @@ def tree(root: Path) -> dict[str, str]:
 def scratch() -> Path:
     """A user's project folder: configs, a corpus, an index, a tiny model, a run, notes."""
     from models.tiny import TinyPolicyConfig, init_tiny_policy
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
 
     root = Path(tempfile.mkdtemp(prefix="hdr-mistakes-"))
     shutil.copytree(REPO / "configs", root / "configs")

@@ -92,7 +92,7 @@ def start_server(
 
 def benchmark_queries(count: int = 2048) -> list[str]:
     """Short descriptions of the embedded corpus's articles, as questions are made."""
-    from retrieval_server.corpus import iter_vital_articles
+    from retrieval_server.index.corpus import iter_vital_articles
 
     descriptions = [a.description for a in iter_vital_articles() if a.description]
     step = max(1, len(descriptions) // count)
@@ -445,7 +445,7 @@ def serve_bare(port: int, index: Path) -> None:
     import numpy as np
     import uvicorn
 
-    from retrieval_server.index import DocumentStore, validate_index
+    from retrieval_server.index.files import DocumentStore, validate_index
 
     files = validate_index(index)
     store = DocumentStore(files.corpus, np.load(index / "offsets.npy"))
@@ -477,7 +477,7 @@ def start_search_r1(
 ) -> subprocess.Popen:
     """Search-R1's `retrieval_server.py` (its file given by --search-r1; not part of hdr) on the
     same flat index and corpus, with the same MiniLM encoder. It listens on port 8000."""
-    from retrieval_server.index import validate_index
+    from retrieval_server.index.files import validate_index
 
     files = validate_index(index)
     command = [sys.executable, str(script), "--index_path", str(index / "dense.faiss"),
@@ -523,7 +523,7 @@ def limit_table(
     server), `rounds` times; hdr's q/s and p99 as ratios to the limit the first two imply."""
     from core.config import load_config
     from retrieval_server.config import ServerConfig
-    from retrieval_server.index import load_index
+    from retrieval_server.index.files import load_index
     from retrieval_server.retrievers import DenseRetriever
 
     load_before = list(os.getloadavg())

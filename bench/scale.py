@@ -17,7 +17,7 @@ fourth point re-ranks those candidates first by finer codes held in RAM and read
 best k x `--exact-k-factor` from the flat file for their exact scores.
 
 Then, for each index, a fresh process opens it exactly as `hdr serve` does
-(`retrieval_server.index.read_dense` + `set_search_parameters`: mmap for flat) and reports its
+(`retrieval_server.index.files.read_dense` + `set_search_parameters`: mmap for flat) and reports its
 start time (process start to ready), resident memory while searching (VmRSS, split into
 anonymous and file-backed pages), queries/s (one query per call, and batches of 32) and
 recall@10 against exact search. The server's encoder and HTTP layer are not part of it (the
@@ -130,7 +130,7 @@ def build(
     exact top 10 of the queries."""
     import faiss
 
-    from retrieval_server.index_writers import FlatFileWriter, new_faiss_index
+    from retrieval_server.index.writers import FlatFileWriter, new_faiss_index
 
     basis, centres = generator_basis(clusters=clusters)
     query_vectors = synthetic_vectors(10**9, queries, basis, centres)  # held out
@@ -202,8 +202,8 @@ import json, sys, time
 started = float(sys.argv[1])
 sys.path.insert(0, sys.argv[6])
 import numpy as np
-from retrieval_server.index import read_dense, set_search_parameters
-from retrieval_server.rerank import with_compact_refine, with_exact_rerank, with_refine
+from retrieval_server.index.files import read_dense, set_search_parameters
+from retrieval_server.index.rerank import with_compact_refine, with_exact_rerank, with_refine
 from pathlib import Path
 index = read_dense(Path(sys.argv[2]), mmap=sys.argv[3] == "1")
 set_search_parameters(index, int(sys.argv[4]), 128)

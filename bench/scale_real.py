@@ -38,8 +38,8 @@ def main(
     import faiss
     from retrieval import benchmark_queries
 
-    from retrieval_server.encoder import Encoder
-    from retrieval_server.index import validate_index
+    from retrieval_server.index.encoder import Encoder
+    from retrieval_server.index.files import validate_index
 
     faiss.omp_set_num_threads(1)
     flat = faiss.read_index(str(index / "dense.faiss"))

@@ -268,7 +268,7 @@ def cache_memory(index: Path) -> dict:
 
     from retrieval_server.answers import render_query
     from retrieval_server.cache import CacheConfig, CacheKey, ResultCache
-    from retrieval_server.index import DocumentStore, validate_index
+    from retrieval_server.index.files import DocumentStore, validate_index
 
     store = DocumentStore(validate_index(index).corpus, np.load(index / "offsets.npy"))
     rng = np.random.default_rng(0)

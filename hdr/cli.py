@@ -118,7 +118,7 @@ def quiet_third_party() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # The one-time ONNX export of the query encoder (retrieval_server.encoder, then cached)
+    # The one-time ONNX export of the query encoder (retrieval_server.index.encoder, then cached)
     # traces the model, and torch's tracer and exporter warn about constructs that are
     # constant for BERT-style encoders; they are no news to a user starting `hdr serve`.
     for message in ONNX_EXPORT_WARNINGS:

@@ -166,7 +166,7 @@ def init_tiny_policy(
 
 def vital_corpus_texts(limit: int | None = None) -> list[str]:
     """Texts from the embedded corpus: the raw fields and the observation-formatted line."""
-    from retrieval_server.corpus import iter_vital_articles
+    from retrieval_server.index.corpus import iter_vital_articles
 
     texts = []
     for n, article in enumerate(iter_vital_articles()):

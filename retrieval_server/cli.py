@@ -20,7 +20,7 @@ from core.options import (
     register_config,
     set_option,
 )
-from retrieval_server.build_defaults import (
+from retrieval_server.index.defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_CONVERT_CHUNK,
@@ -83,7 +83,7 @@ def prepare_wiki_command(
     force: bool = force_option(),
 ) -> None:
     """Write the embedded corpus (~10,000 Wikipedia vital-article summaries) as Search-R1 JSONL."""
-    from retrieval_server.corpus import prepare_wiki
+    from retrieval_server.index.corpus import prepare_wiki
 
     count = prepare_wiki(out, limit, force=force)
     typer.echo(f"wrote {count} passages to {out}")
@@ -94,7 +94,7 @@ def encoder_options(
 ):
     """An `EncoderConfig` from command-line options (validated: a bad value is one line)."""
     from core.config import build_config
-    from retrieval_server.config import EncoderConfig
+    from retrieval_server.index.config import EncoderConfig
 
     values = {"backend": backend, "device": device, "fp16": fp16, "batch_size": batch_size}
     if threads is not None:
@@ -107,7 +107,7 @@ def spec_options(
 ):
     """The `EncoderSpec` of a new index: the model's defaults, overridden where given."""
     from core.errors import UserError
-    from retrieval_server.encoder import encoder_spec
+    from retrieval_server.index.encoder import encoder_spec
 
     if pooling not in (None, "mean", "cls", "max"):
         raise UserError(f"--pooling must be mean, cls or max, not {pooling!r}")
@@ -193,7 +193,7 @@ def build_command(
     force: bool = force_option(),
 ) -> None:
     """Encode the corpus into a FAISS index (+ BM25) with a manifest; resumes when rerun."""
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
 
     result = build_index(
         corpus,
@@ -247,7 +247,7 @@ def convert_command(
     """Remake an index's FAISS part as another index type from its stored vectors (no
     re-encoding): e.g. an imported wiki-18 Flat index into IVF-PQ. Resumable: an interrupted
     convert, rerun with the same options, continues after its last saved step."""
-    from retrieval_server.index_convert import convert_index
+    from retrieval_server.index.convert import convert_index
 
     manifest = convert_index(
         source, out, index_type, train_sample, refine=refine, force=force,
@@ -286,7 +286,7 @@ def import_command(
 ) -> None:
     """Adopt an existing FAISS index and its corpus without re-encoding (e.g. Search-R1's
     e5_Flat.index + wiki-18.jsonl); refuses when re-encoded passages do not match it."""
-    from retrieval_server.index_import import import_index
+    from retrieval_server.index.importing import import_index
 
     manifest, summary = import_index(
         faiss_file,
@@ -321,7 +321,7 @@ def export_encoder_command(
     """Export an encoder to ONNX ahead of time (needs torch), into its model directory, where
     the onnx backend finds it on a machine without torch (docs/stack.md)."""
     from core.errors import UserError
-    from retrieval_server.encoder import (
+    from retrieval_server.index.encoder import (
         SHIPPED_ONNX_DIR,
         export_to_model_dir,
         resolve_encoder,
@@ -455,7 +455,7 @@ def check_served_index(server_config, retrievers: str | None) -> None:
     taken (nothing loaded): unknown retriever names, a missing or mismatched index, BM25 asked
     of an index without it."""
     from core.errors import UserError
-    from retrieval_server.index import validate_index
+    from retrieval_server.index.files import validate_index
     from retrieval_server.retrievers import RETRIEVERS
 
     RETRIEVERS.get(server_config.default_retriever)  # unknown name: one line listing valid ones

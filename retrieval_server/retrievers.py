@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from retrieval_server.config import ServerConfig
-    from retrieval_server.encoder import Encoder
-    from retrieval_server.index import LoadedIndex
+    from retrieval_server.index.encoder import Encoder
+    from retrieval_server.index.files import LoadedIndex
 
 Hit = tuple[int, float]  # (corpus row, score)
 
@@ -42,7 +42,7 @@ class DenseRetriever:
     server's query-prefix override), then inner-product search in FAISS (any index type)."""
 
     def __init__(self, index: LoadedIndex, config: ServerConfig) -> None:
-        from retrieval_server.encoder import Encoder
+        from retrieval_server.index.encoder import Encoder
 
         if index.dense is None:
             raise UserError(f"index {index.files.index_dir} was loaded without its dense index")

@@ -29,7 +29,7 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def small_index(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Index directory over `small_corpus`: flat FAISS with the packaged MiniLM, plus BM25."""
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
 
     out_dir = tmp_path_factory.mktemp("index") / "small"
     build_index(small_corpus, out_dir, index_type="Flat", bm25=True, show_progress=False)

@@ -19,7 +19,7 @@ SMALL_CORPUS_ARTICLES = 300
 
 def write_small_corpus(path: Path, articles: int = SMALL_CORPUS_ARTICLES) -> Path:
     """The wiki-18 sample (lines 0-9) then the first `articles` vital articles, package order."""
-    from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
+    from retrieval_server.index.corpus import article_contents, iter_vital_articles, write_corpus
 
     sample = [json.loads(line)["contents"] for line in WIKI18_SAMPLE.read_text().splitlines()]
     vital = itertools.islice(iter_vital_articles(), articles)
@@ -32,7 +32,7 @@ def write_small_qa(path: Path, articles: int = SMALL_CORPUS_ARTICLES) -> Path:
     that several articles share are left out)."""
     from collections import Counter
 
-    from retrieval_server.corpus import iter_vital_articles
+    from retrieval_server.index.corpus import iter_vital_articles
 
     found = list(itertools.islice(iter_vital_articles(), articles))
     counts = Counter(a.description.strip() for a in found)

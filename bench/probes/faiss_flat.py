@@ -24,8 +24,8 @@ from retrieval import benchmark_queries
 from rich.console import Console
 from rich.table import Table
 
-from retrieval_server.encoder import Encoder
-from retrieval_server.index import DENSE_FILE, read_dense, read_manifest
+from retrieval_server.index.encoder import Encoder
+from retrieval_server.index.files import DENSE_FILE, read_dense, read_manifest
 
 BATCHES = (1, 4, 32, 256)
 

@@ -42,14 +42,14 @@ from rich.table import Table
 
 from agent_env.data import load_task
 from agent_env.retrieval_client import RetrievalClient, RetrievalConfig
-from retrieval_server.corpus import split_contents
+from retrieval_server.index.corpus import split_contents
 
 TOKEN = re.compile(r"(?u)\b\w\w+\b")  # bm25s's default splitter: the server's BM25 tokens
 RULES = ("first", "first_non_stop", "rarest", "random_subset", "best_subset")
 
 
 def stopwords() -> frozenset[str]:
-    """The English stopwords the server's BM25 tokenizer drops (retrieval_server.index)."""
+    """The English stopwords the server's BM25 tokenizer drops (retrieval_server.index.files)."""
     from bm25s.stopwords import STOPWORDS_EN
 
     return frozenset(STOPWORDS_EN)

@@ -29,8 +29,8 @@ def bridge_test() -> list:
 
 @pytest.fixture(scope="module")
 def bridge_url(bridge_test, tmp_path_factory) -> Iterator[str]:
-    from retrieval_server.corpus import article_contents, iter_vital_articles, write_corpus
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
+    from retrieval_server.index.corpus import article_contents, iter_vital_articles, write_corpus
 
     articles = list(iter_vital_articles())
     wanted = set(range(SMALL_CORPUS_ARTICLES))
@@ -45,7 +45,7 @@ def bridge_url(bridge_test, tmp_path_factory) -> Iterator[str]:
 
 
 def test_bridge_task_is_deterministic_and_well_formed(bridge_test):
-    from retrieval_server.corpus import iter_vital_articles
+    from retrieval_server.index.corpus import iter_vital_articles
 
     articles = list(iter_vital_articles())
     train = wiki_bridge_examples("train")

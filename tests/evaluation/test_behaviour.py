@@ -36,7 +36,7 @@ def tokenizer(tmp_path_factory):
 def questions(small_corpus: Path):
     """wiki-vital questions whose article is in the small index."""
     from agent_env.data import wiki_vital_examples
-    from retrieval_server.corpus import split_contents
+    from retrieval_server.index.corpus import split_contents
 
     lines = small_corpus.read_text().splitlines()
     titles = {split_contents(json.loads(line)["contents"])[0] for line in lines}

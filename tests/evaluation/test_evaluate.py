@@ -49,7 +49,7 @@ def policy_dir(tmp_path_factory) -> Path:
 def vital_questions(small_corpus: Path):
     """wiki-vital questions whose article is in the small index (description -> title)."""
     from agent_env.data import wiki_vital_examples
-    from retrieval_server.corpus import split_contents
+    from retrieval_server.index.corpus import split_contents
 
     titles = {
         split_contents(json.loads(line)["contents"])[0]

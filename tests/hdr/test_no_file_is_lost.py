@@ -60,7 +60,7 @@ def work(tmp_path_factory) -> Path:
     training config pointing at them, and unrelated files of their own."""
     from core.config import dump_config, load_config
     from models.tiny import TinyPolicyConfig, init_tiny_policy
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
     from trainer.config import TrainConfig
 
     root = tmp_path_factory.mktemp("work")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from servers import running_server
 
-from retrieval_server.corpus import split_contents
+from retrieval_server.index.corpus import split_contents
 
 # 32 distinct vital articles of the small corpus; each title is its own client's query.
 TITLES = [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from corpora import SMALL_CORPUS_ARTICLES, WIKI18_SAMPLE
 
-from retrieval_server.corpus import (
+from retrieval_server.index.corpus import (
     article_contents,
     format_contents,
     iter_vital_articles,

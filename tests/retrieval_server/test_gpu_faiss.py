@@ -1,4 +1,5 @@
-"""FAISS-GPU's limits, decided before anything is copied to a GPU (`retrieval_server.gpu_faiss`).
+"""FAISS-GPU's limits, decided before anything is copied to a GPU
+(`retrieval_server.index.gpu_faiss`).
 
 This machine has no GPU and faiss-cpu, so these tests exercise the decisions (pure functions,
 and real FAISS indexes for the HNSW check) and the one path a CPU reaches end to end: asking
@@ -15,13 +16,13 @@ import pytest
 from core.config import build_config
 from core.errors import UserError
 from retrieval_server.config import DenseSearchConfig, ServerConfig
-from retrieval_server.gpu_faiss import (
+from retrieval_server.index.files import has_hnsw, load_index
+from retrieval_server.index.gpu_faiss import (
     GPU_MAX_K,
     check_gpu_index,
     check_gpus,
     fit_gpu_search,
 )
-from retrieval_server.index import has_hnsw, load_index
 
 
 def test_gpus_must_exist_and_need_the_cuda12_wheel() -> None:

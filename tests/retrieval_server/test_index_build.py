@@ -21,17 +21,17 @@ from servers import running_server
 
 from core.errors import UserError
 from retrieval_server.config import EncoderConfig, ServerConfig
-from retrieval_server.encoder import Encoder, encoder_spec
-from retrieval_server.index import (
+from retrieval_server.index.build import build_index
+from retrieval_server.index.encoder import Encoder, encoder_spec
+from retrieval_server.index.files import (
     MANIFEST,
     corpus_fingerprint,
     load_index,
     read_manifest,
     validate_index,
 )
-from retrieval_server.index_build import build_index
-from retrieval_server.index_import import import_index
-from retrieval_server.index_staging import VECTORS_DIR, partial_dir
+from retrieval_server.index.importing import import_index
+from retrieval_server.index.staging import VECTORS_DIR, partial_dir
 from retrieval_server.retrievers import RETRIEVERS
 
 HDR = str(Path(sys.executable).with_name("hdr"))

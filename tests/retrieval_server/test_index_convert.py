@@ -15,8 +15,8 @@ import faiss
 import numpy as np
 from test_cli_commands import assert_one_line_user_error, hdr
 
-from retrieval_server.index_convert import ADDED_DIR, CONVERT_STATE, TRAINED_FILE
-from retrieval_server.index_staging import partial_dir
+from retrieval_server.index.convert import ADDED_DIR, CONVERT_STATE, TRAINED_FILE
+from retrieval_server.index.staging import partial_dir
 
 FACTORY = "IVF4,PQ8x4fs"
 CHUNK = "40"
@@ -24,7 +24,7 @@ CHUNK = "40"
 KILLED_AFTER_THREE_STEPS = """
 import os, signal, sys
 from pathlib import Path
-from retrieval_server.index_convert import convert_index
+from retrieval_server.index.convert import convert_index
 
 def stop(steps):
     if steps == 3:

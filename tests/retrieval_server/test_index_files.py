@@ -11,10 +11,10 @@ import pytest
 
 from core.errors import UserError
 from retrieval_server.config import ServerConfig
-from retrieval_server.encoder import DEFAULT_ENCODER, guess_prefixes, resolve_encoder
-from retrieval_server.index import MANIFEST, corpus_fingerprint, load_index, validate_index
-from retrieval_server.index_build import build_index
-from retrieval_server.index_staging import partial_dir
+from retrieval_server.index.build import build_index
+from retrieval_server.index.encoder import DEFAULT_ENCODER, guess_prefixes, resolve_encoder
+from retrieval_server.index.files import MANIFEST, corpus_fingerprint, load_index, validate_index
+from retrieval_server.index.staging import partial_dir
 from retrieval_server.retrievers import RETRIEVERS, available_retrievers
 
 

@@ -17,11 +17,11 @@ from servers import running_server
 
 from core.errors import UserError
 from retrieval_server.config import DenseSearchConfig, ServerConfig
-from retrieval_server.corpus import iter_vital_articles
-from retrieval_server.index import MANIFEST, load_index, read_manifest
-from retrieval_server.index_convert import convert_index
-from retrieval_server.index_staging import partial_dir
-from retrieval_server.index_writers import FlatFileWriter
+from retrieval_server.index.convert import convert_index
+from retrieval_server.index.corpus import iter_vital_articles
+from retrieval_server.index.files import MANIFEST, load_index, read_manifest
+from retrieval_server.index.staging import partial_dir
+from retrieval_server.index.writers import FlatFileWriter
 from retrieval_server.retrievers import DenseRetriever
 
 # factory string -> least share of queries whose served top passage is the exact (Flat) one;

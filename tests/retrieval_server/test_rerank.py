@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from retrieval_server.index_writers import FlatFileWriter
-from retrieval_server.rerank import FlatRows, with_exact_rerank
+from retrieval_server.index.rerank import FlatRows, with_exact_rerank
+from retrieval_server.index.writers import FlatFileWriter
 
 ROWS, DIMENSION = 500, 24
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from retrieval_server.answers import Passage, join_answers, render_query
 from retrieval_server.app import fetch_passages
-from retrieval_server.index import DocumentStore
+from retrieval_server.index.files import DocumentStore
 
 LINES = [
     '{"id": "0", "contents": "plain"}',

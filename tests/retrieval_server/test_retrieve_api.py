@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from retrieval_server.api import PlainResponse, ScoredResponse
-from retrieval_server.corpus import split_contents
+from retrieval_server.index.corpus import split_contents
 
 # query -> title of the article that must come first (wiki-18 sample and vital articles)
 KNOWN_ARTICLES = {

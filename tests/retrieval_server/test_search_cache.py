@@ -167,7 +167,7 @@ def test_the_cache_stays_within_its_byte_bound(small_index: Path) -> None:
 def test_a_persisted_cache_is_loaded_by_the_same_index_only(
     small_index: Path, tmp_path: Path
 ) -> None:
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
 
     saved = tmp_path / "answers.cache"
     query = ["Epic poem by Dante"]
@@ -370,7 +370,7 @@ def test_a_cache_file_is_saved_only_over_a_file_of_its_own_fingerprint(
     """Two servers of different indexes given one persist_path, both started before either
     stopped. Before: the second to stop wrote its file over the first's (the check ran at
     start only)."""
-    from retrieval_server.index_build import build_index
+    from retrieval_server.index.build import build_index
 
     corpus = tmp_path / "ten.jsonl"
     corpus.write_text(

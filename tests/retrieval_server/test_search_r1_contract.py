@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from retrieval_server.corpus import split_contents
+from retrieval_server.index.corpus import split_contents
 
 TITLES = ["Batman", "Haiku", "Flamenco", "Great Wall of China", "Guitar", "Candide", "Dada"]
 

@@ -16,7 +16,7 @@ import pytest
 from servers import free_port
 from stackfiles import ROOT, base_env, hdr_executable
 
-from retrieval_server.encoder import SHIPPED_ONNX_DIR, resolve_encoder, shipped_onnx
+from retrieval_server.index.encoder import SHIPPED_ONNX_DIR, resolve_encoder, shipped_onnx
 
 # What the retrieval image lacks; importing any of them fails in the child processes.
 ABSENT = ("torch", "transformers", "sentence_transformers")

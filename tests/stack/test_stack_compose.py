@@ -244,7 +244,7 @@ def test_images_run_as_non_root_without_build_tools_or_caches(image):
 def test_retrieval_image_ships_the_encoders_onnx_export():
     """The packaged encoder's export is in its model directory, of the weights beside it."""
     check = (
-        "from retrieval_server.encoder import resolve_encoder, shipped_onnx; "
+        "from retrieval_server.index.encoder import resolve_encoder, shipped_onnx; "
         "print(shipped_onnx(resolve_encoder('all-MiniLM-L6-v2')))"
     )
     tag = setting("HDR_STACK_RETRIEVAL_IMAGE")

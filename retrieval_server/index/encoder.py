@@ -40,7 +40,7 @@ from core.errors import UserError
 if TYPE_CHECKING:
     import numpy as np
 
-    from retrieval_server.config import EncoderConfig
+    from retrieval_server.index.config import EncoderConfig
 
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 PACKAGED_ENCODERS = {
@@ -326,7 +326,7 @@ class Encoder:
     """Encodes queries and passages as an `EncoderSpec` says; outputs float32 (B, dimension)."""
 
     def __init__(self, spec: EncoderSpec, config: EncoderConfig | None = None) -> None:
-        from retrieval_server.config import EncoderConfig
+        from retrieval_server.index.config import EncoderConfig
 
         self.spec = spec
         self.config = config or EncoderConfig()

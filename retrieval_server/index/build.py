@@ -3,10 +3,10 @@
 Passages are encoded in chunks of `chunk_size`, each saved as `DIR.partial/vectors/NNNNNN.npy`
 as soon as it is done, so a rerun with the same corpus and encoder spec resumes after the last
 finished chunk; a rerun with other settings refuses to discard them (one line naming what
-differs). Then the FAISS index is made from the chunks (`index_writers.write_dense`) and BM25
-beside it, and the folder is moved into place (`index_staging.commit`). `dense=False` builds
-BM25 alone. Converting an index is `index_convert`, adopting an existing FAISS file
-`index_import`.
+differs). Then the FAISS index is made from the chunks (`writers.write_dense`) and BM25
+beside it, and the folder is moved into place (`staging.commit`). `dense=False` builds
+BM25 alone. Converting an index is `convert`, adopting an existing FAISS file
+`importing`.
 """
 
 from __future__ import annotations
@@ -24,20 +24,20 @@ from typing import TYPE_CHECKING
 
 from core.errors import UserError
 from core.fingerprint import differences, resume_or_refuse
-from retrieval_server.build_defaults import (
+from retrieval_server.index.corpus import read_contents, scan_corpus
+from retrieval_server.index.defaults import (
     BM25_AUTO_MAX_DOCUMENTS,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_TRAIN_SAMPLE,
 )
-from retrieval_server.corpus import read_contents, scan_corpus
-from retrieval_server.encoder import (
+from retrieval_server.index.encoder import (
     DEFAULT_ENCODER,
     Encoder,
     EncoderSpec,
     encoder_spec,
     resolve_encoder,
 )
-from retrieval_server.index import (
+from retrieval_server.index.files import (
     BM25_DIR,
     DENSE_FILE,
     FLAT_FACTORY,
@@ -45,7 +45,7 @@ from retrieval_server.index import (
     IndexManifest,
     corpus_fingerprint,
 )
-from retrieval_server.index_staging import (
+from retrieval_server.index.staging import (
     BUILD_STATE,
     VECTORS_DIR,
     check_index_output,
@@ -58,7 +58,7 @@ from retrieval_server.index_staging import (
     new_manifest,
     partial_dir,
 )
-from retrieval_server.index_writers import (
+from retrieval_server.index.writers import (
     FAST_SCAN_ALIAS,
     ChunkFiles,
     check_trainable,
@@ -71,7 +71,7 @@ from retrieval_server.index_writers import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from retrieval_server.config import EncoderConfig
+    from retrieval_server.index.config import EncoderConfig
 
 
 @dataclass

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from core.errors import UserError, error_reason
-from retrieval_server.build_defaults import DEFAULT_CHUNK_SIZE, DEFAULT_TRAIN_SAMPLE
-from retrieval_server.corpus import read_contents
-from retrieval_server.index import FLAT_FACTORY, make_bm25_tokenizer
+from retrieval_server.index.corpus import read_contents
+from retrieval_server.index.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_TRAIN_SAMPLE
+from retrieval_server.index.files import FLAT_FACTORY, make_bm25_tokenizer
 
 if TYPE_CHECKING:
     import faiss

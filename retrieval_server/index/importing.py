@@ -14,18 +14,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.errors import UserError
-from retrieval_server.build_defaults import BM25_AUTO_MAX_DOCUMENTS, DEFAULT_CHUNK_SIZE
-from retrieval_server.corpus import read_contents, scan_corpus
-from retrieval_server.encoder import Encoder, EncoderSpec
-from retrieval_server.index import BM25_DIR, DENSE_FILE, OFFSETS_FILE, IndexManifest, read_dense
-from retrieval_server.index_staging import check_index_output, commit, fresh_partial, new_manifest
-from retrieval_server.index_writers import write_bm25
+from retrieval_server.index.corpus import read_contents, scan_corpus
+from retrieval_server.index.defaults import BM25_AUTO_MAX_DOCUMENTS, DEFAULT_CHUNK_SIZE
+from retrieval_server.index.encoder import Encoder, EncoderSpec
+from retrieval_server.index.files import (
+    BM25_DIR,
+    DENSE_FILE,
+    OFFSETS_FILE,
+    IndexManifest,
+    read_dense,
+)
+from retrieval_server.index.staging import check_index_output, commit, fresh_partial, new_manifest
+from retrieval_server.index.writers import write_bm25
 
 if TYPE_CHECKING:
     import faiss
     import numpy as np
 
-    from retrieval_server.config import EncoderConfig
+    from retrieval_server.index.config import EncoderConfig
 
 IMPORT_MIN_COSINE = 0.98  # re-encoded vs stored; fp16 GPU builds agree to ~0.999
 

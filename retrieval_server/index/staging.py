@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from core.errors import UserError
 from core.paths import INDEX, check_output, swap_in
-from retrieval_server.index import (
+from retrieval_server.index.files import (
     BM25_DIR,
     BM25_STOPWORDS,
     COMPACT_FILE,
@@ -37,7 +37,7 @@ from retrieval_server.index import (
 if TYPE_CHECKING:
     import faiss
 
-    from retrieval_server.encoder import EncoderSpec
+    from retrieval_server.index.encoder import EncoderSpec
 
 VECTORS_DIR = "vectors"
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from core.errors import UserError, error_reason
 from core.fingerprint import resume_or_refuse
-from retrieval_server.build_defaults import DEFAULT_CONVERT_CHUNK, DEFAULT_TRAIN_SAMPLE
-from retrieval_server.index import (
+from retrieval_server.index.defaults import DEFAULT_CONVERT_CHUNK, DEFAULT_TRAIN_SAMPLE
+from retrieval_server.index.files import (
     BM25_DIR,
     COMPACT_FILE,
     DENSE_FILE,
@@ -32,7 +32,7 @@ from retrieval_server.index import (
     read_dense,
     validate_index,
 )
-from retrieval_server.index_staging import (
+from retrieval_server.index.staging import (
     check_index_output,
     commit,
     fresh_partial,
@@ -43,7 +43,7 @@ from retrieval_server.index_staging import (
     write_atomically,
     write_index_atomically,
 )
-from retrieval_server.index_writers import (
+from retrieval_server.index.writers import (
     StoredVectors,
     check_trainable,
     factory_string,

@@ -14,14 +14,14 @@ arrays, bm25s's npy+JSON format, JSON):
                        path and fingerprint, byte size of every file above
 
 Builds, converts and imports write into `DIR.partial/` and rename it to `DIR` when complete
-(`retrieval_server.index_staging`), so a directory with a manifest is always whole.
+(`retrieval_server.index.staging`), so a directory with a manifest is always whole.
 The corpus is not copied: the manifest records its path relative to the index directory (so
 `data/` can move as a whole) and a fingerprint that `validate_index` checks.
 
 Serving: flat vectors are memory-mapped read-only (faiss IO_FLAG_MMAP_IFC) unless disabled, so
 start-up does not read them and replicas on one machine share one copy in the page cache;
 `nprobe` / `efSearch` are set from the serving config; `dense.gpus` clones the index to the GPUs
-it names (`retrieval_server.gpu_faiss`: written against faiss's GPU API, its limits checked
+it names (`retrieval_server.index.gpu_faiss`: written against faiss's GPU API, its limits checked
 first; untested on a GPU).
 """
 
@@ -38,7 +38,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.errors import UserError, error_reason
-from retrieval_server.encoder import EncoderSpec, guess_prefixes
+from retrieval_server.index.encoder import EncoderSpec, guess_prefixes
 
 if TYPE_CHECKING:
     import bm25s
@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     import numpy as np
     from bm25s.tokenization import Tokenizer
 
-    from retrieval_server.config import DenseSearchConfig
-    from retrieval_server.rerank import ExactRerank
+    from retrieval_server.index.config import DenseSearchConfig
+    from retrieval_server.index.rerank import ExactRerank
 
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.faiss"
@@ -321,7 +321,7 @@ def open_dense(
     if config.gpus is not None:
         dense, k_factor = to_gpus(dense, manifest.index_factory or "", config, max_topk, k_factor)
     if k_factor > 0:
-        from retrieval_server.rerank import with_compact_refine, with_exact_rerank
+        from retrieval_server.index.rerank import with_compact_refine, with_exact_rerank
 
         flat_path = index_dir / REFINE_FILE
         flat = read_dense(flat_path, mmap=True)
@@ -347,7 +347,7 @@ def to_gpus(
     search allows; FAISS-GPU's limits are checked first, each refused in one line."""
     import faiss
 
-    from retrieval_server import gpu_faiss
+    from retrieval_server.index import gpu_faiss
 
     gpus = config.gpus or []
     gpu_faiss.check_gpus(gpus, *gpu_faiss.gpu_faiss_available())
@@ -396,7 +396,7 @@ def load_index(
     import bm25s
     import numpy as np
 
-    from retrieval_server.config import DenseSearchConfig
+    from retrieval_server.index.config import DenseSearchConfig
 
     files = validate_index(index_dir, corpus)
     manifest, index_dir = files.manifest, files.index_dir

@@ -43,6 +43,9 @@ from headroom_drift.staleness import STALENESS_RULES, LateDecision, admit_late
 
 STATE_FORMAT = "headroom_drift.GroupReplay"
 STATE_VERSION = 1
+# what a process's selection tells the others (`GroupReplay.decided_by`), beside its group ids
+AGREED = ("weights", "swap_out", "scanned", "drift_scanned", "admitted_scanned",
+          "headroom_scanned", "drift_admitted", "headroom_stored", "headroom_refreshed")  # fmt: skip
 
 
 @dataclass
@@ -126,6 +129,42 @@ class GroupReplay:
 
     def __len__(self) -> int:
         return len(self.buffer)
+
+    # --- read-only views -------------------------------------------------------------------
+
+    @property
+    def tau(self) -> float:
+        """The replay gate's tau now: what the next `select` admits by."""
+        return float(self.gate.tau)
+
+    @property
+    def gate_measured(self) -> float:
+        """What an adaptive gate measured at the last selection (NaN before the first, and
+        for a gate that measures nothing)."""
+        return getattr(self.gate, "last_measured", math.nan)
+
+    def groups(self) -> tuple[StoredGroup, ...]:
+        """The stored groups, oldest first: a snapshot (only `ingest` changes the buffer)."""
+        return tuple(self.buffer)
+
+    def decided_by(self, broadcast: Callable[[Any], Any]) -> Callable[[Selection], Selection]:
+        """An `agree` for `select` across processes: the selection of the process whose value
+        `broadcast` hands every process (rank 0's), taken by each from its own copy of the
+        buffer by group id, with the weights, the swaps and what the scan saw (the scan's
+        log-probs, `scored`, stay each process's own). Every process must ingest alike."""
+
+        def agree(selection: Selection) -> Selection:
+            ids, values = broadcast(
+                ([g.group_id for g in selection.groups],
+                 {name: getattr(selection, name) for name in AGREED})
+            )  # fmt: skip
+            by_id = {g.group_id: g for g in self.buffer}
+            missing = [i for i in ids if i not in by_id]
+            if missing:  # the buffers differ: cannot happen while every process ingests alike
+                raise RuntimeError(f"this process's replay buffer lacks groups {missing}")
+            return Selection(groups=[by_id[i] for i in ids], **values)
+
+        return agree
 
     # --- select and gate -------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -160,8 +160,9 @@ def admit_late(
     """Apply `rule` (with `gate`'s tau) to a step's fresh groups, each `lags[k]` updates late.
     `fresh[k].gen_logprobs` are teacher-forced under the current weights, `sampled[k]` the
     sampler's, aligned `[G, T_k]`; the drift between them (`norm`) is what a drift rule reads.
-    Late groups take the sampler's log-probs as behaviour log-probs, admitted or not; a
-    rejected one goes to the buffer with `keep_rejected`, else it is dropped (counted)."""
+    Late groups come back as new groups whose behaviour log-probs are the sampler's, admitted
+    or not (the groups given are left as they are); a rejected one goes to the buffer with
+    `keep_rejected`, else it is dropped (counted)."""
     drifts = [
         float(policy_drift(g.gen_logprobs, s, g.loss_mask, norm))
         for g, s in zip(fresh, sampled, strict=True)
@@ -169,8 +170,8 @@ def admit_late(
     admission = decide(rule, gate, *as_tensors(drifts, lags), max_lag)
     trained, rejected = [], []
     for g, s, lag, ok in zip(fresh, sampled, lags, admission.admitted.tolist(), strict=True):
-        if lag > 0:
-            g.gen_logprobs = s.float() * g.loss_mask  # the policy that sampled it
+        if lag > 0:  # a new group whose behaviour is the policy that sampled it
+            g = replace(g, gen_logprobs=s.float() * g.loss_mask)
         (trained if ok else rejected).append(g)
     if keep_rejected:
         return LateDecision(trained, rejected, 0, admission)

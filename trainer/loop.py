@@ -2,8 +2,9 @@
 
 The run is set up (or restored from a checkpoint) by `trainer/run.py`; its fresh groups come
 from the trainer's own processes or, with `async_rollout.workers`, from rollout workers
-(`trainer/async_rollout/workers.py`); each step is `trainer.step.train_step`; around the steps, the
-periodic held-out evaluation (`trainer/heldout.py`), the checkpoints and the stop signals.
+(`trainer/async_rollout/workers.py`); each step is `trainer.step.train_step`, its record
+`trainer.record.log_step`; around the steps, the periodic held-out evaluation
+(`trainer/heldout.py`), the checkpoints and the stop signals.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from trainer import distributed
 from trainer.async_rollout.workers import RolloutWorkerLost, RolloutWorkers
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainConfig
+from trainer.record import log_step
 from trainer.run import Run, StopSignals, save, save_final, setup_run
-from trainer.step import train_step
-from trainer.telemetry import StepRecord
+from trainer.step import StepOutcome, train_step
 
 
 def train(config: TrainConfig, resume: str | Path | None = None, force: bool = False) -> Path:
@@ -59,8 +60,7 @@ def train_steps(run: Run, start: int, stop: StopSignals) -> None:
         enabled=config.log.progress and run.dist.is_main,
     )
     for step in bar:
-        record = step_or_stop(run, step)
-        run.logs.step(record.as_dict())
+        record = log_step(run, step_or_stop(run, step))
         bar.set_postfix(reward=f"{record.reward_mean:.3f}", replay=record.replayed_groups)
         if config.eval.every and step % config.eval.every == 0:
             log_heldout(run, step)
@@ -69,12 +69,12 @@ def train_steps(run: Run, start: int, stop: StopSignals) -> None:
             saved = save(run, step)
         stop.check(run, step, saved)
     bar.close()
-    run.logs.groups_left(run.replay.buffer.groups(), None)
+    run.logs.groups_left(run.replay.groups(), None)
     save_final(run)
     run.logs.close()
 
 
-def step_or_stop(run: Run, step: int) -> StepRecord:
+def step_or_stop(run: Run, step: int) -> StepOutcome:
     """`train_step`; a retrieval outage longer than `retrieval.outage_grace_s` (the client has
     paused and polled that long) stops the run with one line naming its last checkpoint,
     which the stop leaves as it was."""

@@ -16,8 +16,7 @@ import contextlib
 import hashlib
 import random
 import shutil
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,9 +41,8 @@ from trainer.checkpoint import (
 from trainer.config import TrainConfig
 from trainer.config_history import read_as_today
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
-from trainer.frozen_bottom import attached
-from trainer.scoring import compute_context, distinct_tokens, score_groups
-from trainer.telemetry import RunLogs, StepCost
+from trainer.scoring import compute_context, score_groups
+from trainer.telemetry import RunLogs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -67,7 +65,10 @@ class RunCounters:
 
 @dataclass
 class Run:
-    """Everything a step touches. Built by `setup_run`, mutated by `train_step`."""
+    """What persists between steps: the model and its optimizer, the replay lifecycle, the
+    generator, the retrieval client, the data, the logs, the run's totals. Built by
+    `setup_run`; a step (`trainer.step.train_step`) trains the model and the replay, and its
+    record (`trainer.record`) moves the totals on."""
 
     config: TrainConfig
     run_dir: Path
@@ -82,11 +83,6 @@ class Run:
     eval_examples: list[QAExample]
     logs: RunLogs | distributed.SilentLogs
     ref_model: PreTrainedModel | None = None
-    cost: StepCost = field(default_factory=StepCost)  # the current step's ledger
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # the current step's phases
-    # tokens the frozen bottom (`model.train_layers`) forwarded in each phase of the step: 0
-    # in the selection phase when every scanned group ran the top layers on its kept states
-    phase_bottom_tokens: dict[str, int] = field(default_factory=dict)
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     policy: torch.nn.Module | None = None  # the update's forward module (DDP across processes)
     counters: RunCounters = field(default_factory=RunCounters)
@@ -105,25 +101,12 @@ class Run:
             return self.workers
         return InProcessRollout(self.rollout_context, self.train_examples)
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """One phase of a step (rollout, scoring, selection, update): its process CPU seconds
-        go to the step's cost ledger (`cost_cpu_<name>_s`), its wall seconds to
-        `phase_seconds[name]`, the tokens a frozen bottom forwarded in it to
-        `phase_bottom_tokens[name]`."""
-        started, bottom = time.perf_counter(), attached(self.model)
-        before = bottom.computed_tokens if bottom is not None else 0
-        with self.cost.cpu(name):
-            yield
-        self.phase_seconds[name] = time.perf_counter() - started
-        if bottom is not None:
-            self.phase_bottom_tokens[name] = bottom.computed_tokens - before
-
-    def score(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
+    def score(self, groups: list[StoredGroup], with_grad: bool | None = None) -> list[torch.Tensor]:
         """The replay `ScoreFn`: current-policy log-probs of stored groups; across processes
         each rank scores its round-robin share and every rank gets all of them. With
-        `replay.reuse_scan_forward` (one process) the log-probs keep their graphs."""
-        self.cost.scan_tf_tokens += distinct_tokens(groups)
+        `replay.reuse_scan_forward` (one process) the log-probs keep their graphs, unless
+        `with_grad=False` (the survey, which nothing trains through)."""
+        with_grad = self.reuses_scan_forward if with_grad is None else with_grad
         with self.autocast():
             return self.dist.split_map(
                 groups,
@@ -132,22 +115,7 @@ class Run:
                     part,
                     self.config.grpo.score_chunk,
                     self.config.rollout.temperature,
-                    with_grad=self.reuses_scan_forward,
-                ),
-            )
-
-    def score_uncounted(self, groups: list[StoredGroup]) -> list[torch.Tensor]:
-        """`score` without gradient and off the cost ledger: for diagnostics that look at
-        stored groups (`replay.survey`), which the method itself never pays for."""
-        with self.autocast():
-            return self.dist.split_map(
-                groups,
-                lambda part: score_groups(
-                    self.model,
-                    part,
-                    self.config.grpo.score_chunk,
-                    self.config.rollout.temperature,
-                    with_grad=False,
+                    with_grad=with_grad,
                 ),
             )
 

@@ -31,7 +31,9 @@ def survey_candidates(run: Run, step: int) -> tuple[list[Candidate], float] | No
         return None
     started = time.perf_counter()
     newest = replay.budget if mode == "newest" else None
-    candidates = run.replay.survey(step, run.score_uncounted, newest=newest)
+    candidates = run.replay.survey(
+        step, lambda groups: run.score(groups, with_grad=False), newest=newest
+    )
     return candidates, time.perf_counter() - started
 
 

@@ -20,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from trainer.frozen_bottom import attached
+from trainer.scoring import distinct_tokens
+
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -73,18 +76,49 @@ class StepCost:
     def record(self) -> dict[str, Any]:
         return {f"cost_{k}": v for k, v in asdict(self).items()}
 
+
+COST_KEYS = tuple(f"cost_{f.name}" for f in fields(StepCost))
+
+
+class PhaseClock:
+    """The phases of one step (rollout, scoring, selection, update): each one's wall seconds
+    (`seconds`), process CPU seconds (`cpu`, every thread) and the tokens a frozen bottom
+    (`model.train_layers`) forwarded in it (`bottom_tokens`, with one only)."""
+
+    def __init__(self, model: Any) -> None:
+        self.bottom = attached(model)
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.bottom_tokens: dict[str, int] = {}
+
     @contextmanager
-    def cpu(self, phase: str) -> Iterator[None]:
-        """Add the process CPU seconds spent in the block to `cpu_<phase>_s`."""
-        start = time.process_time()
+    def phase(self, name: str) -> Iterator[None]:
+        started, cpu = time.perf_counter(), time.process_time()
+        before = self.bottom.computed_tokens if self.bottom is not None else 0
         try:
             yield
         finally:
-            name = f"cpu_{phase}_s"
-            setattr(self, name, getattr(self, name) + time.process_time() - start)
+            self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
+        self.seconds[name] = time.perf_counter() - started
+        if self.bottom is not None:
+            self.bottom_tokens[name] = self.bottom.computed_tokens - before
+
+    def elapsed(self) -> float:
+        """Wall seconds since the step began."""
+        return time.perf_counter() - self.started
 
 
-COST_KEYS = tuple(f"cost_{f.name}" for f in fields(StepCost))
+class CountedScore:
+    """A replay `ScoreFn` that also counts the teacher-forced tokens it scored (distinct rows
+    of each call, as the no-grad scoring forwards them): the step's scan tokens."""
+
+    def __init__(self, score: Any) -> None:
+        self.score, self.tokens = score, 0
+
+    def __call__(self, groups: list) -> list:
+        self.tokens += distinct_tokens(groups)
+        return self.score(groups)
 
 
 @dataclass

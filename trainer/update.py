@@ -32,6 +32,7 @@ class UpdateStats:
     kl: float
     replay_drift: list[float]  # per replayed group, under the pre-update weights
     replay_headroom: list[float]
+    forwarded_tokens: int = 0  # teacher-forced (forward + backward) over every pass
 
 
 @dataclass
@@ -52,10 +53,10 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     if cfg.skip_zero_advantage:  # fresh rows with advantage 0 are in no chunk (`pass_chunks`)
         fresh = batch.groups[: batch.first_replayed]
         forwarded -= sum(int(g.attention_mask[g.advantages == 0].sum()) for g in fresh)
-    run.cost.update_tf_tokens += forwarded * cfg.updates_per_step
+    forwarded *= cfg.updates_per_step
     if not batch.groups:  # dynamic sampling kept nothing and nothing was replayed
         run.scheduler.step()
-        return UpdateStats(0.0, 0.0, 0.0, [], [])
+        return UpdateStats(0.0, 0.0, 0.0, [], [], forwarded)
     total = batch.policy_tokens  # global: every process divides by the whole batch's tokens
     shard = batch.shard(run.dist.rank, run.dist.world)
     if (bottom := attached(run.model)) is not None:  # kept from the behaviour pass and scans
@@ -87,7 +88,7 @@ def update_policy(run: Run, batch: Batch, scanned: list[Tensor] | None = None) -
     run.model.eval()
     drift, refreshed_headroom = replay_telemetry(run, shard, first_pass)
     sums = run.dist.sum({"loss": loss_sum, "kl": kl_sum})
-    return UpdateStats(sums["loss"], grad_norm, sums["kl"], drift, refreshed_headroom)
+    return UpdateStats(sums["loss"], grad_norm, sums["kl"], drift, refreshed_headroom, forwarded)
 
 
 def forwarded_groups(batch: Batch, skip_zero: bool) -> list:

@@ -19,9 +19,9 @@ from conftest import TINY_CPU, tiny_overrides
 from core.config import load_config
 from headroom_drift import Selection, StoredGroup
 from trainer.config import TrainConfig
-from trainer.fresh import FreshBatch, sample_prompts
+from trainer.fresh import sample_prompts
 from trainer.loop import train
-from trainer.step import record_cost
+from trainer.record import update_counts
 from trainer.telemetry import COST_KEYS, COUNT_KEYS, StepCost, cost_totals
 
 B, G, R = 2, 3, 2
@@ -108,7 +108,7 @@ def test_ledger_counts_equal_what_the_masks_say(scripted_run):
     assert totals["cost_update_tf_tokens"] == sum(r["cost_update_tf_tokens"] for r in rows)
 
 
-def test_record_cost_counts_informative_groups_and_tokens():
+def test_update_counts_count_informative_groups_and_tokens():
     def stored(adv, mask_rows) -> StoredGroup:
         mask = torch.tensor(mask_rows, dtype=torch.float32)
         return StoredGroup(
@@ -121,8 +121,7 @@ def test_record_cost_counts_informative_groups_and_tokens():
     live = stored([1.0, -1.0, 0.0], [[0, 1, 1], [0, 1, 0], [1, 1, 1]])  # rows 0, 1 count: 3
     flat = stored([0.0, 0.0, 0.0], [[0, 1, 1], [0, 1, 1], [0, 1, 1]])
     replayed = stored([0.5, -0.5, 0.0], [[1, 1, 1], [0, 0, 1], [0, 1, 1]])  # 4
-    cost = StepCost()
-    record_cost(cost, FreshBatch([], [], 0), [live, flat], Selection(groups=[replayed], scanned=5))
+    cost = StepCost(**update_counts([live, flat], Selection(groups=[replayed], scanned=5)))
     assert cost.update_groups == 3 and cost.informative_groups == 2
     assert cost.informative_tokens == 3 + 4
     assert cost.replayed_groups == 1 and cost.scanned_groups == 5

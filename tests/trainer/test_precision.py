@@ -130,6 +130,7 @@ def perturbed_copy(model, scale: float, seed: int = 1):
 
 def test_truncated_is_corrects_a_perturbed_sampler(sft_policy, small_qa, retrieval_url, tmp_path):
     from agent_env.generation.hf import HFGenerator
+    from trainer.record import step_record
     from trainer.run import setup_run
     from trainer.step import train_step
 
@@ -142,7 +143,7 @@ def test_truncated_is_corrects_a_perturbed_sampler(sft_policy, small_qa, retriev
         if perturb is not None:
             run.generator = HFGenerator(perturbed_copy(run.model, perturb), run.tokenizer)
         before = {k: v.clone() for k, v in run.model.state_dict().items()}
-        record = train_step(run, 1).as_dict()
+        record = step_record(run, train_step(run, 1)).as_dict()
         record["moved"] = changed_fraction(before, run.model)
         run.client.close()
         return record

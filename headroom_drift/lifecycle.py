@@ -44,8 +44,10 @@ from headroom_drift.staleness import STALENESS_RULES, LateDecision, admit_late
 STATE_FORMAT = "headroom_drift.GroupReplay"
 STATE_VERSION = 1
 # what a process's selection tells the others (`GroupReplay.decided_by`), beside its group ids
-AGREED = ("weights", "swap_out", "scanned", "drift_scanned", "admitted_scanned",
-          "headroom_scanned", "drift_admitted", "headroom_stored", "headroom_refreshed")  # fmt: skip
+AGREED = (
+    "weights", "swap_out", "scanned", "drift_scanned", "admitted_scanned", "headroom_scanned",
+    "drift_admitted", "headroom_stored", "headroom_refreshed",
+)  # fmt: skip
 
 
 @dataclass

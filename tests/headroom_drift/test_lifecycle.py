@@ -214,3 +214,53 @@ def test_through_the_lifecycle_tau_settles_where_half_the_scanned_groups_pass():
     late = shares[-20:]
     assert 0.25 <= sum(late) / len(late) <= 0.75  # held around the target
     assert 0.03 <= taus[-1] <= 0.12  # between the 2nd and 3rd drift, up to one step past
+
+
+def test_callers_read_views_and_late_groups_come_back_new():
+    """What callers read (`tau`, `gate_measured`, `groups()`) changes nothing, and the
+    staleness rule leaves the groups it is given as they were: the late ones it returns are
+    new groups carrying the sampler's log-probs."""
+    late = LateGroups("version_bound", max_lag=1)
+    replay = GroupReplay(
+        4, "headroom_drift", gate=AdaptiveGate(tau=0.3, target=0.5), late=late, budget=1
+    )
+    assert replay.tau == 0.3 and math.isnan(replay.gate_measured)
+    replay.store(1, **tensors(0), group_id="a")
+    replay.select(2, shifted({"a": 0.1}))
+    replay.ingest([])
+    assert replay.gate_measured == replay.gate.last_measured and not math.isnan(replay.tau)
+    view = replay.groups()
+    assert [g.group_id for g in view] == ["a"] and isinstance(view, tuple)
+    fresh = [make_group(f"s3/{k}", group_tensors(k), 3) for k in range(2)]
+    before = [g.gen_logprobs.clone() for g in fresh]
+    sampled = [g.gen_logprobs - 0.5 * g.loss_mask for g in fresh]
+    decision = replay.admit_late(fresh, sampled, [0, 1])
+    assert all(torch.equal(g.gen_logprobs, b) for g, b in zip(fresh, before, strict=True))
+    on_time, was_late = decision.trained
+    assert on_time is fresh[0] and was_late is not fresh[1]
+    assert torch.equal(was_late.gen_logprobs, sampled[1] * was_late.loss_mask)
+
+
+def test_every_process_takes_the_selection_the_broadcast_hands_it():
+    """`decided_by`: a process whose own scan admitted another group takes the main
+    process's selection, by id from its own buffer, with what that scan saw; its gate learns
+    from the agreed selection (the two processes are two lifecycles here; `broadcast` hands
+    over what the main one made)."""
+    main, other = (GroupReplay(4, "headroom_drift", budget=1, tau=0.5) for _ in range(2))
+    for replay in (main, other):
+        replay.store(1, **tensors(0), group_id="a")
+        replay.store(1, **tensors(1), group_id="b")
+    made = {}
+    main.select(
+        2, shifted({"a": 0.1, "b": 0.9}), agree=main.decided_by(lambda v: made.setdefault("v", v))
+    )
+    agreed = other.select(
+        2, shifted({"a": 0.9, "b": 0.1}), agree=other.decided_by(lambda v: made["v"])
+    )
+    assert made["v"][0] == [g.group_id for g in main.pending.groups] == ["a"]  # its own: b
+    assert [g.group_id for g in agreed.groups] == made["v"][0]
+    assert agreed.groups[0] is next(g for g in other.groups() if g.group_id == made["v"][0][0])
+    assert agreed.drift_scanned == main.pending.drift_scanned
+    strange = GroupReplay(4, "headroom_drift", budget=1, tau=0.5)
+    with pytest.raises(RuntimeError, match="lacks groups"):
+        strange.select(2, shifted({}), agree=strange.decided_by(lambda v: made["v"]))

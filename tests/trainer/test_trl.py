@@ -96,7 +96,10 @@ class Snapshots(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.taken[state.global_step] = (copy.deepcopy(self.trainer.replay.buffer), weights)
+        self.taken[state.global_step] = (
+            copy.deepcopy(self.trainer.replay.lifecycle.groups()),
+            weights,
+        )
 
 
 def hdr_selection(trainer, snapshot, step: int, policy_dir):
@@ -108,7 +111,7 @@ def hdr_selection(trainer, snapshot, step: int, policy_dir):
     model.load_state_dict(weights)
     cfg = trainer.replay.config
     replay = cfg.replay.make_replay(cfg.arm, 0, trainer.state.max_steps)
-    replay.buffer = buffer
+    replay.ingest(buffer)  # the snapshot's groups, in its order
     score = lambda groups: score_groups(model.eval(), groups, cfg.score_chunk, 1.0)  # noqa: E731
     return replay.select(step, score)
 
@@ -162,9 +165,9 @@ def test_trl_trains_with_replay_and_selects_as_hdr_loop(
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     # ingress after the update: the buffer holds the steps' groups with variance, none of step 4
-    stored = {g.entered_step for g in trainer.replay.buffer}
+    stored = {g.entered_step for g in trainer.replay.lifecycle.groups()}
     assert stored <= {1, 2, 3} and len(stored) >= 2
-    assert any(g.replay_count >= 1 for g in trainer.replay.buffer)
+    assert any(g.replay_count >= 1 for g in trainer.replay.lifecycle.groups())
     trainer.rollout_func.client.close()
     probe.rollout_func.client.close()
 

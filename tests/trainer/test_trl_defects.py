@@ -106,13 +106,13 @@ def test_resume_from_a_trl_checkpoint_keeps_the_buffer(
     first = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=2,
                          save_strategy="steps", save_steps=2)  # fmt: skip
     first.train()
-    saved = [(g.group_id, g.replay_count, g.headroom) for g in first.replay.buffer]
+    saved = [(g.group_id, g.replay_count, g.headroom) for g in first.replay.lifecycle.groups()]
     checkpoint = tmp_path / "trl" / "checkpoint-2"
     # the replay state in the one format hdr's own checkpoints hold, read by their reader
     assert saved and (checkpoint / "replay.pt").is_file()
     read_back = replay.replay.make_replay(replay.arm, 0, 2)
     Checkpoint(checkpoint, 2).restore_replay(read_back)
-    assert [(g.group_id, g.replay_count, g.headroom) for g in read_back.buffer] == saved
+    assert [(g.group_id, g.replay_count, g.headroom) for g in read_back.groups()] == saved
     again = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=3)
     again.train(resume_from_checkpoint=str(tmp_path / "trl" / "checkpoint-2"))
     assert [h["step"] for h in again.replay.history] == [1, 2, 3]  # restored, then step 3

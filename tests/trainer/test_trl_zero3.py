@@ -107,7 +107,7 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from accelerate import Accelerator
 
     from trainer.integrations.accelerate_cpu import allow_deepspeed_on_cpu_processes
-    from trainer.integrations.trl import zero3_call_agreement
+    from trainer.integrations.trl_processes import zero3_call_agreement
 
     assert allow_deepspeed_on_cpu_processes()
     accelerator = Accelerator()
@@ -420,7 +420,7 @@ def _selection_case(rank: int, world: int, out_dir: str, policy_dir: str, case: 
     while rank 0 waited in the next collective)."""
     from accelerate.utils import gather_object
 
-    from headroom_drift import policy_drift
+    from headroom_drift import ReplayBuffer, policy_drift
     from trainer.integrations.trl_layout import rows_from_trl
     from trainer.scoring import score_groups
 
@@ -461,7 +461,7 @@ def _selection_case(rank: int, world: int, out_dir: str, policy_dir: str, case: 
     model.base_model.register_forward_hook(lambda *a: calls.append(1))
     batch, rewards = trl_batch(20 + rank, rows, vocab, flat=not straddle and rank == 1)
     if not straddle:  # one stored group to draw: the swap replaces one flat group
-        replay.lifecycle.buffer = type(replay.buffer)(8)
+        replay.lifecycle.buffer = ReplayBuffer(8)
         replay.lifecycle.ingest(groups[:1])
     result = {"drifts": drifts, "straddled": k, "error": None}
     try:

@@ -48,12 +48,10 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from core.config import StrictModel
-from core.errors import UserError
 from headroom_drift import (
     RULES,
     GroupReplay,
     GroupTensors,
-    ReplayBuffer,
     Selection,
     StoredGroup,
     assemble_batch,
@@ -61,7 +59,15 @@ from headroom_drift import (
 )
 from trainer.checkpoint import REPLAY_STATE, legacy_replay_state
 from trainer.config import ReplayConfig
-from trainer.integrations.trl_layout import TRLRows, rows_from_trl, trl_inputs
+from trainer.integrations.trl_layout import rows_from_trl, trl_inputs
+from trainer.integrations.trl_processes import (
+    ReplayStepError,
+    balanced_shares,
+    fresh_values,
+    gather,
+    keep_only,
+    zero3_call_agreement,
+)
 from trainer.integrations.trl_rollout import (
     check_generation_settings,
     check_sampling_settings,
@@ -150,10 +156,6 @@ class ReplayStep:
     def build(cls, config: TRLReplayConfig, seed: int, total_steps: int) -> ReplayStep:
         return cls(config, config.replay.make_replay(config.arm, seed, total_steps))
 
-    @property
-    def buffer(self) -> ReplayBuffer:
-        return self.lifecycle.buffer
-
     def extend(self, trainer: ReplayGRPOTrainer, batch: dict[str, Any], rewards: Tensor) -> dict:
         """TRL's fresh generation batch -> the update's batch: fresh rows as stored groups,
         the selector's replayed groups beside them, in TRL's layout."""
@@ -192,7 +194,7 @@ class ReplayStep:
         self.lifecycle.params = rule_params(
             self.config.arm, **{**known, "total_steps": trainer.state.max_steps}
         )
-        buffered = [g.group_id for g in self.buffer]
+        buffered = [g.group_id for g in self.lifecycle.groups()]
         with self.scoring(trainer):
             selection = self.lifecycle.select(
                 step, self.scorer(trainer), everyone, agree=self.decided_on_main(trainer)
@@ -271,30 +273,20 @@ class ReplayStep:
         return score
 
     def decided_on_main(self, trainer: ReplayGRPOTrainer):
-        """The lifecycle's `agree` across processes: the main process's selection, broadcast
-        (group ids, weights, swaps and what the scan saw), taken by every process from its
+        """The lifecycle's `agree` across processes (`GroupReplay.decided_by`, as hdr's loop
+        takes it): the main process's selection, broadcast, taken by every process from its
         own copy of the buffer (None on one process)."""
-        accelerator = trainer.accelerator
-        if accelerator.num_processes == 1:
+        if trainer.accelerator.num_processes == 1:
             return None
 
-        def agree(selection: Selection) -> Selection:
+        def broadcast(value):
             from accelerate.utils import broadcast_object_list
 
-            fields_ = ("weights", "swap_out", "scanned", "drift_scanned", "admitted_scanned",
-                       "headroom_scanned", "drift_admitted", "headroom_stored",
-                       "headroom_refreshed")  # fmt: skip
-            payload = [([g.group_id for g in selection.groups],
-                        {f: getattr(selection, f) for f in fields_})]  # fmt: skip
-            broadcast_object_list(payload, from_process=0)
-            ids, values = payload[0]
-            by_id = {g.group_id: g for g in self.buffer}
-            missing = [i for i in ids if i not in by_id]
-            if missing:  # the buffers differ: cannot happen while every process ingests alike
-                raise RuntimeError(f"process {accelerator.process_index} lacks groups {missing}")
-            return Selection(groups=[by_id[i] for i in ids], **values)
+            box = [value]
+            broadcast_object_list(box, from_process=0)
+            return box[0]
 
-        return agree
+        return self.lifecycle.decided_by(broadcast)
 
     def replayed_values(self, trainer, key: str, groups: list[StoredGroup]) -> list[Tensor]:
         """The per-token TRL tensor of the replayed groups this process trains on: their
@@ -323,87 +315,12 @@ class ReplayStep:
             yield
 
 
-def balanced_shares(kept: list[int], selected: int) -> list[int]:
-    """How many of the `selected` replayed groups each process trains beside its `kept` fresh
-    groups, so that every process trains as many groups (rows) as every other: TRL's loss
-    all-gathers per-row metrics (`clip_ratio/low_min`), which needs equal row counts (gloo
-    fails with a size mismatch, NCCL may hang), and ZeRO-3's processes then also finish
-    together. The emptiest processes are filled first; groups that would leave the counts
-    uneven are not replayed this step (at most `len(kept) - 1`; they stay in the buffer)."""
-    level, need = max(kept), sum(max(kept) - k for k in kept)
-    if need > selected:  # not reachable by hdr's rules (swaps equal the groups swapped in)
-        counts = [0] * len(kept)
-        for _ in range(selected):
-            p = min(range(len(kept)), key=lambda q: kept[q] + counts[q])
-            counts[p] += 1
-        return counts
-    level += (selected - need) // len(kept)
-    return [level - k for k in kept]
-
-
-def keep_only(selection: Selection, n: int) -> None:
-    """Cut `selection` (the lifecycle's pending one, whose groups ingress counts as replayed)
-    to its first `n` admitted groups, in place."""
-    for name in ("groups", "weights", "drift_admitted", "headroom_stored", "headroom_refreshed",
-                 "scored"):  # fmt: skip
-        values = getattr(selection, name)
-        if len(values) > n:
-            setattr(selection, name, values[:n])
-
-
-class ReplayStepError(UserError):
-    """A replay step that cannot train, decided from what every process shares, so that every
-    process raises it alike (one line from `hdr trl-train`, none left waiting)."""
-
-    exit_code = 1
-
-
-def zero3_call_agreement(accelerator):
-    """The `CallAgreement` across TRL's processes (None on one process): each process's
-    output-layer calls per scoring chunk, maxed elementwise over processes, so that ZeRO-3's
-    per-call weight gathers pair up whatever each process's rows hold (two all-reduces per
-    scoring pass: the number of chunks, then the calls)."""
-    if accelerator.num_processes == 1:
-        return None
-
-    def agree(calls: list[int]) -> list[int]:
-        import torch.distributed as dist
-
-        n = torch.tensor([len(calls)], device=accelerator.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        plan = torch.zeros(int(n), dtype=torch.long, device=accelerator.device)
-        plan[: len(calls)] = torch.tensor(calls, dtype=torch.long)
-        dist.all_reduce(plan, op=dist.ReduceOp.MAX)
-        return [int(c) for c in plan.cpu()]
-
-    return agree
-
-
-def fresh_values(rows: TRLRows, fresh: list[StoredGroup], kept: list[int], key: str):
-    """Each kept fresh group's slice `[G, T_g]` of one of TRL's per-token tensors (None when
-    TRL's batch has no such tensor)."""
-    values = rows.per_token.get(key)
-    if values is None:
-        return None
-    G = len(fresh[0].input_ids)
-    return [values[k * G : (k + 1) * G, -fresh[k].input_ids.shape[1] :] for k in kept]
-
-
-def gather(groups: list[StoredGroup], world: int) -> list[StoredGroup]:
-    """Every process's groups, in process order (the same list on every process)."""
-    if world == 1:
-        return list(groups)
-    from accelerate.utils import gather_object
-
-    return gather_object(groups)
-
-
 def log_selection(trainer, replay: ReplayStep, selection: Selection) -> None:
     """The step's replay figures, averaged into TRL's logs beside its own metrics."""
     metrics = trainer._metrics["train"]  # TRL's per-step metric lists (logged and cleared)
     metrics["replay/replayed_groups"].append(len(selection.groups))
     metrics["replay/scanned_groups"].append(selection.scanned)
-    metrics["replay/buffer_size"].append(len(replay.buffer))
+    metrics["replay/buffer_size"].append(len(replay.lifecycle))
     if selection.scanned:
         metrics["replay/acceptance_rate"].append(selection.acceptance_rate)
 

@@ -78,13 +78,13 @@ from retrieval_server.snapshot import (
     open_snapshot,
     snapshot_report,
 )
-from retrieval_server.spend import BudgetSpent, BudgetUnavailable, MemoryLedger
-from retrieval_server.upstream import (
+from retrieval_server.upstream.proxy import (
     UpstreamBackend,
     UpstreamError,
     default_ledger,
     upstream_description,
 )
+from retrieval_server.upstream.spend import BudgetSpent, BudgetUnavailable, MemoryLedger
 from retrieval_server.web.backend import upstream_backend
 
 KNOWN_PATHS = {"/retrieve", "/health", "/metrics"}

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from retrieval_server.answers import Answers
     from retrieval_server.batching import MicroBatcher
     from retrieval_server.shared import RedisLink
-    from retrieval_server.upstream import UpstreamBackend
+    from retrieval_server.upstream.proxy import UpstreamBackend
 
 # about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.0025, 0.004, 0.006, 0.01, 0.015, 0.025, 0.04,

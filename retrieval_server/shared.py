@@ -76,13 +76,14 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from core.errors import UserError
 from retrieval_server.api import Document
 from retrieval_server.cache import CacheKey, ResultCache
-from retrieval_server.spend import BudgetUnavailable, FleetRecord, SpendTotals, refusal
+from retrieval_server.upstream.spend import BudgetUnavailable, FleetRecord, SpendTotals, refusal
+from retrieval_server.url_secrets import shown_redis_url
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from retrieval_server.cache import CacheConfig
-    from retrieval_server.upstream import UpstreamConfig
+    from retrieval_server.upstream.config import UpstreamConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -339,19 +340,6 @@ class SharedUnavailable(Exception):
 class SharedRefused(SharedUnavailable):
     """Redis answered a command with an error (out of memory under noeviction, a read-only
     replica, a command renamed away): Redis is reachable, the command did nothing."""
-
-
-def shown_redis_url(url: str) -> str:
-    """The Redis URL without its user and password, its query string's values masked (a
-    password may be given as `?password=`, the only way for a unix:// socket)."""
-    base, _, query = url.partition("?")
-    try:
-        parsed = httpx.URL(base)
-    except httpx.InvalidURL:
-        return "(an invalid URL)"
-    shown = str(parsed.copy_with(userinfo=b"")) if parsed.userinfo else base
-    names = [pair.partition("=")[0] for pair in query.split("&") if pair]
-    return shown + ("?" + "&".join(f"{name}=***" for name in names) if names else "")
 
 
 class RedisLink:
@@ -643,7 +631,7 @@ class SharedCache:
 
 
 class RedisLedger:
-    """The fleet's spend (`retrieval_server.spend`'s ledger interface) in one Redis hash.
+    """The fleet's spend (`retrieval_server.upstream.spend`'s ledger interface) in one Redis hash.
 
     `reserve` is one RESERVE script: the budget checked against everything committed by every
     replica and the calls added, atomically, so replicas never overspend between them. `settle`
@@ -654,8 +642,8 @@ class RedisLedger:
     once Redis is back.
 
     The hash carries the id it was created with, and each replica keeps that id in its record
-    (`upstream.spend_path`, `retrieval_server.spend.FleetRecord`). A hash that is gone while a
-    record knows of it (Redis restarted empty, flushed, evicted) is never refilled: every
+    (`upstream.spend_path`, `retrieval_server.upstream.spend.FleetRecord`). A hash that is gone
+    while a record knows of it (Redis restarted empty, flushed, evicted) is never refilled: every
     reservation is refused in one line, and settlements wait, until Redis's data is restored
     (then each is applied once). Without a budget (price only) a lost count starts again from
     zero, with a log line. What no record can tell: a replica with a new spend file that

@@ -47,7 +47,7 @@ from core.errors import UserError
 from core.fingerprint import digest
 from retrieval_server.answers import Computed
 from retrieval_server.api import Document, ScoredDocument, SnapshotReport
-from retrieval_server.upstream import UpstreamBackend, UpstreamError
+from retrieval_server.upstream.proxy import UpstreamBackend, UpstreamError
 
 log = logging.getLogger(__name__)
 

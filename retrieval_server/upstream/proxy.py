@@ -13,7 +13,7 @@ upstream is the client's request, passed on with its status. A body is read up t
 1,024 levels with an error, not a RecursionError); a 200 whose body is not a Search-R1 result
 for the queries sent (what hdr's own client would fail to parse) is a 502 and is never cached.
 
-The spend budget (`retrieval_server.spend`): every query forwarded is one call at
+The spend budget (`retrieval_server.upstream.spend`): every query forwarded is one call at
 `price_per_call`, reserved before it is sent, so concurrent requests cannot overspend, and
 billed as the upstream bills it: answered, or sent and unanswered (a timeout, a connection lost
 after sending; `bill_timeouts`), each retry again; released when it was never sent or the
@@ -26,7 +26,8 @@ billed and cached.
 Secrets: the URL's user and password, its query string's values and the token from `token_env`
 are sent upstream but never shown: `shown_url` is what logs, `/health`, `/metrics` and errors
 say, and an upstream's error detail has them masked before it is passed on, in every form it
-may echo them (as given, URL-encoded, base64 as a Basic header carries the user and password).
+may echo them (as given, URL-encoded, base64 as a Basic header carries the user and password:
+`retrieval_server.url_secrets`).
 A URL with a user
 and password beside a token in `token_env` is refused (one would silently replace the other).
 
@@ -38,7 +39,6 @@ search does not, and wants `cache.ttl_s`.
 from __future__ import annotations
 
 import asyncio
-import base64
 import email.utils
 import hashlib
 import os
@@ -46,35 +46,32 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, quote_plus
 
 import httpx
 import orjson
-from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import TypeAdapter, ValidationError
 
-from core.config import StrictModel
 from core.errors import UserError
 from retrieval_server.api import Document, ScoredDocument, UpstreamReport
 from retrieval_server.pacing import Pacer
-from retrieval_server.spend import (
+from retrieval_server.upstream.config import UpstreamConfig
+from retrieval_server.upstream.spend import (
     BudgetSpent,
     BudgetUnavailable,
     FileLedger,
     MemoryLedger,
 )
-from retrieval_server.web.config import DEFAULT_URLS, WebSearchConfig
+from retrieval_server.url_secrets import MASK, secrets_pattern, url_secrets
 
 if TYPE_CHECKING:
-    from retrieval_server.spend import SpendTotals
+    from retrieval_server.upstream.spend import SpendTotals
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 CLIENT_STATUSES = frozenset({400, 413, 422})  # the request's own fault: passed on as it is
 DETAIL_CHARS = 200
 ERROR_JSON_BYTES = 64 * 1024  # an error body longer than this is shown as text, not parsed
 HEALTH_TIMEOUT_S = 10.0
-MASK = "***"
 # what a query's answer must be, as hdr's client reads it (api.ScoredResponse, PlainResponse)
 SCORED_ANSWERS = TypeAdapter(list[list[ScoredDocument]])
 PLAIN_ANSWERS = TypeAdapter(list[list[Document]])
@@ -82,165 +79,6 @@ PLAIN_ANSWERS = TypeAdapter(list[list[Document]])
 # request names): they go into the proxy's fingerprint
 ANSWER_DECIDING = ("documents", "encoder", "index_type", "retrievers", "default_retriever",
                    "profile", "max_query_chars")  # fmt: skip
-
-
-class UpstreamConfig(StrictModel):
-    """Where misses are forwarded in proxy mode, how hard, and how much may be spent."""
-
-    url: str = Field(
-        description="The upstream's base URL (http://host:port[/path][?query]; a trailing "
-        "/retrieve is dropped, a query string is kept on every request and never shown)."
-    )
-    timeout_s: float = Field(
-        default=15.0, gt=0, description="Deadline of one attempt, connect to last byte."
-    )
-    max_retries: int = Field(
-        default=2, ge=0, description="Retries after a 5xx, 429, timeout or connection error."
-    )
-    backoff_s: float = Field(default=0.25, ge=0, description="First backoff; doubles per retry.")
-    backoff_max_s: float = Field(default=4.0, ge=0, description="Cap of one backoff.")
-    max_concurrency: int = Field(
-        default=16, ge=1, description="Requests in flight toward the upstream at once."
-    )
-    rate_limit_rps: float = Field(
-        default=0.0, ge=0, description="Requests started toward the upstream per second; 0: none."
-    )
-    max_batch_queries: int = Field(
-        default=256, ge=1, description="Most queries in one forwarded request (larger sets split)."
-    )
-    max_response_bytes: int = Field(
-        default=64 * 2**20,
-        ge=1024,
-        description="Most bytes of one upstream answer read; a longer one is a 502 (and billed, "
-        "if it was a 200: the upstream answered).",
-    )
-    price_per_call: float = Field(
-        default=0.0, ge=0, description="What one forwarded query costs (any currency unit)."
-    )
-    max_calls: int | None = Field(
-        default=None, ge=0, description="Most queries forwarded, in all; None: no limit."
-    )
-    max_spend: float | None = Field(
-        default=None, ge=0, description="Most spent (calls x price_per_call); None: no limit."
-    )
-    bill_timeouts: bool = Field(
-        default=True,
-        description="A forward that was sent and got no answer (its attempt timed out, or its "
-        "connection was lost after sending) counts as billed, each attempt again: an API bills "
-        "the requests it received, whether or not their answers reached you. false: only "
-        "answered calls are billed (for an upstream known to bill only what it answers).",
-    )
-    spend_path: Path | None = Field(
-        default=None,
-        description="File the spend is kept in across restarts (written before every call is "
-        "sent, whole, never half-written); with cache.backend=redis, this replica's record of "
-        "the fleet's budget (which budget it is, so one Redis lost is refused, never started "
-        "again). Needed with max_calls or max_spend.",
-    )
-    token_env: str = Field(
-        default="HDR_UPSTREAM_TOKEN",
-        description="Environment variable whose value, if set, is sent to the upstream as a "
-        "Bearer token.",
-    )
-    web: WebSearchConfig | None = Field(
-        default=None,
-        description="A live web search API (`hdr serve --web serper|serpapi`) instead of a "
-        "Search-R1 server: each query one call, its results mapped to Search-R1 documents "
-        "(retrieval_server.web); `url` defaults to the API's own.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _web_url(cls, data: Any) -> Any:
-        """A web API's URL, where none is given, is the API's own."""
-        if isinstance(data, dict) and data.get("url") is None and isinstance(data.get("web"), dict):
-            api = data["web"].get("api")
-            if api in DEFAULT_URLS:
-                data = {**data, "url": DEFAULT_URLS[api]}
-        return data
-
-    @property
-    def limited(self) -> bool:
-        """Whether a budget is set (max_calls or max_spend)."""
-        return self.max_calls is not None or self.max_spend is not None
-
-    @property
-    def shown_url(self) -> str:
-        """The URL as logs, errors, /health and /metrics show it: without the user and
-        password it may carry, its query string's values masked."""
-        return show_url(self.url)
-
-    def endpoint(self, path: str) -> httpx.URL:
-        """`path` (/retrieve, /health) under the base URL, its query string kept."""
-        url = httpx.URL(self.url)
-        return url.copy_with(path=url.path.rstrip("/") + path)
-
-    def shown_endpoint(self, path: str) -> str:
-        """`endpoint(path)` as it is shown (no user, password or query values)."""
-        return show_url(str(self.endpoint(path)))
-
-    def worst_case_s(self) -> float:
-        """The longest a forward can take: every attempt to its deadline, every backoff at its
-        cap. Below the server's request deadline, a stalled upstream ends in a 504."""
-        backoffs = sum(
-            min(self.backoff_max_s, self.backoff_s * 2**retry) for retry in range(self.max_retries)
-        )
-        return self.timeout_s * (self.max_retries + 1) + backoffs
-
-    @field_validator("url")
-    @classmethod
-    def _base_url(cls, url: str) -> str:
-        url = url.strip()
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"upstream URL {show_url(url)!r} must start with http:// or https://")
-        try:
-            parsed = httpx.URL(url)
-        except httpx.InvalidURL as err:
-            raise ValueError(f"upstream URL {show_url(url)!r} is not a URL: {err}") from None
-        path = parsed.path.rstrip("/").removesuffix("/retrieve").rstrip("/")
-        return str(parsed.copy_with(path=path, fragment=None))
-
-
-def show_url(url: str) -> str:
-    """`url` without userinfo and with every query value masked (names kept)."""
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL:
-        return "(an invalid URL)"
-    shown = str(parsed.copy_with(userinfo=b"", query=None))
-    masked = "&".join(f"{name}={MASK}" for name, _ in parsed.params.multi_items())
-    return f"{shown}?{masked}" if masked else shown
-
-
-def url_secrets(url: str, token: str | None) -> list[str]:
-    """What of the URL and token must never be shown: the password, the user, the query
-    string's values (decoded, and as the URL spells them), the user and password as a Basic
-    header carries them, the token; each at least 3 characters (shorter ones are no secret
-    and would mask ordinary text). `masked` hides their encoded forms too."""
-    parsed = httpx.URL(url)
-    found = [token or "", parsed.password or "", parsed.username or ""]
-    found += [value for _, value in parsed.params.multi_items()]
-    found += [pair.partition("=")[2] for pair in parsed.query.decode().split("&")]
-    if parsed.userinfo:
-        found.append(f"{parsed.username}:{parsed.password}")
-    return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
-
-
-def secret_forms(secret: str) -> set[str]:
-    """`secret` as an error may echo it: itself, URL-encoded (either way of spaces), and in
-    base64 (standard and URL-safe, with and without padding)."""
-    raw = secret.encode()
-    forms = {secret, quote(secret, safe=""), quote_plus(secret), quote(secret)}
-    for encoded in (base64.b64encode(raw), base64.urlsafe_b64encode(raw)):
-        forms |= {encoded.decode(), encoded.decode().rstrip("=")}
-    return {form for form in forms if len(form) >= 3}
-
-
-def secrets_pattern(secrets: list[str]) -> re.Pattern[str] | None:
-    """One pattern for every form of every secret (case-insensitive: an echo may spell
-    %2f for %2F), longest first; None when there is none."""
-    forms = sorted({form for s in secrets for form in secret_forms(s)}, key=len, reverse=True)
-    return re.compile("|".join(map(re.escape, forms)), re.IGNORECASE) if forms else None
 
 
 JSON_HEADERS = {"content-type": "application/json"}

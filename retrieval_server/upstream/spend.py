@@ -2,8 +2,8 @@
 flight, and the budget (`upstream.max_calls`, `upstream.max_spend`) checked against both.
 
 A call (one query forwarded) is reserved before it is sent, so concurrent requests can never
-overspend together, and settled when its outcome is known (`retrieval_server.upstream` decides):
-billed when the upstream answered it, or when it was sent and no answer came (a timeout, a
+overspend together, and settled when its outcome is known (`retrieval_server.upstream.proxy`
+decides): billed when the upstream answered it, or when it was sent and no answer came (a timeout, a
 connection lost after sending: `upstream.bill_timeouts`, on by default, since an API bills
 what it received); released unbilled when it was never sent or the upstream refused it with an
 error status. The budget counts what is *committed*: billed, plus reserved, plus what a server
@@ -47,7 +47,7 @@ from core.errors import UserError
 from core.paths import atomic_file
 
 if TYPE_CHECKING:
-    from retrieval_server.upstream import UpstreamConfig
+    from retrieval_server.upstream.config import UpstreamConfig
 
 log = logging.getLogger(__name__)
 SPEND_FILE_KIND = "hdr upstream spend"

@@ -1,7 +1,7 @@
 """`WebBackend`: a live web search API in the place of proxy mode's upstream.
 
-It is `retrieval_server.upstream.UpstreamBackend` with the upstream's wire format swapped: every
-query is one request to the API (one billed call, reserved in the same ledger before it is
+It is `retrieval_server.upstream.proxy.UpstreamBackend` with the upstream's wire format swapped:
+every query is one request to the API (one billed call, reserved in the same ledger before it is
 sent), built and read by the API's module (`retrieval_server.web.serper`, `.serpapi`), so the
 cache, the coalescing, the spend budget, the rate limit, the retries and the fleet's Redis apply
 unchanged. What differs:
@@ -28,8 +28,7 @@ from urllib.parse import quote
 import httpx
 
 from core.errors import UserError
-from retrieval_server.spend import BudgetSpent
-from retrieval_server.upstream import (
+from retrieval_server.upstream.proxy import (
     CLIENT_STATUSES,
     DETAIL_CHARS,
     ERROR_JSON_BYTES,
@@ -41,11 +40,12 @@ from retrieval_server.upstream import (
     one_line,
     parse_json,
 )
+from retrieval_server.upstream.spend import BudgetSpent
 from retrieval_server.web.base import WEB_APIS, Refusal, render_answer
 
 if TYPE_CHECKING:
-    from retrieval_server.spend import MemoryLedger
-    from retrieval_server.upstream import UpstreamConfig
+    from retrieval_server.upstream.config import UpstreamConfig
+    from retrieval_server.upstream.spend import MemoryLedger
 
 log = logging.getLogger(__name__)
 

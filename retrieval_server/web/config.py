@@ -1,7 +1,7 @@
 """Typed settings of a live web search backend (`hdr serve --web serper|serpapi`): which API,
 where its key is read from, and the search settings that decide its answers.
 
-This module imports nothing else of hdr's retrieval server, so `retrieval_server.upstream`
+This module imports nothing else of hdr's retrieval server, so `retrieval_server.upstream.config`
 (whose `UpstreamConfig.web` section this is) can import it without a cycle.
 """
 

@@ -25,8 +25,8 @@ from fake_upstream import fake_upstream
 from servers import http_handler_server, running_server, serve_process
 
 from retrieval_server.config import ServerConfig
-from retrieval_server.spend import BudgetSpent, MemoryLedger
-from retrieval_server.upstream import UpstreamConfig
+from retrieval_server.upstream.config import UpstreamConfig
+from retrieval_server.upstream.spend import BudgetSpent, MemoryLedger
 
 
 def post(url: str, queries: list[str], **extra: object) -> httpx.Response:

@@ -23,7 +23,7 @@ call unbilled, and its answer is cached and given to the waiters instead of bein
 second time. The local index's searches stop with their last client instead (its queue drops
 them).
 
-With a shared cache (`retrieval_server.shared`, `cache.backend: redis`), a leader looks its
+With a shared cache (`retrieval_server.fleet`, `cache.backend: redis`), a leader looks its
 keys up there before computing, takes the fleet's lock of the ones it computes and writes
 their answers back; a key another replica holds the lock of is waited for, and taken over if
 that lock goes without an answer. Redis unreachable: the leader computes, as without it.
@@ -48,7 +48,7 @@ from retrieval_server.cache import CacheKey, ResultCache
 from retrieval_server.emulated_cost import CostEmulator
 
 if TYPE_CHECKING:
-    from retrieval_server.shared import SharedCache
+    from retrieval_server.fleet.cache import SharedCache
 
 
 class Backend(Protocol):

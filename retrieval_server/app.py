@@ -66,11 +66,13 @@ from retrieval_server.cache import ResultCache, open_persisted
 from retrieval_server.config import ServerConfig
 from retrieval_server.connections import ARRIVAL
 from retrieval_server.emulated_cost import CostEmulator
+from retrieval_server.fleet.cache import SharedCache
+from retrieval_server.fleet.ledger import RedisLedger
+from retrieval_server.fleet.link import RedisLink
 from retrieval_server.index.files import DocumentStore, IndexManifest, LoadedIndex, load_index
 from retrieval_server.metrics import BatcherCollector, CacheCollector, ServerMetrics
 from retrieval_server.query_log import QueryLog
 from retrieval_server.retrievers import Hit, Retriever, available_retrievers, make_retrievers
-from retrieval_server.shared import RedisLedger, RedisLink, SharedCache
 from retrieval_server.snapshot import (
     Snapshot,
     SnapshotBackend,

@@ -25,7 +25,7 @@ tracemalloc sees for small answers and for many scopes; `bench/search_cache.py` 
 the default bound.
 
 Beside this process's cache, `cache.backend: redis` adds one shared by a fleet of replicas
-(`retrieval_server.shared`); this cache stays in front of it.
+(`retrieval_server.fleet`); this cache stays in front of it.
 """
 
 from __future__ import annotations

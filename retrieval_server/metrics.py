@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from retrieval_server.answers import Answers
     from retrieval_server.batching import MicroBatcher
-    from retrieval_server.shared import RedisLink
+    from retrieval_server.fleet.link import RedisLink
     from retrieval_server.upstream.proxy import UpstreamBackend
 
 # about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor

@@ -19,7 +19,7 @@ Three ledgers with one behaviour:
   afterwards, in the background (a crash before they are written leaves them counted as
   unsettled, never as unspent). One server at a time: it holds an flock of `PATH.lock` beside
   the file while it runs, and a second server on the same file is refused at start in one line.
-- `RedisLedger` (`cache.backend: redis`, in `retrieval_server.shared`): one ledger for a fleet
+- `RedisLedger` (`cache.backend: redis`, in `retrieval_server.fleet`): one ledger for a fleet
   of replicas, checked and spent in one atomic step by Lua scripts. Each replica keeps a
   `FleetRecord` in `upstream.spend_path` (which budget it joined), so a budget Redis loses is
   refused, never started again from a guess.

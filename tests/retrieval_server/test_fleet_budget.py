@@ -203,7 +203,7 @@ def test_an_error_reply_of_redis_is_said_for_what_it_is_not_an_outage(
     fill with answers this way is refused at start for a budget. Before: each error reply
     marked Redis unreachable ("unreachable (OutOfMemoryError)"), and a budgeted Redis with
     maxmemory and noeviction was accepted."""
-    caplog.set_level(logging.WARNING, logger="retrieval_server.shared")
+    caplog.set_level(logging.WARNING, logger="retrieval_server.fleet")
     with redis_server(tmp_path / "redis", persist=True) as store, fake_upstream() as api:
         client = redis.Redis.from_url(store.url)
         priced = fleet(store.url, tmp_path / "a.json", url=api.url, price_per_call=0.01)

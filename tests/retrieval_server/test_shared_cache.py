@@ -176,7 +176,7 @@ def test_with_redis_stopped_replicas_answer_and_a_paid_budget_fails_closed(
     searches) and say so; the proxy's budget refuses misses in one line (503) while its hits
     are served; a forward in flight when Redis stopped is counted once Redis is back, so the
     fleet's billed count is what the upstream received."""
-    caplog.set_level(logging.WARNING, logger="retrieval_server.shared")
+    caplog.set_level(logging.WARNING, logger="retrieval_server.fleet")
     with (
         redis_server(tmp_path / "redis", persist=True) as store,
         fake_upstream(delay_s=2.0) as api,

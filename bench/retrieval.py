@@ -524,7 +524,7 @@ def limit_table(
     from core.config import load_config
     from retrieval_server.config import ServerConfig
     from retrieval_server.index.files import load_index
-    from retrieval_server.retrievers import DenseRetriever
+    from retrieval_server.serving.retrievers import DenseRetriever
 
     load_before = list(os.getloadavg())
     # the encoder and the index search run in this process as the server's do (its

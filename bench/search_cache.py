@@ -266,9 +266,9 @@ def cache_memory(index: Path) -> dict:
     count and what tracemalloc saw it allocate."""
     import numpy as np
 
-    from retrieval_server.answers import render_query
-    from retrieval_server.cache import CacheConfig, CacheKey, ResultCache
     from retrieval_server.index.files import DocumentStore, validate_index
+    from retrieval_server.serving.answers import render_query
+    from retrieval_server.serving.cache import CacheConfig, CacheKey, ResultCache
 
     store = DocumentStore(validate_index(index).corpus, np.load(index / "offsets.npy"))
     rng = np.random.default_rng(0)

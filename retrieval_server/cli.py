@@ -409,7 +409,7 @@ def serve_command(
     while loading (an index that does not match its manifest) is one line and exit code 2."""
     from core.errors import UserError, warn
     from retrieval_server.config import API_TOKEN_ENV
-    from retrieval_server.serving import bind_port, run_server
+    from retrieval_server.serving.runtime import bind_port, run_server
 
     if (index is None) == (upstream is None and web is None and snapshot is None):
         raise UserError(
@@ -456,7 +456,7 @@ def check_served_index(server_config, retrievers: str | None) -> None:
     of an index without it."""
     from core.errors import UserError
     from retrieval_server.index.files import validate_index
-    from retrieval_server.retrievers import RETRIEVERS
+    from retrieval_server.serving.retrievers import RETRIEVERS
 
     RETRIEVERS.get(server_config.default_retriever)  # unknown name: one line listing valid ones
     for name in server_config.retrievers or []:
@@ -479,7 +479,7 @@ def check_written_files(server_config) -> None:
     """The files `hdr serve` would write, checked before anything loads: a query log must be
     new, a cache file must be one hdr wrote (it is replaced when the server stops)."""
     from core.errors import UserError
-    from retrieval_server.cache import FILE_MAGIC, check_cache_file
+    from retrieval_server.serving.cache import FILE_MAGIC, check_cache_file
     from retrieval_server.snapshot import check_new_record_path
 
     check_new_record_path(server_config.snapshot.record_path)

@@ -14,9 +14,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 
 from core.config import StrictModel
-from retrieval_server.cache import CacheConfig
-from retrieval_server.emulated_cost import EmulatedCostConfig
 from retrieval_server.index.config import DenseSearchConfig, EncoderConfig
+from retrieval_server.serving.cache import CacheConfig
+from retrieval_server.serving.emulated_cost import EmulatedCostConfig
 from retrieval_server.snapshot import SnapshotConfig
 from retrieval_server.upstream.config import UpstreamConfig
 from retrieval_server.web.config import DEFAULT_WEB_TTL_S

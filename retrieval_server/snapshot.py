@@ -45,8 +45,8 @@ from pydantic import Field, TypeAdapter, ValidationError
 from core.config import StrictModel
 from core.errors import UserError
 from core.fingerprint import digest
-from retrieval_server.answers import Computed
 from retrieval_server.api import Document, ScoredDocument, SnapshotReport
+from retrieval_server.serving.answers import Computed
 from retrieval_server.upstream.proxy import UpstreamBackend, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -221,8 +221,8 @@ class SnapshotCounts:
 
 
 class SnapshotBackend:
-    """Answers from a snapshot (the `Backend` of `retrieval_server.answers`); a query it does
-    not hold is refused, or forwarded to `live` and added."""
+    """Answers from a snapshot (the `Backend` of `retrieval_server.serving.answers`); a query it
+    does not hold is refused, or forwarded to `live` and added."""
 
     def __init__(self, snapshot: Snapshot, path: Path, live: UpstreamBackend | None = None) -> None:
         self.snapshot = snapshot

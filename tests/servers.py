@@ -70,9 +70,9 @@ def running_server(
     on a free port (or `port`); `index_dir` None with `upstream={...}` is a proxy."""
     import uvicorn
 
-    from retrieval_server.app import create_app
     from retrieval_server.config import ServerConfig
-    from retrieval_server.serving import uvicorn_config
+    from retrieval_server.serving.app import create_app
+    from retrieval_server.serving.runtime import uvicorn_config
 
     config = ServerConfig(index_dir=index_dir, **server_config_overrides)
     sock = bind_loopback(port)

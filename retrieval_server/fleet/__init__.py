@@ -1,8 +1,8 @@
 """One cache and one budget for a fleet of `hdr serve` replicas, on Redis (`cache.backend: redis`).
 
-Each replica keeps its own cache (`retrieval_server.cache.ResultCache`) in front; behind it, in
-one Redis (a single server, or a primary with its replicas; not Redis Cluster, whose keys of
-one script must share a slot):
+Each replica keeps its own cache (`retrieval_server.serving.cache.ResultCache`) in front;
+behind it, in one Redis (a single server, or a primary with its replicas; not Redis Cluster,
+whose keys of one script must share a slot):
 
 - answers, `NS:answer:FINGERPRINT:SHA256(key)`: the answer's bytes, written by the replica that
   computed (or paid for) it, with an expiry (`cache.ttl_s`, else `cache.redis_ttl_s`), so a miss

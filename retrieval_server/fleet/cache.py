@@ -15,11 +15,11 @@ import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from retrieval_server.api import Document
-from retrieval_server.cache import CacheKey, ResultCache
 from retrieval_server.fleet.link import RedisLink, SharedRefused, SharedUnavailable
+from retrieval_server.serving.cache import CacheKey, ResultCache
 
 if TYPE_CHECKING:
-    from retrieval_server.cache import CacheConfig
+    from retrieval_server.serving.cache import CacheConfig
 
 log = logging.getLogger(__name__)
 FIRST_POLL_S, LAST_POLL_S = 0.002, 0.05  # a waiter's polls for another replica's answer

@@ -21,7 +21,7 @@ from retrieval_server.fleet.link import RedisLink, SharedRefused, SharedUnavaila
 from retrieval_server.upstream.spend import BudgetUnavailable, FleetRecord, SpendTotals, refusal
 
 if TYPE_CHECKING:
-    from retrieval_server.cache import CacheConfig
+    from retrieval_server.serving.cache import CacheConfig
     from retrieval_server.upstream.config import UpstreamConfig
 
 log = logging.getLogger(__name__)

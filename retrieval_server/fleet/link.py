@@ -16,7 +16,7 @@ from retrieval_server.url_secrets import shown_redis_url
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from retrieval_server.cache import CacheConfig
+    from retrieval_server.serving.cache import CacheConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,8 +20,8 @@ after sending; `bill_timeouts`), each retry again; released when it was never se
 upstream answered an error status. Past `max_calls` calls or `max_spend`, a request with a
 query to forward is refused with a 429 naming the budget that ran out, while queries the cache
 answers are still served. A forward, once begun, runs to its end even if every client waiting
-for it leaves (`finishes_abandoned`, read by `retrieval_server.answers`): what is paid for is
-billed and cached.
+for it leaves (`finishes_abandoned`, read by `retrieval_server.serving.answers`): what is paid
+for is billed and cached.
 
 Secrets: the URL's user and password, its query string's values and the token from `token_env`
 are sent upstream but never shown: `shown_url` is what logs, `/health`, `/metrics` and errors
@@ -136,10 +136,10 @@ class _Unsent(Exception):
 
 
 class UpstreamBackend:
-    """Forwards queries to the upstream (the `Backend` of `retrieval_server.answers`)."""
+    """Forwards queries to the upstream (the `Backend` of `retrieval_server.serving.answers`)."""
 
     # a forward, once begun, is finished and cached even when every client waiting has left:
-    # the upstream bills it either way (retrieval_server.answers reads this)
+    # the upstream bills it either way (retrieval_server.serving.answers reads this)
     finishes_abandoned = True
 
     def __init__(self, config: UpstreamConfig, ledger: MemoryLedger | None = None) -> None:

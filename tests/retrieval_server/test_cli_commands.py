@@ -280,7 +280,7 @@ def test_served_connections_send_without_nagle_delay() -> None:
     for the client's delayed ACK of its headers (40 ms a request on Linux)."""
     import asyncio
 
-    from retrieval_server.serving import bind_port
+    from retrieval_server.serving.runtime import bind_port
 
     async def accepted_nodelay() -> int:
         listener = bind_port("127.0.0.1", 0)

@@ -32,7 +32,7 @@ from retrieval_server.index.files import (
 )
 from retrieval_server.index.importing import import_index
 from retrieval_server.index.staging import VECTORS_DIR, partial_dir
-from retrieval_server.retrievers import RETRIEVERS
+from retrieval_server.serving.retrievers import RETRIEVERS
 
 HDR = str(Path(sys.executable).with_name("hdr"))
 

@@ -15,7 +15,7 @@ from retrieval_server.index.build import build_index
 from retrieval_server.index.encoder import DEFAULT_ENCODER, guess_prefixes, resolve_encoder
 from retrieval_server.index.files import MANIFEST, corpus_fingerprint, load_index, validate_index
 from retrieval_server.index.staging import partial_dir
-from retrieval_server.retrievers import RETRIEVERS, available_retrievers
+from retrieval_server.serving.retrievers import RETRIEVERS, available_retrievers
 
 
 def test_manifest_describes_the_index(small_index: Path, small_corpus: Path) -> None:

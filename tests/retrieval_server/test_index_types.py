@@ -22,7 +22,7 @@ from retrieval_server.index.corpus import iter_vital_articles
 from retrieval_server.index.files import MANIFEST, load_index, read_manifest
 from retrieval_server.index.staging import partial_dir
 from retrieval_server.index.writers import FlatFileWriter
-from retrieval_server.retrievers import DenseRetriever
+from retrieval_server.serving.retrievers import DenseRetriever
 
 # factory string -> least share of queries whose served top passage is the exact (Flat) one;
 # 1.0 for indexes that keep exact vectors and search every list here (nprobe >= nlist).
@@ -185,9 +185,9 @@ def test_serving_a_retriever_the_index_lacks_is_refused(small_index: Path, tmp_p
     manifest["bm25"] = False
     manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("bm25/")}
     (out / MANIFEST).write_text(json.dumps(manifest))
-    from retrieval_server.app import load_serving_state
     from retrieval_server.config import ServerConfig
-    from retrieval_server.metrics import ServerMetrics
+    from retrieval_server.serving.metrics import ServerMetrics
+    from retrieval_server.serving.state import load_serving_state
 
     config = ServerConfig(index_dir=out, retrievers=["bm25"])
     with pytest.raises(UserError, match="retriever 'bm25' is not available"):

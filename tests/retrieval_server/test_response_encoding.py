@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval_server.answers import Passage, join_answers, render_query
-from retrieval_server.app import fetch_passages
 from retrieval_server.index.files import DocumentStore
+from retrieval_server.serving.answers import Passage, join_answers, render_query
+from retrieval_server.serving.state import fetch_passages
 
 LINES = [
     '{"id": "0", "contents": "plain"}',

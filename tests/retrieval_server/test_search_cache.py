@@ -17,8 +17,8 @@ import httpx
 import pytest
 from servers import running_server
 
-from retrieval_server.answers import Answers
-from retrieval_server.cache import FILE_MAGIC, CacheKey, ResultCache, entry_bytes
+from retrieval_server.serving.answers import Answers
+from retrieval_server.serving.cache import FILE_MAGIC, CacheKey, ResultCache, entry_bytes
 
 
 def post(url: str, queries: list[str], **extra: object) -> httpx.Response:
@@ -345,7 +345,7 @@ def test_the_byte_count_is_what_the_entries_hold(scoped: bool) -> None:
     2.46x the count; now within 1.1x either way."""
     import tracemalloc
 
-    from retrieval_server.app import cache_scope
+    from retrieval_server.serving.app import cache_scope
 
     tracemalloc.start()
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from retrieval_server.retrievers import RETRIEVERS, BM25Retriever
+from retrieval_server.serving.retrievers import RETRIEVERS, BM25Retriever
 
 WAIT_S = 30  # a state the server should reach, not reached by then, fails the test
 RELEASE = threading.Event()

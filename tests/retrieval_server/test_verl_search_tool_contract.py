@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 from servers import bind_loopback, running_server
 
-from retrieval_server.retrievers import RETRIEVERS, BM25Retriever
+from retrieval_server.serving.retrievers import RETRIEVERS, BM25Retriever
 
 ATTEMPTS = 10  # veRL's MAX_RETRIES
 RETRIED_STATUSES = (500, 502, 503, 504)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from retrieval_server.index.corpus import split_contents
-from retrieval_server.retrievers import RETRIEVERS, BM25Retriever
+from retrieval_server.serving.retrievers import RETRIEVERS, BM25Retriever
 
 TIMEOUT_S = 60  # a request that hangs fails the test by this timeout
 

@@ -43,9 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from retrieval_server.batching import MicroBatcher, Passage
-from retrieval_server.cache import CacheKey, ResultCache
-from retrieval_server.emulated_cost import CostEmulator
+from retrieval_server.serving.batching import MicroBatcher, Passage
+from retrieval_server.serving.cache import CacheKey, ResultCache
+from retrieval_server.serving.emulated_cost import CostEmulator
 
 if TYPE_CHECKING:
     from retrieval_server.fleet.cache import SharedCache

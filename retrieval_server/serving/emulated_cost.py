@@ -13,7 +13,7 @@ time spent waiting on it are reported in `/health`.
   its slot (as a client that honours `Retry-After` would), it is never refused.
 
 A call is what a request sends to the backend: its billed queries, those the result cache
-could not answer (`retrieval_server.answers`). Queries answered from the cache cost nothing,
+could not answer (`retrieval_server.serving.answers`). Queries answered from the cache cost nothing,
 as they would in front of a real API; a request answered wholly from it makes no call.
 
 All are off (0) by default. The delays are `asyncio.sleep`, so a waiting request holds no

@@ -13,9 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from retrieval_server.answers import Answers
-    from retrieval_server.batching import MicroBatcher
     from retrieval_server.fleet.link import RedisLink
+    from retrieval_server.serving.answers import Answers
+    from retrieval_server.serving.batching import MicroBatcher
     from retrieval_server.upstream.proxy import UpstreamBackend
 
 # about 1.6x apart from 0.5 ms to 30 s, so a quantile read from them is within that factor
@@ -118,7 +118,7 @@ class ServerMetrics:
         )
 
     def connection_event(self, event: str) -> None:
-        """What the guarded protocol reports (retrieval_server.connections)."""
+        """What the guarded protocol reports (retrieval_server.serving.connections)."""
         if event == "opened":
             self.connections.inc()
         elif event == "closed":

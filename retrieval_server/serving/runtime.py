@@ -5,7 +5,7 @@ happens after: `bind_port` takes the port before the index loads, so a busy port
 rather than after minutes of loading, and `run_server` starts uvicorn on that socket with a
 lifespan wrapper that turns a `UserError` raised while loading into hdr's one line (uvicorn
 alone would print a traceback and exit 3). `uvicorn_config` is how every hdr server (tests'
-included) runs: guarded connections (`retrieval_server.connections`) and its keep-alive.
+included) runs: guarded connections (`retrieval_server.serving.connections`) and its keep-alive.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from core.errors import UserError
-from retrieval_server.connections import (
+from retrieval_server.serving.connections import (
     default_max_connections,
     guarded_protocol,
     raise_open_file_limit,
@@ -64,7 +64,7 @@ def uvicorn_config(
     app: FastAPI, config: ServerConfig, access_log: bool, log_level: str
 ) -> uvicorn.Config:
     """How uvicorn runs hdr's app: its keep-alive, and connections guarded by a request-head
-    deadline and a bound on their number (`retrieval_server.connections`)."""
+    deadline and a bound on their number (`retrieval_server.serving.connections`)."""
     import uvicorn
 
     max_connections = config.max_connections or default_max_connections()
@@ -108,7 +108,7 @@ def run_server(config: ServerConfig, sock: socket.socket, url: str, access_log: 
     one line instead of uvicorn's traceback and exit code 3."""
     import uvicorn
 
-    from retrieval_server.app import create_app
+    from retrieval_server.serving.app import create_app
 
     app = create_app(config)
     startup_errors: list[UserError] = []

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from retrieval_server.retrievers import Hit, Retriever
+from retrieval_server.serving.retrievers import Hit, Retriever
 
 log = logging.getLogger(__name__)
 CRASH_WINDOW_S = 60.0

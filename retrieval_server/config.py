@@ -17,7 +17,7 @@ from core.config import StrictModel
 from retrieval_server.index.config import DenseSearchConfig, EncoderConfig
 from retrieval_server.serving.cache import CacheConfig
 from retrieval_server.serving.emulated_cost import EmulatedCostConfig
-from retrieval_server.snapshot import SnapshotConfig
+from retrieval_server.snapshot.config import SnapshotConfig
 from retrieval_server.upstream.config import UpstreamConfig
 from retrieval_server.web.config import DEFAULT_WEB_TTL_S
 

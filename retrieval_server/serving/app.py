@@ -71,13 +71,8 @@ from retrieval_server.serving.state import (
     open_upstream_state,
     recorded_snapshot,
 )
-from retrieval_server.snapshot import (
-    SnapshotRecorder,
-    snapshot_report,
-)
-from retrieval_server.upstream.proxy import (
-    UpstreamError,
-)
+from retrieval_server.snapshot.backend import SnapshotRecorder, snapshot_report
+from retrieval_server.upstream.proxy import UpstreamError
 from retrieval_server.upstream.spend import BudgetSpent, BudgetUnavailable
 
 CLIENT_GONE = 499  # recorded in metrics for a client that left; nobody receives it

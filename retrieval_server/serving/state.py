@@ -29,12 +29,8 @@ from retrieval_server.serving.retrievers import (
     available_retrievers,
     make_retrievers,
 )
-from retrieval_server.snapshot import (
-    Snapshot,
-    SnapshotBackend,
-    SnapshotRecorder,
-    open_snapshot,
-)
+from retrieval_server.snapshot.backend import SnapshotBackend, SnapshotRecorder, open_snapshot
+from retrieval_server.snapshot.file import Snapshot
 from retrieval_server.upstream.proxy import (
     UpstreamBackend,
     default_ledger,

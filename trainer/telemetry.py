@@ -1,14 +1,18 @@
-"""Run logs: metrics.jsonl (one object per step), eval.jsonl, groups.jsonl and TensorBoard.
+"""Run logs: metrics.jsonl (one object per step), eval.jsonl, groups.jsonl, and optionally
+TensorBoard and Weights & Biases (`log.wandb`).
 
-Scalar metrics become TensorBoard scalars under their own names; quantile lists
-(`*_q`, the 10/50/90% quantiles) become `name/p10`, `name/p50`, `name/p90`; other lists
-(replay ages, replay counts, stored and refreshed headroom) become histograms. On resume the
-files are cut back to the checkpoint's step, and TensorBoard purges the later events, so a
-resumed run's logs read as if it had never stopped.
+Scalar metrics become TensorBoard and W&B scalars under their own names (`train/<key>`,
+`eval/<key>`); quantile lists (`*_q`, the 10/50/90% quantiles) become `name/p10`,
+`name/p50`, `name/p90`; other lists (replay ages, replay counts, stored and refreshed
+headroom) become histograms. On resume the files are cut back to the checkpoint's step, and
+TensorBoard purges the later events, so a resumed run's logs read as if it had never stopped.
+W&B cannot purge: each start of a run (a resume too) is a W&B run of its own, in a group
+named after the run directory.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -20,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from core.errors import UserError
+from trainer.config import WandbConfig
 from trainer.frozen_bottom import attached
 from trainer.scoring import distinct_tokens
 
@@ -242,7 +248,14 @@ def _filter_jsonl(path: Path, keep) -> None:
 class RunLogs:
     """Append-only JSONL logs and an optional TensorBoard writer in a run directory."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, purge_step: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool,
+        purge_step: int | None = None,
+        wandb: WandbConfig | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self._files = {
             name: (run_dir / f"{name}.jsonl").open("a") for name in ("metrics", "eval", "groups")
@@ -252,6 +265,9 @@ class RunLogs:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
+        self.wandb = None
+        if wandb is not None and wandb.mode != "off":
+            self.wandb = start_wandb(run_dir, wandb, config)
 
     @staticmethod
     def truncate_after(run_dir: Path, step: int) -> None:
@@ -290,21 +306,23 @@ class RunLogs:
             )
 
     def _tensorboard(self, prefix: str, record: dict[str, Any]) -> None:
-        if self.tb is None:
+        """The record to TensorBoard and W&B, each value under its tag (`tagged`)."""
+        if self.tb is None and self.wandb is None:
             return
-        step = record["step"]
-        for key, value in record.items():
-            if key == "step" or value is None:
-                continue
-            tag = f"{prefix}/{key}"
-            if isinstance(value, list):
-                if key.endswith("_q") and len(value) == len(QUANTILES):
-                    for q, v in zip(QUANTILES, value, strict=True):
-                        self.tb.add_scalar(f"{tag}/p{round(q * 100)}", v, step)
-                elif value and all(isinstance(v, (int, float)) for v in value):
-                    self.tb.add_histogram(tag, np.asarray(value, dtype=float), step)
-            elif isinstance(value, (int, float)):
+        step, values = record["step"], dict(tagged(prefix, record))
+        for tag, value in values.items() if self.tb is not None else ():
+            if isinstance(value, np.ndarray):
+                self.tb.add_histogram(tag, value, step)
+            else:
                 self.tb.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log(
+                {t: wandb.Histogram(v) if isinstance(v, np.ndarray) else v
+                 for t, v in values.items()},
+                step=step,
+            )  # fmt: skip
 
     def flush(self) -> None:
         for f in self._files.values():
@@ -317,3 +335,48 @@ class RunLogs:
             f.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def tagged(prefix: str, record: dict[str, Any]) -> Iterator[tuple[str, float | np.ndarray]]:
+    """A record's loggable values under their tags (`prefix/key`): numbers as they are, a
+    quantile list as its three quantiles (`/p10`, `/p50`, `/p90`), another list of numbers as
+    an array (a histogram); the step, None, strings and empty lists are left out."""
+    for key, value in record.items():
+        if key == "step" or value is None:
+            continue
+        tag = f"{prefix}/{key}"
+        if isinstance(value, list):
+            if key.endswith("_q") and len(value) == len(QUANTILES):
+                for q, v in zip(QUANTILES, value, strict=True):
+                    yield f"{tag}/p{round(q * 100)}", v
+            elif value and all(isinstance(v, (int, float)) for v in value):
+                yield tag, np.asarray(value, dtype=float)
+        elif isinstance(value, (int, float)):
+            yield tag, value
+
+
+def start_wandb(run_dir: Path, settings: WandbConfig, config: dict[str, Any] | None) -> Any:
+    """A W&B run for this start of the run, its files under `run_dir/wandb/`: no console
+    capture, no system metrics, no code or git state saved."""
+    require_wandb(settings)
+    import wandb
+
+    quiet = wandb.Settings(
+        console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False
+    )
+    return wandb.init(
+        project=settings.project, name=settings.name or run_dir.name, group=run_dir.name,
+        dir=str(run_dir), mode=settings.mode, config=config, settings=quiet,
+    )  # fmt: skip
+
+
+def require_wandb(settings: WandbConfig) -> None:
+    """One line when W&B is asked for and the wandb package is not installed."""
+    if settings.mode != "off" and importlib.util.find_spec("wandb") is None:
+        raise UserError(
+            f"log.wandb.mode={settings.mode} needs the wandb package:"
+            ' pip install -e ".[wandb]" (or log.wandb.mode=off)'
+        )

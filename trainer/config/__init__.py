@@ -22,13 +22,20 @@ from trainer.config.async_rollout import AsyncConfig
 from trainer.config.grpo import GRPOConfig
 from trainer.config.model import ModelConfig
 from trainer.config.replay import GateConfig, ReplayConfig
-from trainer.config.run import CheckpointConfig, DistributedConfig, HeldoutConfig, LogConfig
+from trainer.config.run import (
+    CheckpointConfig,
+    DistributedConfig,
+    HeldoutConfig,
+    LogConfig,
+    WandbConfig,
+)
 from trainer.config.sft import SFTConfig
 from trainer.config_history import REMOVED_KEYS, RENAMED_KEYS
 
 __all__ = [
     "AsyncConfig", "CheckpointConfig", "DistributedConfig", "GRPOConfig", "GateConfig",
     "HeldoutConfig", "LogConfig", "ModelConfig", "ReplayConfig", "SFTConfig", "TrainConfig",
+    "WandbConfig",
 ]  # fmt: skip
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from core.config import StrictModel
@@ -25,11 +27,25 @@ class CheckpointConfig(StrictModel):
     keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints.")
 
 
+class WandbConfig(StrictModel):
+    """Weights & Biases: every step's and held-out evaluation's record beside metrics.jsonl,
+    under the names TensorBoard shows (`pip install -e ".[wandb]"`)."""
+
+    mode: Literal["off", "online", "offline"] = Field(
+        "off",
+        description="off: no W&B; online: to the W&B server (WANDB_API_KEY); offline: a run"
+        " folder under the run directory's wandb/, for `wandb sync` later.",
+    )
+    project: str = Field("hdr", min_length=1, description="The W&B project.")
+    name: str | None = Field(None, description="The W&B run's name (default: the run dir's).")
+
+
 class LogConfig(StrictModel):
     """Telemetry."""
 
     tensorboard: bool = Field(True, description="Also write TensorBoard events under tb/.")
     progress: bool = Field(True, description="Show a progress bar on stderr.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases.")
 
 
 class DistributedConfig(StrictModel):

@@ -1,7 +1,7 @@
 """The repository stands on its own (no file points outside it to the project's notes), its
 packages import one another only as docs/design.md's table of rooms allows, the replay
-primitive imports torch and numpy only, and the trainer's modules import one another without a
-circle."""
+primitive imports torch and numpy only, the trainer's and the retrieval server's modules import
+one another without a circle, and no file of the retrieval server is over 500 lines."""
 
 from __future__ import annotations
 
@@ -191,3 +191,33 @@ def test_the_rule_catches_a_forbidden_import(tmp_path: Path) -> None:
         if m.startswith("evaluation")
         for a in design_rules()["trainer"]
     )
+
+
+RETRIEVAL = "retrieval_server"
+RETRIEVAL_WINGS = ("serving", "index", "upstream", "fleet", "web", "snapshot")
+
+
+def test_the_retrieval_servers_modules_import_one_another_without_a_circle() -> None:
+    graph = module_graph(RETRIEVAL)
+    assert {f"{RETRIEVAL}.{wing}" for wing in RETRIEVAL_WINGS} <= set(graph)
+    try:
+        order = list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as err:
+        raise AssertionError(
+            f"the retrieval server's imports run in a circle: {err.args[1]}"
+        ) from None
+    assert len(order) == len(graph)
+    # the spend ledger knows the proxy's settings, never the proxy
+    assert "retrieval_server.upstream.proxy" not in graph["retrieval_server.upstream.spend"]
+    # an index is built and opened without the server: the index wing imports no other wing
+    index = {name for name in graph if name.startswith(f"{RETRIEVAL}.index")}
+    assert {m for name in index for m in graph[name]} <= index
+
+
+def test_no_file_of_the_retrieval_server_is_over_500_lines() -> None:
+    long = {
+        str(f.relative_to(REPO)): n
+        for f in (REPO / RETRIEVAL).rglob("*.py")
+        if (n := len(f.read_text().splitlines())) > 500
+    }
+    assert long == {}

@@ -131,6 +131,16 @@ def test_the_trainers_modules_import_one_another_without_a_circle() -> None:
     assert not any(m.startswith("trainer.tools.") for name in loop for m in graph[name])
 
 
+def test_the_trainers_files_stay_readable() -> None:
+    """One step reads in one short file, and no file of the trainer grows past 500 lines."""
+    lines = {
+        str(path.relative_to(REPO)): len(path.read_text().splitlines())
+        for path in (REPO / "trainer").rglob("*.py")
+    }
+    assert lines["trainer/step.py"] <= 200
+    assert {name: n for name, n in lines.items() if n > 500} == {}
+
+
 def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     """The checker itself: a module importing another inside a function, which imports it
     back under TYPE_CHECKING, is a circle."""

@@ -1,11 +1,10 @@
 """Where asynchronous rollout workers run (trainer/async_rollout/devices.py,
-`async_rollout.devices`):
-the device map read from the config, applied in each worker's own process (it sees its one
-GPU: CUDA_VISIBLE_DEVICES), vLLM engines sharing a GPU started one at a time, and the map
-refused in one line where it cannot be honoured. The engines are tests/fakes/vllm (vLLM 0.31 on
-CUDA, recorded): this machine has no GPU, so what each worker's engine was built under is
-what can be checked; the workers themselves are real processes with the tiny policy, a real
-retrieval server and the small task.
+`async_rollout.devices`): the device map read from the config, applied in each worker's own
+process (it sees its one GPU: CUDA_VISIBLE_DEVICES), vLLM engines sharing a GPU started one at
+a time, and the map refused in one line where it cannot be honoured. The engines are
+tests/fakes/vllm (vLLM 0.31 on CUDA, recorded): this machine has no GPU, so what each worker's
+engine was built under is what can be checked; the workers themselves are real processes with
+the tiny policy, a real retrieval server and the small task.
 """
 
 from __future__ import annotations

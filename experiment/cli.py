@@ -205,18 +205,22 @@ def report_command(
     """Recompute every table (contrasts, precondition, quality at matched and modelled cost,
     the ledger) from an experiment's per-question, per-seed evaluation files and run metrics."""
     from core.paths import EXPERIMENT, check_output, write_json_atomic, write_text_atomic
-    from experiment.recompute import export_evidence, ignored_by_git, recompute
+    from experiment.recompute import export_evidence, finished_runs, ignored_by_git, recompute
 
     if out is not None:  # refused before any work, never over a file it did not write
         out = check_output(out, EXPERIMENT, inputs=[source])
     if export is not None:
         export = check_output(export, EXPERIMENT, inputs=[source], option="--export", force=force)
-    summary, cfg, markdown = recompute(source, out / "charts" if out is not None else None)
-    typer.echo(markdown)
-    if out is not None:
-        write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})
-        write_text_atomic(out / "results.md", markdown)
-        typer.echo(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    if export is not None and out is None and not finished_runs(Path(source)):
+        # the SFT start's evaluation alone, so that another session need not evaluate it again
+        typer.echo(f"{source}: no run has finished yet; exporting the evaluated start alone")
+    else:
+        summary, cfg, markdown = recompute(source, out / "charts" if out is not None else None)
+        typer.echo(markdown)
+        if out is not None:
+            write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})
+            write_text_atomic(out / "results.md", markdown)
+            typer.echo(f"wrote {out / 'results.md'} and {out / 'results.json'}")
     if export is not None:
         written = export_evidence(source, export)
         size = sum((export / name).stat().st_size for name in written)

@@ -115,17 +115,22 @@ def recompute(
 def export_evidence(root: str | Path, dest: Path) -> list[Path]:
     """Copy into `dest` (staged, then swapped in whole) what the recompute reads of the
     experiment at `root`: its config, its SFT start's evaluation and `RUN_EVIDENCE` of each
-    finished run, the evaluation files gzipped (deterministically: no timestamp inside).
+    finished run, the evaluation files gzipped (deterministically: no timestamp inside). Before
+    any run has finished, the start's evaluation alone (which `hdr experiment` then reuses
+    from a copy of the export instead of evaluating the start again).
     Returns the files written, relative to `dest`."""
     from core.paths import staging_dir, swap_in
 
     root = Path(root)
     read_config(root)  # an experiment, or one line saying it is not
     runs = finished_runs(root)
-    if not runs:
-        raise UserError(f"{root}: no finished run (runs/*/seed-*/heldout/eval.json) to export")
-    sources = [root / "experiment_config.json"]
-    sources += [path for path in [report_file(root / "sft_start" / "eval.json")] if path]
+    start = report_file(root / "sft_start" / "eval.json")
+    if not runs and start is None:
+        raise UserError(
+            f"{root}: no finished run (runs/*/seed-*/heldout/eval.json) nor evaluated SFT start"
+            " (sft_start/eval.json) to export"
+        )
+    sources = [root / "experiment_config.json", *([start] if start else [])]
     for run_dir in runs:
         for name in RUN_EVIDENCE:
             found = report_file(run_dir / name) if name.endswith("eval.json") else None

@@ -158,3 +158,22 @@ def test_the_pool_check_and_dose_screen_are_reported_from_the_runs_files(tmp_pat
     assert screen["projected_step"] == pytest.approx(screen["gain"]["estimate"])  # 1.5x of 1.5x
     md = (tmp_path / "out" / "results.md").read_text()
     assert "**Pool-size check (declared before the runs):" in md and "**Dose screen" in md
+
+
+def test_before_any_run_finishes_the_evaluated_start_is_exported_alone(tmp_path):
+    """A session may end before a run finishes: the start's evaluation is exported so the next
+    one reuses it; a folder with neither is one line and exit 2."""
+    source = tmp_path / "experiment"
+    (source / "sft_start").mkdir(parents=True)
+    for name in ("experiment_config.json", "sft_start/eval.json"):
+        (source / name).write_bytes((SAMPLE / name).read_bytes())
+    export = tmp_path / "evidence"
+    done = hdr("report", "--from", str(source), "--export", str(export))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no run has finished yet" in done.stdout
+    got = sorted(p.relative_to(export).as_posix() for p in export.rglob("*") if p.is_file())
+    assert got == ["experiment_config.json", "sft_start/eval.json.gz"]
+    (source / "sft_start" / "eval.json").unlink()
+    empty = hdr("report", "--from", str(source), "--export", str(tmp_path / "other"))
+    assert empty.returncode == 2 and "nor evaluated SFT start" in empty.stderr
+    assert len(empty.stderr.strip().splitlines()) == 1

@@ -162,11 +162,35 @@ def test_two_proxies_never_spend_past_their_one_budget(tmp_path: Path) -> None:
                     return [r.status_code for r in await asyncio.gather(*posts)]
 
             statuses = asyncio.run(twenty())
-            reports = [health(s.url)["upstream"] for s in (first, second)]
-    assert sorted(statuses) == [200] * 7 + [429] * 13
+            assert sorted(statuses) == [200] * 7 + [429] * 13
+            reports = settled_reports([first.url, second.url], calls=7, limit=7)
+            fleet = redis.Redis.from_url(store.url)
+            (key,) = fleet.keys("hdr:budget:*")  # one budget for both proxies
+            in_redis = [int(v) for v in fleet.hmget(key, "billed_calls", "committed_calls")]
     assert api.queries == 7
+    assert in_redis == [7, 7]
     for report in reports:
         assert (report["calls"], report["committed_calls"], report["ledger"]) == (7, 7, "redis")
+
+
+def settled_reports(urls: list[str], calls: int, limit: int) -> list[dict]:
+    """The replicas' upstream reports once each shows `calls` billed and committed. A replica
+    answers its client before its settlement reaches Redis (a background task writes it), so
+    another replica's /health sees it a moment later; every report read on the way must stay
+    within the budget's `limit`."""
+    deadline = time.monotonic() + 60
+    while True:
+        reports = [health(url)["upstream"] for url in urls]
+        for report in reports:
+            assert report["committed_calls"] <= limit and report["calls"] <= limit, report
+        if all((r["calls"], r["committed_calls"]) == (calls, calls) for r in reports):
+            return reports
+        seen = [(r["calls"], r["committed_calls"]) for r in reports]
+        assert time.monotonic() < deadline, (
+            f"the replicas' settlements did not all reach Redis within 60 s: (calls, committed"
+            f" calls) per replica {seen}, expected ({calls}, {calls}) on each"
+        )
+        time.sleep(0.05)
 
 
 def test_with_redis_stopped_replicas_answer_and_a_paid_budget_fails_closed(

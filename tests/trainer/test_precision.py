@@ -163,3 +163,13 @@ def test_truncated_is_corrects_a_perturbed_sampler(sft_policy, small_qa, retriev
     assert 0 < on["is_capped_frac"] < 1
     assert on["loss"] != pytest.approx(off["loss"], rel=1e-3)  # the weights enter the loss
     assert on["moved"] > 0 and off["moved"] > 0
+
+
+def test_the_master_weights_dtype_offers_only_what_is_accepted():
+    from typing import get_args
+
+    from trainer.config import ModelConfig
+
+    schema = ModelConfig.model_json_schema()["properties"]["dtype"]
+    assert get_args(ModelConfig.model_fields["dtype"].annotation) == ("float32",)
+    assert schema.get("const", schema.get("enum", [None])[0]) == "float32"

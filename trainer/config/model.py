@@ -13,10 +13,10 @@ class ModelConfig(StrictModel):
     """The policy being trained."""
 
     path: str = Field(description="Model directory (save_pretrained / Hub layout) with tokenizer.")
-    dtype: Literal["float32", "bfloat16"] = Field(
+    dtype: Literal["float32"] = Field(
         "float32",
-        description="Parameters' dtype: the master weights AdamW steps. Only float32 is"
-        " accepted; bfloat16 compute is `compute_dtype`.",
+        description="Parameters' dtype: the master weights AdamW steps (float32 only; bfloat16"
+        " compute is `compute_dtype`).",
     )
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -42,9 +42,9 @@ class ModelConfig(StrictModel):
         1024, ge=1, description="train_layers: most MiB of frozen-bottom states kept (LRU)."
     )
 
-    @field_validator("dtype")
+    @field_validator("dtype", mode="before")
     @classmethod
-    def _master_weights_in_fp32(cls, v: str) -> str:
+    def _master_weights_in_fp32(cls, v: object) -> object:
         if v != "float32":
             raise ValueError(
                 f"{v} parameters under plain AdamW lose every update smaller than their"

@@ -180,6 +180,7 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
     is the same run under today's settings, which hold every key; a key added since, set to
     anything but what hdr did before it existed, is another run."""
     from core.config import build_config
+    from experiment.fingerprint import RUN_VOLATILE
     from trainer.config import TrainConfig
     from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS, read_as_today
 
@@ -188,9 +189,12 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
     train = {k: v for k, v in recorded.items() if k not in ("sft_start_sha256", "environment")}
     config = build_config(TrainConfig, read_as_today(train))
     now = config.model_dump(mode="json")
-    for section, key in (("retrieval", "urls"), ("log", "progress"), ("log", "tensorboard")):
-        now[section].pop(key)
-    now.pop("out_dir")
+    for dotted in RUN_VOLATILE:  # what the run's hash leaves out, as the experiment does
+        *parents, last = dotted.split(".")
+        node = now
+        for part in parents:
+            node = node[part]
+        node.pop(last)
     now |= {
         "sft_start_sha256": recorded["sft_start_sha256"],
         "environment": recorded["environment"],

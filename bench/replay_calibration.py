@@ -72,11 +72,11 @@ def calibration_run(preset: str, data_dir: Path, out: Path, steps: int, capacity
 
 def summarize(records: list[dict], taus: list[float], capacities: list[int], budget: int) -> dict:
     """Acceptance at each tau; per capacity x tau the pool, fill and ages, step by step."""
+    from experiment.mechanism import acceptance_at, scan_acceptance
+
     surveyed = [r for r in records if r.get("survey_drift")]
-    drifts = [d for r in surveyed for d in r["survey_drift"]]
-    acceptance = {
-        f"{t:g}": sum(d <= t for d in drifts) / len(drifts) if drifts else math.nan for t in taus
-    }
+    accepted = acceptance_at(surveyed, taus)
+    acceptance = {f"{a.tau:g}": a.rate for a in accepted}
     grid = []
     for capacity in capacities:
         for tau in taus:
@@ -98,15 +98,13 @@ def summarize(records: list[dict], taus: list[float], capacities: list[int], bud
                 "admissible_age_median": statistics.median(ages) if ages else math.nan,
                 "admissible_age_3plus": sum(a >= 3 for a in ages) / len(ages) if ages else math.nan,
             })  # fmt: skip
-    scanned = sum(r.get("scanned_groups") or 0 for r in records)
-    admitted = sum(r.get("replayed_groups") or 0 for r in records if r.get("scanned_groups"))
     return {
         "steps": len(records),
         "surveyed_steps": len(surveyed),
-        "surveyed_groups": len(drifts),
+        "surveyed_groups": accepted[0].surveyed if accepted else 0,
         "acceptance": acceptance,
         "paper_acceptance": PAPER,
-        "run_scan_acceptance": admitted / scanned if scanned else math.nan,
+        "run_scan_acceptance": scan_acceptance(records),
         "grid": grid,
         "time_step_median": statistics.median(
             r["time_step"] - r.get("time_survey", 0) for r in records

@@ -61,7 +61,7 @@ def calibration_run(preset: str, data_dir: Path, out: Path, steps: int, capacity
         sft_dir = ensure_sft(cfg, url, log)
         config = base_train_config(
             cfg, url, sft_dir, run_dir, seed,
-            extra=["arm=headroom_drift", f"steps={steps}", "eval.every=0",
+            extra=["replay.rule=headroom_drift", f"steps={steps}", "eval.every=0",
                    "eval.at_start=false", "replay.survey=buffer",
                    f"replay.capacity={capacity}", f"replay.tau={tau}",
                    "checkpoint.save_every=10"],

@@ -42,7 +42,7 @@ TIMES = ("time_step", "time_generation", "time_retrieval", "time_scoring", "time
 
 
 def run_arm(base: list[str], config: str, arm: str, out: Path) -> list[dict]:
-    cfg = load_config(TrainConfig, config, [*base, f"arm={arm}", f"out_dir={out}"])
+    cfg = load_config(TrainConfig, config, [*base, f"replay.rule={arm}", f"out_dir={out}"])
     rows = [json.loads(x) for x in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["buffer_size"] >= cfg.replay.budget or r["replayed_groups"]][1:]
 

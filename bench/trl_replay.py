@@ -9,11 +9,11 @@ One run each, same policy, seed, questions, fresh batch (b prompts x G responses
 settings and learning rate (taken from the TRL config; hdr's loop gets them as overrides of
 configs/tiny-cpu.yaml):
 - `trl`: TRL's `GRPOTrainer` with hdr's rollout function, no replay;
-- `trl+hdr on_policy`: `ReplayGRPOTrainer` with the `on_policy` arm: TRL's batch turned into
+- `trl+hdr on_policy`: `ReplayGRPOTrainer` with the `on_policy` rule: TRL's batch turned into
   hdr's groups and scored (behaviour log-probs), nothing replayed: the integration's cost;
 - `trl+hdr headroom_drift`: the same with the config's replay (budget R, tau): scan, selection
   and R more groups in the update;
-- `hdr on_policy` / `hdr headroom_drift`: hdr's loop (`trainer.loop.train`) with those arms.
+- `hdr on_policy` / `hdr headroom_drift`: hdr's loop (`trainer.loop.train`) with those rules.
 A TRL step is timed from `on_step_begin` to `on_step_end` (rollout, scoring, selection, loss,
 backward, optimizer); an hdr step is its `time_step`. The median over the steps after the first
 `--skip` (the buffer fills) is compared within each trainer. Writes
@@ -63,29 +63,30 @@ class StepClock(TrainerCallback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def trl_run(config: TRLRunConfig, arm: str | None, out: Path) -> dict:
-    """One TRL run; `arm` None is TRL's own GRPOTrainer (no replay)."""
-    replay = config.replay.model_copy(update={"arm": arm or "on_policy"})
+def trl_run(config: TRLRunConfig, rule: str | None, out: Path) -> dict:
+    """One TRL run; `rule` None is TRL's own GRPOTrainer (no replay)."""
+    rules = config.replay.replay.model_copy(update={"rule": rule or "on_policy"})
+    replay = config.replay.model_copy(update={"replay": rules})
     run = config.model_copy(
         update={"replay": replay, "trl": {**config.trl, "output_dir": str(out)}}
     )
-    trainer = build_trainer(run, replay=arm is not None)
+    trainer = build_trainer(run, replay=rule is not None)
     clock = StepClock()
     trainer.add_callback(clock)
     trainer.train()
     trainer.rollout_func.client.close()
-    history = trainer.replay.history if arm is not None else []
+    history = trainer.replay.history if rule is not None else []
     return {"step_s": clock.seconds, "replayed_groups": [len(h["replayed"]) for h in history]}
 
 
-def hdr_run(config: TRLRunConfig, arm: str, steps: int, out: Path) -> dict:
+def hdr_run(config: TRLRunConfig, rule: str, steps: int, out: Path) -> dict:
     """hdr's loop with the TRL config's policy, batch, rollout, learning rate and replay."""
     from trainer.loop import train
 
     trl = config.trl
     b = trl["per_device_train_batch_size"] // trl["num_generations"]
     overrides = [
-        f"arm={arm}", f"steps={steps}", f"out_dir={out}", f"seed={trl['seed']}",
+        f"replay.rule={rule}", f"steps={steps}", f"out_dir={out}", f"seed={trl['seed']}",
         f"model.path={config.model}", f"retrieval.urls={json.dumps(config.retrieval.urls)}",
         f"grpo.batch_prompts={b}", f"grpo.group_size={trl['num_generations']}",
         f"grpo.micro_batch={trl['per_device_train_batch_size']}", "grpo.warmup_steps=0",
@@ -104,7 +105,7 @@ def hdr_run(config: TRLRunConfig, arm: str, steps: int, out: Path) -> dict:
     }
 
 
-RUNS = {  # name -> (trainer, arm)
+RUNS = {  # name -> (trainer, replay rule)
     "trl": ("trl", None),
     "trl+hdr on_policy": ("trl", "on_policy"),
     "trl+hdr headroom_drift": ("trl", "headroom_drift"),
@@ -126,12 +127,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="hdr-trl-bench-"))
     results = {}
     try:
-        for name, (kind, arm) in RUNS.items():
+        for name, (kind, rule) in RUNS.items():
             out = root / name.replace(" ", "-")
             if kind == "trl":
-                run = trl_run(config, arm, out)
+                run = trl_run(config, rule, out)
             else:
-                run = hdr_run(config, arm, args.steps, out)
+                run = hdr_run(config, rule, args.steps, out)
             run["median_step_s"] = statistics.median(run["step_s"][args.skip :])
             results[name] = run
     finally:

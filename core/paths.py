@@ -77,14 +77,15 @@ def _is_model(path: Path) -> bool:
 
 
 def _is_run(path: Path) -> bool:
-    """A folder `hdr train` wrote: its config.yaml is a training config (arm, grpo, ...)."""
+    """A folder `hdr train` wrote: its config.yaml is a training config (grpo, replay, ...;
+    before `replay.rule`, the rule was a top-level `arm`)."""
     import yaml
 
     try:
         config = yaml.safe_load((path / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return False
-    return isinstance(config, dict) and {"arm", "grpo", "replay"} <= set(config)
+    return isinstance(config, dict) and {"grpo", "replay", "model"} <= set(config)
 
 
 def _is_corpus(path: Path) -> bool:

@@ -120,14 +120,17 @@ def run_label(run_dir: Path, config: dict[str, Any]) -> str:
     """The arm a run is plotted under.
 
     The experiment lays runs out as `<arm label>/seed-<n>/` (its labels tell `on_policy` from
-    `on_policy_larger`, which share the selector), so a `seed-N` directory on the path names
-    its parent as the label; otherwise the config's `arm`, else the directory name.
+    `on_policy_larger`, which share a replay rule), so a `seed-N` directory on the path names
+    its parent as the label; otherwise the config's replay rule (`replay.rule`, or `arm` in a
+    config written before it), else the directory name.
     """
     for part in [run_dir, *run_dir.parents]:
         if _SEED_DIR.match(part.name) and part.parent.name:
             return part.parent.name
-    arm = config.get("arm")
-    return str(arm) if arm else run_dir.name
+    replay = config.get("replay")
+    rule = replay.get("rule") if isinstance(replay, dict) else None
+    rule = rule or config.get("arm")
+    return str(rule) if rule else run_dir.name
 
 
 def load_run(run_dir: str | Path, label: str | None = None) -> RunData:

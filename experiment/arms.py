@@ -1,6 +1,7 @@
-"""The experiment's arms: which replay selector a run uses and how much data a step takes.
+"""The experiment's arms: which replay rule a run uses and how much data a step takes.
 
-An arm is one registered `Arm`; presets name arms, and `ARMS.get` refuses an unknown name
+An arm is a replay rule (`replay.rule`) at a batch: `on_policy` and `on_policy_larger` are one
+rule at b and 1.5b fresh prompts. An arm is one registered `Arm`; presets name arms, and `ARMS.get` refuses an unknown name
 with the valid ones listed. r = b/2 by default (`ExperimentConfig.replay_ratio`), so the replay
 arms update on as many groups as `on_policy_larger` while rolling out as few as `on_policy`.
 """
@@ -14,14 +15,14 @@ from core.registry import Registry
 
 @dataclass(frozen=True)
 class Arm:
-    """One comparison arm: a replay selector and how much fresh and replayed data a step uses.
+    """One comparison arm: a replay rule and how much fresh and replayed data a step uses.
 
     `fresh` is a multiple of the base b (`grpo.batch_prompts`); `replays` says whether the arm
     gets the replay budget r. `overrides` are extra dotted overrides.
     """
 
     name: str
-    selector: str
+    rule: str
     fresh: float = 1.0
     replays: bool = True
     overrides: tuple[str, ...] = ()

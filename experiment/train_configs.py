@@ -57,12 +57,13 @@ def base_train_config(
 def arm_train_config(
     cfg: ExperimentConfig, arm: Arm, url: str, sft_dir: Path, run_dir: Path, seed: int
 ):
-    """`base_train_config` with the arm's selector, fresh batch and replay budget; the L1 arm
+    """`base_train_config` with the arm's replay rule, fresh batch and replay budget; the L1 arm
     gets `tau_l1` (sqrt of the L2 tau when unset)."""
     base = base_train_config(cfg, url, sft_dir, run_dir, seed)
-    extra = [f"arm={arm.selector}", f"grpo.batch_prompts={round(arm.fresh * cfg.batch_prompts)}"]
+    fresh = round(arm.fresh * cfg.batch_prompts)
+    extra = [f"replay.rule={arm.rule}", f"grpo.batch_prompts={fresh}"]
     if not arm.replays:
         extra.append("replay.budget=0")
-    if arm.selector == "headroom_drift_l1":
+    if arm.rule == "headroom_drift_l1":
         extra.append(f"replay.tau={cfg.tau_l1 or math.sqrt(base.replay.tau)}")
     return base_train_config(cfg, url, sft_dir, run_dir, seed, [*extra, *arm.overrides])

@@ -10,8 +10,8 @@ torch and numpy only (no model, config or HTTP), so any GRPO trainer can call it
 - `scores`: `headroom`, `policy_drift`;
 - `groups`: the group value (`GroupTensors`, `StoredGroup`) and the FIFO `ReplayBuffer`;
 - `gates`: `FixedGate` (the paper's tau) and `AdaptiveGate` (tau held to a target online);
-- `selection`, `published`, `rules`: the scan, the comparison arms and two published replay
-  rules, every one by name in `RULES`;
+- `selection`, `published`, `rules`: the scan, the paper's comparison rules and two published
+  replay rules, every one by name in `RULES` (`replay_rule(name)`);
 - `staleness`: the same gate for late groups of rollouts that run ahead of the trainer;
 - `batch`: fresh and replayed groups as one update's rows;
 - `lifecycle`: `GroupReplay`, the one owner of the buffer, the gates and their state.
@@ -22,13 +22,20 @@ from headroom_drift.gates import AdaptiveGate, FixedGate, Gate, adapt_tau
 from headroom_drift.groups import GroupTensors, ReplayBuffer, StoredGroup, make_group
 from headroom_drift.lifecycle import GroupReplay, LateGroups
 from headroom_drift.objective import group_advantages, kl_k3, masked_mean, policy_loss
-from headroom_drift.rules import ARMS, RULES, is_gated, register_rule, rule_params
+from headroom_drift.rules import (
+    ORDERED_RULES,
+    RULES,
+    is_gated,
+    register_rule,
+    replay_rule,
+    rule_params,
+)
 from headroom_drift.scores import headroom, policy_drift
-from headroom_drift.selection import Candidate, ScanParams, ScoreFn, Selection
-from headroom_drift.staleness import STALENESS_RULES, LateDecision
+from headroom_drift.selection import Candidate, ReplayRule, ScanParams, ScoreFn, Selection
+from headroom_drift.staleness import STALENESS_RULES, LateDecision, staleness_rule
 
 __all__ = [
-    "ARMS",
+    "ORDERED_RULES",
     "RULES",
     "STALENESS_RULES",
     "AdaptiveGate",
@@ -41,6 +48,7 @@ __all__ = [
     "LateDecision",
     "LateGroups",
     "ReplayBuffer",
+    "ReplayRule",
     "Rows",
     "ScanParams",
     "ScoreFn",
@@ -57,5 +65,7 @@ __all__ = [
     "policy_drift",
     "policy_loss",
     "register_rule",
+    "replay_rule",
     "rule_params",
+    "staleness_rule",
 ]

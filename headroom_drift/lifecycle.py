@@ -30,7 +30,7 @@ from torch import Tensor
 from headroom_drift.gates import FixedGate, Gate
 from headroom_drift.groups import GroupTensors, ReplayBuffer, StoredGroup, make_group
 from headroom_drift.objective import group_advantages
-from headroom_drift.rules import RULES
+from headroom_drift.rules import replay_rule
 from headroom_drift.selection import (
     Candidate,
     ScoreFn,
@@ -39,7 +39,7 @@ from headroom_drift.selection import (
     eligible,
     survey,
 )
-from headroom_drift.staleness import STALENESS_RULES, LateDecision, admit_late
+from headroom_drift.staleness import LateDecision, admit_late, staleness_rule
 
 STATE_FORMAT = "headroom_drift.GroupReplay"
 STATE_VERSION = 1
@@ -63,7 +63,7 @@ class LateGroups:
     keep_rejected: bool = True
 
     def __post_init__(self) -> None:
-        STALENESS_RULES.get(self.rule)  # an unknown name lists the valid ones
+        staleness_rule(self.rule)  # an unknown name lists the valid ones
 
 
 def gate_state(gate: Gate) -> dict[str, Any]:
@@ -106,7 +106,7 @@ class GroupReplay:
         if gate is not None and "tau" in params:
             raise ValueError("give the drift gate's tau to the gate, not as a rule parameter")
         self.rule_name = rule
-        self.rule = RULES.get(rule)
+        self.rule = replay_rule(rule)
         self.params = self.rule.params_type(**params)
         self.gate: Gate = (
             gate if gate is not None else FixedGate(getattr(self.params, "tau", math.inf))
@@ -221,7 +221,7 @@ class GroupReplay:
         if self.late is None:
             raise ValueError("admit_late needs the staleness settings: GroupReplay(late=...)")
         late = self.late
-        rule = STALENESS_RULES.get(late.rule)
+        rule = staleness_rule(late.rule)
         return admit_late(
             rule, late.gate, fresh, sampled, lags, late.max_lag, late.norm, late.keep_rejected
         )

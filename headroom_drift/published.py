@@ -1,5 +1,5 @@
-"""Two published GRPO replay rules, run on the same buffer as Headroom-Drift's arms so that
-every arm of a comparison sees the same stored groups. Neither re-scores: a drawn group is
+"""Two published GRPO replay rules, run on the same buffer as Headroom-Drift's rules so that
+every rule of a comparison sees the same stored groups. Neither re-scores: a drawn group is
 replayed with its stored behaviour log-probs.
 
 - `replay_freshness_per` (freshness-aware prioritized replay): `R` groups drawn without
@@ -131,7 +131,7 @@ def draw_for_flat_groups(
     `zero_variance_swap_score`; as many swaps as there are such groups and stored groups with
     a positive score (the budget `R` does not apply). Departure from TRL's replay-buffer
     GRPO, which keeps a heap of the groups with the best swap score: the draw is from the
-    FIFO buffer every arm shares, so every arm sees the same stored groups."""
+    FIFO buffer every rule shares, so every rule sees the same stored groups."""
     flat = [k for k, g in enumerate(fresh) if g.all_zero_advantage]
     if not flat or not groups:
         return Selection()

@@ -7,8 +7,9 @@ callable, compute `D(g)`, refresh its stored headroom from the same log-probs, a
 `D(g) <= tau`; stop at the budget `R` or when the candidates are exhausted.
 
 `OrderedReplay` is that scan as ordering x re-scoring x gate x norm, so the paper's comparison
-arms (`headroom_drift.rules.ARMS`) are rows of one table over the same code. `Selection` is
-what any rule returns, this family's or a published one's (`headroom_drift.published`).
+rules (`headroom_drift.rules.ORDERED_RULES`) are rows of one table over the same code.
+`Selection` is what any rule returns, this family's or a published one's
+(`headroom_drift.published`).
 
 Departures from the paper: the scan's chunk is never larger than the number of slots still
 open, so the scan never scores a candidate it could not admit; candidates that entered at or
@@ -57,7 +58,7 @@ class Selection:
         return len(self.groups) / self.scanned if self.scanned else float("nan")
 
 
-class Selector(Protocol):
+class ReplayRule(Protocol):
     """A replay rule: picks stored groups for `step`. `params` is an instance of the rule's
     `params_type`; `fresh` are the step's own groups (not yet stored): only the zero-variance
     swap looks at them."""
@@ -177,7 +178,7 @@ def survey(
 
 @dataclass(frozen=True)
 class OrderedReplay:
-    """An arm of the Headroom-Drift family, as ordering x re-scoring x gate x norm.
+    """A replay rule of the Headroom-Drift family, as ordering x re-scoring x gate x norm.
 
     The stored groups that entered before the step, in `order` (None: replay nothing). With
     `rescore`, candidates are scanned (`scan`): scored under the current policy, their

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from headroom_drift.groups import StoredGroup
-from headroom_drift.rules import Names
+from headroom_drift.rules import named
 from headroom_drift.scores import policy_drift
 
 AdmitFn = Callable[[Tensor, Tensor, float, int], Tensor]
@@ -73,14 +73,16 @@ def drift_gate(drifts: Tensor, lags: Tensor, tau: float, max_lag: int) -> Tensor
     return on_time | ((drifts <= tau) & (lags <= max_lag))
 
 
-STALENESS_RULES: Names[StalenessRule] = Names(
-    "staleness rule",
-    {
-        "version_bound": StalenessRule(version_bound, uses_drift=False),
-        "drift_gate": StalenessRule(drift_gate),
-        "adaptive_drift_gate": StalenessRule(drift_gate, adaptive=True),
-    },
-)
+STALENESS_RULES: dict[str, StalenessRule] = {
+    "version_bound": StalenessRule(version_bound, uses_drift=False),
+    "drift_gate": StalenessRule(drift_gate),
+    "adaptive_drift_gate": StalenessRule(drift_gate, adaptive=True),
+}
+
+
+def staleness_rule(name: str) -> StalenessRule:
+    """The staleness rule called `name` (a ValueError listing the valid names on a miss)."""
+    return named(STALENESS_RULES, "staleness rule", name)
 
 
 @dataclass

@@ -22,7 +22,7 @@ TRAIN_EXAMPLES = """Examples:
 
   hdr train --config configs/tiny-cpu.yaml
 
-  hdr train --config configs/tiny-cpu.yaml arm=replay_recency out_dir=runs/recency
+  hdr train --config configs/tiny-cpu.yaml replay.rule=replay_recency out_dir=runs/recency
 
   hdr train --resume runs/tiny-cpu    # continue a stopped run
 """
@@ -48,7 +48,7 @@ def train_command(
         False, "--force", help="Start over a run in out_dir that has checkpoints or a final model."
     ),
 ) -> None:
-    """GRPO with Headroom-Drift Replay (or another arm): writes a run directory. Ctrl-C (or
+    """GRPO with Headroom-Drift Replay (or another replay rule): writes a run directory. Ctrl-C (or
     SIGTERM) stops after the current step with a checkpoint that --resume continues."""
     from trainer.loop import train
     from trainer.run import load_train_config

@@ -10,6 +10,7 @@ from typing import Any
 from core.config import drop_removed, move_renamed
 
 RENAMED_KEYS = {
+    "arm": "replay.rule",
     "replay.gate_target": "replay.adaptive_gate.target",
     "replay.gate_target_kind": "replay.adaptive_gate.target_kind",
     "replay.gate_rate": "replay.adaptive_gate.rate",

@@ -55,7 +55,7 @@ def train_steps(run: Run, start: int, stop: StopSignals) -> None:
         range(start, config.steps + 1),
         initial=start - 1,
         total=config.steps,
-        desc=f"train {config.arm}",
+        desc=f"train {config.replay.rule}",
         unit="step",
         enabled=config.log.progress and run.dist.is_main,
     )

@@ -9,7 +9,7 @@ in GRPO", arXiv 2609.03941). One step, top to bottom (`train_step`; docs/design.
 3. behaviour log-probs: every fresh token teacher-forced under the current weights
    (`gen_logprobs`), and the group advantages;
 4. replay selection: the run's `GroupReplay` (`headroom_drift`) picks up to `R` stored groups
-   by the arm's rule, re-scoring candidates teacher-forced (no generation, no retrieval);
+   by the run's replay rule (`replay.rule`), re-scoring candidates teacher-forced (no generation, no retrieval);
 5. one update on fresh + replayed rows (`headroom_drift.assemble_batch`, then
    `trainer.update.update_policy`: token-mean clipped loss, AdamW, gradient clipping, warmup),
    `grpo.updates_per_step` passes (1 by default); fresh tokens optionally weighted by
@@ -31,10 +31,10 @@ Departures from the paper's setup: the behaviour log-probs come from teacher for
 from the sampler (they agree up to float error with the hf backend; with vLLM they avoid the
 sampler/trainer mismatch, which `grpo.tis_cap` can also correct); the held-out evaluation
 during training is a small fixed subset (Mean@k, Best@k, greedy EM), the full evaluation is
-`hdr eval`. `on_policy_larger` is not an arm but a config (`grpo.batch_prompts` 1.5x,
-`arm: on_policy`); `on_policy_filtered` is `grpo.dynamic_sampling` (DAPO-style: zero-variance
-groups dropped and refilled by extra fresh prompts, which count as fresh cost) with
-`arm: on_policy`.
+`hdr eval`. The experiment's `on_policy_larger` is no rule of its own but `replay.rule:
+on_policy` at 1.5x `grpo.batch_prompts`; `on_policy_filtered` is `grpo.dynamic_sampling`
+(DAPO-style: zero-variance groups dropped and refilled by extra fresh prompts, which count as
+fresh cost) with `replay.rule: on_policy`.
 
 The loop around the steps is `trainer/loop.py`; setup and checkpoints are `trainer/run.py`;
 the fresh groups `trainer/fresh.py`; the behaviour log-probs `trainer/behaviour.py`; the update

@@ -27,7 +27,7 @@ def survey_candidates(run: Run, step: int) -> tuple[list[Candidate], float] | No
     """The surveyed groups and the seconds it took; None when the survey is off or the rule
     replays nothing."""
     mode, replay = run.config.replay.survey, run.config.replay
-    if mode == "off" or not replay.replays(run.config.arm):
+    if mode == "off" or not replay.replays:
         return None
     started = time.perf_counter()
     newest = replay.budget if mode == "newest" else None

@@ -148,7 +148,7 @@ class StepRecord:
     replay_tokens: int
     replayed_groups: int
     scanned_groups: int
-    acceptance_rate: float | None  # admitted / scanned; None for arms that do not scan
+    acceptance_rate: float | None  # admitted / scanned; None for rules that do not scan
     drift_scanned_q: list[float]  # 10/50/90% quantiles
     drift_admitted_q: list[float]
     headroom_scanned_q: list[float]

@@ -29,7 +29,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 def _write_run(run_dir: Path, arm: str, seed: int, steps: int = 12, replay: bool = True) -> Path:
     rng = np.random.default_rng(seed)
     run_dir.mkdir(parents=True)
-    config = {"arm": arm, "seed": seed, "steps": steps}
+    config = {"seed": seed, "steps": steps, "replay": {"rule": arm}}
     config["grpo"] = {"batch_prompts": 12 if arm == "on_policy" else 8, "group_size": 5}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     metrics, evals, groups = [], [], []
@@ -106,10 +106,10 @@ def test_on_policy_only_runs_skip_replay_charts(tmp_path):
 
 
 def test_labels_come_from_layout_then_config(tmp_path):
-    assert run_label(tmp_path / "on_policy_larger" / "seed-2", {"arm": "on_policy"}) == (
-        "on_policy_larger"
-    )
-    assert run_label(tmp_path / "myrun", {"arm": "headroom_drift"}) == "headroom_drift"
+    rule = {"replay": {"rule": "on_policy"}}
+    assert run_label(tmp_path / "on_policy_larger" / "seed-2", rule) == "on_policy_larger"
+    assert run_label(tmp_path / "myrun", {"replay": {"rule": "drift_only"}}) == "drift_only"
+    assert run_label(tmp_path / "myrun", {"arm": "headroom_drift"}) == "headroom_drift"  # before
     assert run_label(tmp_path / "myrun", {}) == "myrun"
     run = load_run(_write_run(tmp_path / "r" / "seed_7", "drift_only", 7))
     assert (run.label, run.seed, len(run.metrics), len(run.evals)) == ("r", 7, 12, 3)

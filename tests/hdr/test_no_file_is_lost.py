@@ -294,7 +294,7 @@ def test_runs_copied_for_an_experiment_to_reuse_are_taken_and_nothing_else_is(tm
     out = tmp_path / "ablations"
     run = out / "runs" / "headroom_drift" / "seed-1"
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text("arm: headroom_drift\ngrpo: {}\nreplay: {}\n")
+    (run / "config.yaml").write_text("model: {}\ngrpo: {}\nreplay: {rule: headroom_drift}\n")
     (out / "sft_start").mkdir()
     assert check_output(out, EXPERIMENT, reuse=True) == out.resolve()
     (out / "notes.txt").write_text("mine")

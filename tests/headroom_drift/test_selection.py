@@ -14,6 +14,8 @@ from headroom_drift import (
     headroom,
     make_group,
     policy_drift,
+    register_rule,
+    replay_rule,
 )
 from headroom_drift.published import (
     FreshnessParams,
@@ -108,7 +110,7 @@ def buffer_of(*groups, capacity=10) -> ReplayBuffer:
 
 
 def select(arm, buf, step, policy, **params):
-    return RULES.get(arm)(buf, step, ScanParams(**params), policy)
+    return replay_rule(arm)(buf, step, ScanParams(**params), policy)
 
 
 def test_headroom_drift_ranks_by_stored_headroom():
@@ -218,7 +220,7 @@ def test_on_policy_replays_nothing():
 
 
 def test_registry_names_and_unknown_arm():
-    assert RULES.names() == sorted(
+    assert sorted(RULES) == sorted(
         [
             "on_policy",
             "replay_recency",
@@ -233,9 +235,9 @@ def test_registry_names_and_unknown_arm():
     with pytest.raises(
         ValueError, match=r"unknown replay rule 'headroom-drift'; valid: .*headroom_drift"
     ):
-        RULES.get("headroom-drift")
+        replay_rule("headroom-drift")
     with pytest.raises(ValueError, match="already registered"):
-        RULES.register("headroom_drift", RULES.get("on_policy"))
+        register_rule("headroom_drift", replay_rule("on_policy"))
 
 
 def test_ingest_skips_zero_advantage_groups_unless_asked():
@@ -303,11 +305,11 @@ def test_freshness_per_samples_by_priority_and_weights_without_rescoring():
     def no_scoring(groups):
         raise AssertionError("freshness PER must not re-score")
 
-    sel = RULES.get("replay_freshness_per")(buf, 6, params, no_scoring)
+    sel = replay_rule("replay_freshness_per")(buf, 6, params, no_scoring)
     # a group of zero rewards has priority 0 and is never drawn: the other two are
     assert sorted(g.group_id for g in sel.groups) == ["new", "old"]
     assert sel.scanned == 0 and len(sel.weights) == 2 and max(sel.weights) == 1.0
-    again = RULES.get("replay_freshness_per")(buf, 6, params, no_scoring)
+    again = replay_rule("replay_freshness_per")(buf, 6, params, no_scoring)
     assert [g.group_id for g in again.groups] == [g.group_id for g in sel.groups]  # seeded
 
 
@@ -321,12 +323,12 @@ def test_zero_variance_swap_replaces_only_flat_fresh_groups():
     ]
     score = zero_variance_swap_score(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.7, -0.7]]))
     assert score.item() == pytest.approx(1.4 * math.sqrt(0.5))
-    sel = RULES.get("replay_zero_variance_swap")(
+    sel = replay_rule("replay_zero_variance_swap")(
         stored, 1, SwapParams(), lambda gs: [], fresh=fresh
     )
     # two flat fresh groups, but only one stored group has a positive score
     assert [g.group_id for g in sel.groups] == ["a"] and sel.swap_out == [1]
-    none_flat = RULES.get("replay_zero_variance_swap")(
+    none_flat = replay_rule("replay_zero_variance_swap")(
         stored, 1, SwapParams(seed=4), lambda gs: [], fresh=fresh[:1]
     )
     assert none_flat.groups == [] and none_flat.swap_out == []
@@ -344,7 +346,7 @@ def test_zero_variance_swap_draws_from_the_shared_fifo_not_a_top_k_heap():
     assert [g.group_id for g in buf] == ["b", "c"]  # FIFO: "best" left first
     flat = [group("f", 0.0, 3, adv=(0.0, 0.0))]
     for seed in range(20):
-        sel = RULES.get("replay_zero_variance_swap")(
+        sel = replay_rule("replay_zero_variance_swap")(
             buf, 3, SwapParams(seed=seed), lambda gs: [], fresh=flat
         )
         assert [g.group_id for g in sel.groups] in (["b"], ["c"])

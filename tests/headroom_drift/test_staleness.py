@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from headroom_drift.gates import AdaptiveGate, Gate, adapt_tau
-from headroom_drift.staleness import STALENESS_RULES, as_tensors, decide
+from headroom_drift.staleness import as_tensors, decide, staleness_rule
 
 # five groups: on time, then late by 1, 1, 2 and 3 updates
 DRIFTS, LAGS = as_tensors([0.30, 0.01, 0.20, 0.02, 0.001], [0, 1, 1, 2, 3])
@@ -23,13 +23,13 @@ class Fixed:
 
 
 def test_version_bound_admits_by_lag_alone():
-    rule = STALENESS_RULES.get("version_bound")
+    rule = staleness_rule("version_bound")
     assert rule.admit(DRIFTS, LAGS, 0.0, 2).tolist() == [True, True, True, True, False]
     assert rule.admit(DRIFTS, LAGS, 0.0, 0).tolist() == [True, False, False, False, False]
 
 
 def test_drift_gate_admits_late_groups_under_tau_within_the_version_cap():
-    rule = STALENESS_RULES.get("drift_gate")
+    rule = staleness_rule("drift_gate")
     # the on-time group is admitted even over tau; the lag-3 group is under tau but over the cap
     assert rule.admit(DRIFTS, LAGS, 0.05, 2).tolist() == [True, True, False, True, False]
     assert rule.admit(DRIFTS, LAGS, 0.05, 3).tolist() == [True, True, False, True, True]
@@ -38,24 +38,24 @@ def test_drift_gate_admits_late_groups_under_tau_within_the_version_cap():
 
 
 def test_a_drift_tie_is_admitted():
-    rule = STALENESS_RULES.get("drift_gate")
+    rule = staleness_rule("drift_gate")
     drifts, lags = as_tensors([0.05], [1])
     assert rule.admit(drifts, lags, 0.05, 1).tolist() == [True]
 
 
 def test_decide_uses_the_gates_tau_and_shows_it_only_the_late_groups():
     gate = Fixed(0.05)
-    got = decide(STALENESS_RULES.get("adaptive_drift_gate"), gate, DRIFTS, LAGS, 2)
+    got = decide(staleness_rule("adaptive_drift_gate"), gate, DRIFTS, LAGS, 2)
     assert got.admitted.tolist() == [True, True, False, True, False]
     assert got.tau == 0.05 and got.late_admitted_share == 0.5
     assert gate.seen == [(pytest.approx([0.01, 0.20, 0.02, 0.001]), [True, False, True, False])]
-    bound = decide(STALENESS_RULES.get("version_bound"), Fixed(0.05), DRIFTS, LAGS, 2)
+    bound = decide(staleness_rule("version_bound"), Fixed(0.05), DRIFTS, LAGS, 2)
     assert bound.tau == math.inf and bound.late_admitted_share == 0.75
 
 
 def test_unknown_rule_lists_the_valid_ones():
     with pytest.raises(ValueError, match="adaptive_drift_gate, drift_gate, version_bound"):
-        STALENESS_RULES.get("max_staleness")
+        staleness_rule("max_staleness")
 
 
 def test_adapt_tau_moves_toward_the_target_and_stays_in_bounds():

@@ -1,4 +1,5 @@
-"""TrainConfig: the shipped YAML files load, unknown keys and arms are refused in one line."""
+"""TrainConfig: the shipped YAML files load, unknown keys and replay rules are refused in one
+line."""
 
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def test_search_r1_config_is_the_papers_setting():
     larger = load_config(
         TrainConfig,
         CONFIGS / "search-r1-qwen2.5-3b.yaml",
-        ["arm=on_policy", "grpo.batch_prompts=192"],
+        ["replay.rule=on_policy", "grpo.batch_prompts=192"],
     )
     assert larger.grpo.batch_prompts == 192 and not larger.replays
     assert larger.make_replay().params.budget == 0
@@ -48,31 +49,21 @@ def test_unknown_key_is_one_line_error():
         load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["replay.taux=0.1"])
 
 
-def test_unknown_arm_lists_valid_names():
-    with pytest.raises(UserError, match="headroom_drift_l1"):
-        load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["arm=headroom-drift"])
-
-
-@pytest.mark.parametrize(
-    ("arm", "means"),
-    [
-        ("on_policy_larger", "arm=on_policy grpo.batch_prompts=12 (1.5 x b fresh prompts)"),
-        ("on_policy_lr0", "arm=on_policy grpo.lr=0 (the control: nothing is learned)"),
-        ("on_policy_filtered", "arm=on_policy grpo.dynamic_sampling=true (DAPO-style refill)"),
-    ],
-)
-def test_an_experiment_arm_name_is_answered_with_its_training_config(arm, means):
-    """The experiment's arms that are settings of on_policy, not selectors: the line says
-    what to write in a training config (with this config's b)."""
+def test_an_unknown_replay_rule_is_one_line_listing_the_rules():
     with pytest.raises(UserError) as refused:
-        load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", [f"arm={arm}", "grpo.batch_prompts=8"])
-    assert str(refused.value) == (
-        f"config: arm={arm} names an arm of `hdr experiment`, not a replay selector; in a"
-        f" training config it is {means} (this config's b is 8)"
-    )
-    written = means.split(" (")[0].split()  # what the line says, applied, is a valid config
-    config = load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["grpo.batch_prompts=8", *written])
-    assert config.arm == "on_policy"
+        load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["replay.rule=headroom-drift"])
+    line = str(refused.value)
+    assert "\n" not in line and "unknown replay rule 'headroom-drift'; valid: drift_only," in line
+
+
+def test_an_experiment_arm_is_no_replay_rule_and_the_line_says_where_arms_are():
+    """on_policy_larger is an arm of `hdr experiment` (on_policy at 1.5b), not a rule: the
+    line lists the rules and points at the table of arms."""
+    with pytest.raises(UserError) as refused:
+        load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", ["replay.rule=on_policy_larger"])
+    line = str(refused.value)
+    assert "unknown replay rule 'on_policy_larger'; valid:" in line and "on_policy," in line
+    assert line.endswith("docs/guide.md's table of arms says which)")
 
 
 def test_an_empty_override_value_is_refused_not_read_as_none():
@@ -115,6 +106,7 @@ WRITTEN_BEFORE_THE_RENAME = RESULTS / "pilot-base" / "runs" / "on_policy_b4" / "
     [
         ("replay.gate_target=0.3", "replay.adaptive_gate.target"),
         ("async_rollout.adapt_rate=0.2", "async_rollout.adaptive_gate.rate"),
+        ("arm=replay_recency", "replay.rule"),
     ],
 )
 def test_a_renamed_gate_key_is_answered_with_its_new_name_by_the_cli(setting, new_key, tmp_path):
@@ -139,21 +131,29 @@ def test_every_renamed_key_is_refused_in_a_users_config_and_moved_in_one_hdr_wro
     from trainer.run import read_run_config
 
     for old, new in RENAMED_KEYS.items():
-        value = "drift_budget" if old.endswith("kind") else 0.25
+        value = {"arm": "drift_only"}.get(old, "drift_budget" if old.endswith("kind") else 0.25)
         with pytest.raises(UserError, match=rf"^config: {old} is now {new}: write {new}="):
             load_config(TrainConfig, CONFIGS / "tiny-cpu.yaml", [f"{old}={value}"])
-        section, _, key = old.partition(".")
-        written = {"model": {"path": "m"}, section: {key: value}}
+        written: dict = {"model": {"path": "m"}}
+        *parents, key = old.split(".")
+        node = written
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = value  # {"replay": {"gate_target": 0.25}}, {"arm": "drift_only"}, ...
         moved = build_config(TrainConfig, move_renamed(written, RENAMED_KEYS))
-        assert getattr(getattr(moved, section).adaptive_gate, new.rpartition(".")[2]) == value
+        found = moved
+        for part in new.split("."):
+            found = getattr(found, part)
+        assert found == value
     # a run's config.yaml that an earlier hdr wrote (every key, the old names among them)
     path = WRITTEN_BEFORE_THE_RENAME / "config.yaml"
     written = read_config_file(path)
     assert written["replay"]["gate_target"] == 0.5 and "adaptive_gate" not in written["replay"]
-    with pytest.raises(UserError, match=r"replay\.gate_target is now replay\.adaptive_gate\."):
+    with pytest.raises(UserError, match=r"^config: arm is now replay\.rule: write replay\.rule="):
         load_config(TrainConfig, path)
     config = read_run_config(path, ["replay.adaptive_gate.rate=0.3"])
     assert config.replay.adaptive_gate.target == written["replay"]["gate_target"]
     assert config.replay.adaptive_gate.rate == 0.3  # overrides on top, as on resume
     assert config.async_rollout.adaptive_gate.rate == written["async_rollout"]["adapt_rate"]
     assert config.grpo.batch_prompts == written["grpo"]["batch_prompts"]
+    assert config.replay.rule == written["arm"] == "on_policy"  # the top-level key of then

@@ -139,7 +139,7 @@ def test_same_config_twice_gives_the_same_count_ledger(
             TrainConfig,
             TINY_CPU,
             tiny_overrides(
-                retrieval_url, sft_policy, small_qa, root / str(n), "steps=3", f"arm={arm}",
+                retrieval_url, sft_policy, small_qa, root / str(n), "steps=3", f"replay.rule={arm}",
                 "eval.every=0", "checkpoint.save_every=0", "log.tensorboard=false",
             ),
         )  # fmt: skip

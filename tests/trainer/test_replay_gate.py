@@ -39,7 +39,7 @@ def test_the_config_names_the_gate_and_the_default_is_the_fixed_one(tmp_path):
     assert (gate.tau, gate.target, gate.kind, gate.rate) == (1.0, 0.25, "acceptance", 0.5)
     for bad, says in (
         (["replay.gate=adaptive", "replay.adaptive_gate.target=2"], "is an acceptance rate"),
-        (["replay.gate=adaptive", "arm=replay_recency"], "has none"),
+        (["replay.gate=adaptive", "replay.rule=replay_recency"], "has none"),
         (["replay.gate=adaptive", "replay.tau=0"], "outside the gate's range"),
     ):
         with pytest.raises(UserError, match=says):

@@ -4,13 +4,13 @@ padding, target masks, and the drift of a stored group before and after an updat
 import torch
 
 from headroom_drift import (
-    RULES,
     GroupTensors,
     ReplayBuffer,
     ScanParams,
     make_group,
     policy_drift,
     policy_loss,
+    replay_rule,
 )
 from headroom_drift.objective import token_entropy
 from trainer.scoring import align, left_pad, score_groups, token_logprobs
@@ -107,9 +107,9 @@ def test_drift_zero_after_ingress_and_grows_after_update(llama):
     # and the gate now sees it: a tau below the drift admits nothing, above it admits both
     params = ScanParams(budget=2, tau=min(drifts) / 2)
     score = lambda gs: score_groups(llama, gs)  # noqa: E731
-    assert RULES.get("headroom_drift")(buffer, 1, params, score).groups == []
+    assert replay_rule("headroom_drift")(buffer, 1, params, score).groups == []
     params = ScanParams(budget=2, tau=max(drifts) * 2)
-    assert len(RULES.get("headroom_drift")(buffer, 1, params, score).groups) == 2
+    assert len(replay_rule("headroom_drift")(buffer, 1, params, score).groups) == 2
 
 
 def test_duplicate_rows_are_scored_once_with_the_same_result(llama):

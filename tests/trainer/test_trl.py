@@ -70,6 +70,9 @@ def questions(small_qa, n: int = 8) -> list[QAExample]:
     return load_flashrag_jsonl(small_qa)[:n]
 
 
+ON_POLICY = TRLReplayConfig(replay=ReplayConfig(rule="on_policy"))
+
+
 def make_trainer(policy_dir, url, small_qa, tmp_path, replay: TRLReplayConfig, **args):
     tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
@@ -110,7 +113,7 @@ def hdr_selection(trainer, snapshot, step: int, policy_dir):
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
     model.load_state_dict(weights)
     cfg = trainer.replay.config
-    replay = cfg.replay.make_replay(cfg.arm, 0, trainer.state.max_steps)
+    replay = cfg.replay.make_replay(0, trainer.state.max_steps)
     replay.ingest(buffer)  # the snapshot's groups, in its order
     score = lambda groups: score_groups(model.eval(), groups, cfg.score_chunk, 1.0)  # noqa: E731
     return replay.select(step, score)
@@ -180,8 +183,7 @@ def test_env_mask_keeps_information_out_of_trl_loss(
     span is an observation the environment appended), and TRL's loss mask is that mask."""
     policy_dir = tiny_policy if bed == "tiny_llama" else qwen_policy_dir
     trainer = make_trainer(
-        policy_dir, retrieval_url, small_qa, tmp_path, TRLReplayConfig(arm="on_policy"),
-        max_steps=1,
+        policy_dir, retrieval_url, small_qa, tmp_path, ON_POLICY, max_steps=1,
     )  # fmt: skip
     trainer.train()
     rollout = trainer.rollout_func
@@ -375,8 +377,7 @@ def test_trl_advantages_use_its_own_epsilon(tiny_policy, retrieval_url, small_qa
     """The fresh groups' stored advantages are TRL's, `(r - mean) / (std + 1e-4)`; hdr's loop
     divides by `std + 1e-6`."""
     trainer = make_trainer(
-        tiny_policy, retrieval_url, small_qa, tmp_path, TRLReplayConfig(arm="on_policy"),
-        max_steps=1,
+        tiny_policy, retrieval_url, small_qa, tmp_path, ON_POLICY, max_steps=1,
     )  # fmt: skip
     trainer.train()
     for group in trainer.replay.last.fresh:
@@ -506,7 +507,8 @@ def test_the_8gpu_recipe_is_a_config_trl_accepts():
     args = grpo_args(config)
     assert args.use_vllm and args.vllm_mode == "server" and args.loss_type == "dapo"
     check_schedule(args, args.num_generations)
-    assert config.model == "Qwen/Qwen2.5-3B-Instruct" and config.replay.arm == "headroom_drift"
+    assert config.model == "Qwen/Qwen2.5-3B-Instruct"
+    assert config.replay.replay.rule == "headroom_drift"
     with open(os.path.join(root, "accelerate-zero3.yaml")) as f:
         launch = yaml.safe_load(f)
     assert launch["distributed_type"] == "DEEPSPEED"

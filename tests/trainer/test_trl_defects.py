@@ -40,7 +40,7 @@ def test_only_cut_completions_stay_without_eos():
 
 
 def test_trl_clipped_ratio_reads_real_truncation(sft_policy, retrieval_url, small_qa, tmp_path):
-    replay = TRLReplayConfig(arm="on_policy", replay=ReplayConfig(budget=0, capacity=0))
+    replay = TRLReplayConfig(replay=ReplayConfig(rule="on_policy", budget=0, capacity=0))
     trainer = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=1)
     trainer.train()
     clipped = [h["completions/clipped_ratio"] for h in trainer.state.log_history
@@ -101,7 +101,7 @@ def test_resume_from_a_trl_checkpoint_keeps_the_buffer(
 ):
     """Defect 8: the buffer is in TRL's checkpoint and a resumed trainer starts with it."""
     replay = TRLReplayConfig(
-        arm="headroom_drift", replay=ReplayConfig(budget=2, capacity=8, tau=10.0)
+        replay=ReplayConfig(rule="headroom_drift", budget=2, capacity=8, tau=10.0)
     )
     first = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=2,
                          save_strategy="steps", save_steps=2)  # fmt: skip
@@ -110,7 +110,7 @@ def test_resume_from_a_trl_checkpoint_keeps_the_buffer(
     checkpoint = tmp_path / "trl" / "checkpoint-2"
     # the replay state in the one format hdr's own checkpoints hold, read by their reader
     assert saved and (checkpoint / "replay.pt").is_file()
-    read_back = replay.replay.make_replay(replay.arm, 0, 2)
+    read_back = replay.replay.make_replay(0, 2)
     Checkpoint(checkpoint, 2).restore_replay(read_back)
     assert [(g.group_id, g.replay_count, g.headroom) for g in read_back.groups()] == saved
     again = make_trainer(sft_policy, retrieval_url, small_qa, tmp_path, replay, max_steps=3)

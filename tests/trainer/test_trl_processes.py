@@ -41,7 +41,7 @@ def test_two_processes_train_and_replay_the_same_groups(
             "max_turns": 1, "max_tokens_per_turn": 16, "max_obs_tokens": 64, "doc_words": 6,
             "reward": "f1", "format_weight": 0.5, "on_failure": "keep",
         },
-        "replay": {"arm": "headroom_drift", "replay": {"budget": 2, "capacity": 8, "tau": 10.0}},
+        "replay": {"replay": {"rule": "headroom_drift", "budget": 2, "capacity": 8, "tau": 10.0}},
         "trl": {
             "output_dir": str(out), "seed": 0, "max_steps": 4, "learning_rate": 1.0e-3,
             "use_cpu": True, "bf16": False, "gradient_checkpointing": False,

@@ -259,8 +259,8 @@ def test_trl_train_under_zero3_replays_uneven_ranks_and_resumes_after_a_kill(
             "max_response_tokens": 600, "reward": "f1", "format_weight": 0.5,
             "on_failure": "keep",
         },
-        "replay": {"arm": "headroom_drift", "score_chunk": 8,
-                   "replay": {"budget": 2, "capacity": 8, "tau": 10.0}},
+        "replay": {"score_chunk": 8,
+                   "replay": {"rule": "headroom_drift", "budget": 2, "capacity": 8, "tau": 10.0}},
         "trl": {
             "output_dir": str(out), "seed": 0, "max_steps": 4, "learning_rate": 1.0e-3,
             "bf16": False, "gradient_checkpointing": False, "per_device_train_batch_size": 8,
@@ -352,7 +352,7 @@ def test_trl_train_under_zero3_replays_uneven_ranks_and_resumes_after_a_kill(
 # --- defect 2: one selection for every process, and errors every process meets alike --------
 
 
-def replay_trainer(policy_dir: str, out_dir: str, arm: str, rows: int):
+def replay_trainer(policy_dir: str, out_dir: str, rule: str, rows: int):
     """A ReplayGRPOTrainer on two CPU processes (accelerate's MULTI_CPU), `rows` fresh rows in
     groups of 4 per process, not trained: the test calls its replay step on a batch in TRL's
     layout."""
@@ -368,7 +368,7 @@ def replay_trainer(policy_dir: str, out_dir: str, arm: str, rows: int):
         per_device_train_batch_size=rows, num_generations=4, gradient_checkpointing=False,
     )  # fmt: skip
     replay = TRLReplayConfig(
-        arm=arm, replay=ReplayConfig(budget=4, capacity=8, tau=1.0, scan_chunk=2)
+        replay=ReplayConfig(rule=rule, budget=4, capacity=8, tau=1.0, scan_chunk=2)
     )
     return ReplayGRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32),
@@ -426,8 +426,8 @@ def _selection_case(rank: int, world: int, out_dir: str, policy_dir: str, case: 
 
     straddle = case == "straddle"
     rows = 8 if straddle else 4
-    arm = "headroom_drift" if straddle else "replay_zero_variance_swap"
-    trainer = replay_trainer(policy_dir, str(Path(out_dir) / f"trl-{case}-{rank}"), arm, rows)
+    rule = "headroom_drift" if straddle else "replay_zero_variance_swap"
+    trainer = replay_trainer(policy_dir, str(Path(out_dir) / f"trl-{case}-{rank}"), rule, rows)
     model, replay = trainer.model, trainer.replay
     vocab = model.get_input_embeddings().num_embeddings
     groups = []

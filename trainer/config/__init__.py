@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from agent_env.data import DataConfig
 from agent_env.generation import GenerationConfig
 from agent_env.retrieval_client import RetrievalConfig
 from agent_env.rollout import RolloutConfig
 from core.config import StrictModel, removed_in, renamed_in
-from headroom_drift import RULES, GroupReplay, is_gated
+from headroom_drift import GroupReplay
 from trainer.config.async_rollout import AsyncConfig
 from trainer.config.grpo import GRPOConfig
 from trainer.config.model import ModelConfig
@@ -39,21 +39,11 @@ __all__ = [
 ]  # fmt: skip
 
 
-EXPERIMENT_ONLY_ARMS = {
-    "on_policy_larger": "arm=on_policy grpo.batch_prompts={larger} (1.5 x b fresh prompts)",
-    "on_policy_lr0": "arm=on_policy grpo.lr=0 (the control: nothing is learned)",
-    "on_policy_filtered": "arm=on_policy grpo.dynamic_sampling=true (DAPO-style refill)",
-}
-"""The experiment's arms that are settings of the `on_policy` selector, not selectors of their
-own (experiment.arms defines them; the trainer cannot import it)."""
-
-
 class TrainConfig(StrictModel):
     """A GRPO training run with (or without) Headroom-Drift Replay."""
 
     seed: int = Field(0, description="Seeds python, numpy, torch and the prompt order.")
     steps: int = Field(100, ge=1, description="Training steps.")
-    arm: str = Field("headroom_drift", description="Replay rule: " + ", ".join(RULES.names()))
     out_dir: str = Field("runs/train", description="The run directory.")
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -78,27 +68,6 @@ class TrainConfig(StrictModel):
         if renamed is not None:
             raise ValueError(renamed)
         return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _experiment_arm_named(cls, data: Any) -> Any:
-        """An experiment's arm name that is no selector (`arm=on_policy_larger`) is answered
-        with what it means in a training config, computed from this config's b."""
-        if not isinstance(data, dict) or data.get("arm") not in EXPERIMENT_ONLY_ARMS:
-            return data
-        grpo = data.get("grpo") if isinstance(data.get("grpo"), dict) else {}
-        b = grpo.get("batch_prompts", GRPOConfig.model_fields["batch_prompts"].default)
-        means = EXPERIMENT_ONLY_ARMS[data["arm"]].format(larger=round(1.5 * b) if b else "1.5b")
-        raise ValueError(
-            f"arm={data['arm']} names an arm of `hdr experiment`, not a replay selector; in a"
-            f" training config it is {means} (this config's b is {b})"
-        )
-
-    @field_validator("arm")
-    @classmethod
-    def _known_arm(cls, v: str) -> str:
-        RULES.get(v)  # a ValueError listing the valid names on a miss
-        return v
 
     @model_validator(mode="after")
     def _steps_cover_warmup(self) -> TrainConfig:
@@ -205,22 +174,13 @@ class TrainConfig(StrictModel):
                 raise ValueError(f"grpo.skip_zero_advantage needs {fix}")
         return self
 
-    @model_validator(mode="after")
-    def _adaptive_gate_has_a_tau(self) -> TrainConfig:
-        if self.replay.gate == "adaptive" and not is_gated(self.arm):
-            raise ValueError(
-                f"replay.gate=adaptive adapts a drift gate, and arm {self.arm!r} has none:"
-                " add replay.gate=fixed, or an arm that gates by drift (headroom_drift)"
-            )
-        return self
-
     @property
     def replays(self) -> bool:
-        """Whether the arm replays at all (not `on_policy`, budget > 0, capacity > 0)."""
-        return self.replay.replays(self.arm)
+        """Whether the run replays at all (not `on_policy`, budget > 0, capacity > 0)."""
+        return self.replay.replays
 
     def make_replay(self) -> GroupReplay:
-        """The run's replay lifecycle: its arm's rule with the `replay` knobs, the replay gate,
-        and the staleness gate of late groups (`async_rollout`)."""
+        """The run's replay lifecycle: its rule with the `replay` knobs, the replay gate, and
+        the staleness gate of late groups (`async_rollout`)."""
         late = self.async_rollout.late_groups(self.replay.drift_norm)
-        return self.replay.make_replay(self.arm, self.seed, self.steps, late)
+        return self.replay.make_replay(self.seed, self.steps, late)

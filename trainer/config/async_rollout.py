@@ -8,10 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from core.config import StrictModel
-from headroom_drift import (
-    STALENESS_RULES,
-    LateGroups,
-)
+from headroom_drift import STALENESS_RULES, LateGroups, staleness_rule
 from trainer.config.replay import GateConfig
 
 
@@ -45,7 +42,7 @@ class AsyncConfig(StrictModel):
     )
     rule: str = Field(
         "version_bound",
-        description="Staleness rule for late groups: " + ", ".join(STALENESS_RULES.names()),
+        description="Staleness rule for late groups: " + ", ".join(sorted(STALENESS_RULES)),
     )
     tau: float = Field(
         0.05,
@@ -89,7 +86,7 @@ class AsyncConfig(StrictModel):
     @field_validator("rule")
     @classmethod
     def _known_rule(cls, v: str) -> str:
-        STALENESS_RULES.get(v)  # a ValueError listing the valid names on a miss
+        staleness_rule(v)  # a ValueError listing the valid names on a miss
         return v
 
     @property
@@ -101,6 +98,6 @@ class AsyncConfig(StrictModel):
         """The staleness rule and its drift gate (`GateConfig.build`, starting at `tau`;
         adaptive for a rule that adapts it), under the replay gate's drift `norm`. A late
         group the rule rejects enters the replay buffer, where the replay gate decides."""
-        adaptive = STALENESS_RULES.get(self.rule).adaptive
+        adaptive = staleness_rule(self.rule).adaptive
         gate = self.adaptive_gate.build(self.tau, adaptive=adaptive)
         return LateGroups(self.rule, gate, self.max_lag, norm, keep_rejected=True)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.config import StrictModel
 from headroom_drift import (
+    RULES,
     AdaptiveGate,
     FixedGate,
     Gate,
     GroupReplay,
     LateGroups,
+    is_gated,
+    replay_rule,
     rule_params,
 )
 
@@ -49,8 +52,9 @@ class GateConfig(StrictModel):
 
 
 class ReplayConfig(StrictModel):
-    """The replay buffer and the selector's knobs (the selector itself is `arm`)."""
+    """The replay rule, its buffer and its knobs."""
 
+    rule: str = Field("headroom_drift", description="The replay rule: " + ", ".join(sorted(RULES)))
     budget: int = Field(8, ge=0, description="R: most stored groups replayed per step.")
     capacity: int = Field(64, ge=0, description="C: FIFO buffer capacity in groups.")
     tau: float = Field(
@@ -98,6 +102,27 @@ class ReplayConfig(StrictModel):
         " repeating it (one process only; memory: the graphs of up to R groups at once).",
     )
 
+    @field_validator("rule")
+    @classmethod
+    def _known_rule(cls, v: str) -> str:
+        try:
+            replay_rule(v)
+        except ValueError as miss:  # its line lists the valid names
+            raise ValueError(
+                f"{miss} (an arm of `hdr experiment` such as on_policy_larger is a rule at a"
+                " batch: docs/guide.md's table of arms says which)"
+            ) from None
+        return v
+
+    @model_validator(mode="after")
+    def _adaptive_gate_has_a_tau(self) -> ReplayConfig:
+        if self.gate == "adaptive" and not is_gated(self.rule):
+            raise ValueError(
+                f"replay.gate=adaptive adapts a drift gate, and replay.rule={self.rule} has none:"
+                " add replay.gate=fixed, or a rule that gates by drift (headroom_drift)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _adaptive_tau_in_range(self) -> ReplayConfig:
         if self.gate == "adaptive" and not 1e-8 <= self.tau <= 1e4:
@@ -111,19 +136,20 @@ class ReplayConfig(StrictModel):
         """The replay scan's drift gate (`GateConfig.build`), starting at `tau`."""
         return self.adaptive_gate.build(self.tau, adaptive=self.gate == "adaptive")
 
-    def replays(self, arm: str) -> bool:
-        """Whether rule `arm` replays at all under these settings (not `on_policy`, budget > 0,
+    @property
+    def replays(self) -> bool:
+        """Whether the rule replays at all under these settings (not `on_policy`, budget > 0,
         capacity > 0)."""
-        return arm != "on_policy" and self.budget > 0 and self.capacity > 0
+        return self.rule != "on_policy" and self.budget > 0 and self.capacity > 0
 
     def make_replay(
-        self, arm: str, seed: int, total_steps: int, late: LateGroups | None = None
+        self, seed: int, total_steps: int, late: LateGroups | None = None
     ) -> GroupReplay:
-        """The replay lifecycle these settings describe, for rule `arm` (budget 0 where it does
-        not `replay`) in a run of `total_steps` seeded by `seed`; `late`: its staleness gate."""
+        """The replay lifecycle these settings describe (budget 0 where the rule does not
+        `replay`) in a run of `total_steps` seeded by `seed`; `late`: its staleness gate."""
         params = rule_params(
-            arm,
-            budget=self.budget if self.replays(arm) else 0,
+            self.rule,
+            budget=self.budget if self.replays else 0,
             tau=self.tau,
             norm=self.drift_norm,
             chunk=self.scan_chunk,
@@ -133,6 +159,6 @@ class ReplayConfig(StrictModel):
             is_beta_start=self.is_beta_start,
         )
         return GroupReplay.from_params(
-            self.capacity, arm, params, gate=self.make_gate(),
+            self.capacity, self.rule, params, gate=self.make_gate(),
             store_zero_advantage=self.store_zero_advantage, late=late,
         )  # fmt: skip

@@ -42,14 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from core.config import StrictModel
+from core.config import StrictModel, renamed_in
 from headroom_drift import (
-    RULES,
     GroupReplay,
     GroupTensors,
     Selection,
@@ -83,19 +82,26 @@ from trainer.scoring import (
 
 # --- replay ----------------------------------------------------------------------------------
 
+TRL_RENAMED_KEYS = {"arm": "replay.rule"}
+"""Keys of the `replay:` section an earlier hdr read, and where their values go now."""
+
 
 class TRLReplayConfig(StrictModel):
-    """hdr's replay inside TRL: the selector and its knobs (hdr's `replay` section)."""
+    """hdr's replay inside TRL: its rule and knobs (hdr's `replay` section) and the scoring
+    forward's rows."""
 
-    arm: str = Field("headroom_drift", description="Replay rule: " + ", ".join(RULES.names()))
-    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Buffer and knobs.")
+    replay: ReplayConfig = Field(
+        default_factory=ReplayConfig, description="The rule, its buffer and its knobs."
+    )
     score_chunk: int = Field(16, ge=1, description="Rows per teacher-forced scoring forward.")
 
-    @field_validator("arm")
+    @model_validator(mode="before")
     @classmethod
-    def _known_arm(cls, v: str) -> str:
-        RULES.get(v)  # one line listing the valid names on a miss
-        return v
+    def _renamed_keys_named(cls, data: Any) -> Any:
+        renamed = renamed_in(data, TRL_RENAMED_KEYS)
+        if renamed is not None:
+            raise ValueError(renamed)
+        return data
 
     @field_validator("replay")
     @classmethod
@@ -154,7 +160,7 @@ class ReplayStep:
 
     @classmethod
     def build(cls, config: TRLReplayConfig, seed: int, total_steps: int) -> ReplayStep:
-        return cls(config, config.replay.make_replay(config.arm, seed, total_steps))
+        return cls(config, config.replay.make_replay(seed, total_steps))
 
     def extend(self, trainer: ReplayGRPOTrainer, batch: dict[str, Any], rewards: Tensor) -> dict:
         """TRL's fresh generation batch -> the update's batch: fresh rows as stored groups,
@@ -192,7 +198,7 @@ class ReplayStep:
         everyone = gather(fresh, world)
         known = asdict(self.lifecycle.params)  # the run's length is known once training starts
         self.lifecycle.params = rule_params(
-            self.config.arm, **{**known, "total_steps": trainer.state.max_steps}
+            self.config.replay.rule, **{**known, "total_steps": trainer.state.max_steps}
         )
         buffered = [g.group_id for g in self.lifecycle.groups()]
         with self.scoring(trainer):

@@ -1,14 +1,14 @@
 """`hdr calibrate`: choose the drift gate `tau` by a three-point log-spaced sweep.
 
 As in the paper, each point is a short training run (same model, seed and data) with the
-arm's gate at one `tau`; what is reported is each point's replay acceptance rate (admitted /
+rule's gate at one `tau`; what is reported is each point's replay acceptance rate (admitted /
 scanned groups over the run). The useful setting filters selectively: neither close to 0%
 (the gate rejects nearly everything, so there is no replay) nor close to 100% (the gate
 admits nearly everything, so it does not gate). The recommendation is the point whose rate
 is nearest 50% among those between 15% and 85%, else the nearest 50% overall, flagged.
 
-Default points: `replay.tau / 10`, `replay.tau`, `replay.tau * 10`. The arm must gate
-(`headroom_drift`, `headroom_drift_l1` or `drift_only`); another arm is replaced by
+Default points: `replay.tau / 10`, `replay.tau`, `replay.tau * 10`. The replay rule must gate
+(`headroom_drift`, `headroom_drift_l1` or `drift_only`); another rule is replaced by
 `headroom_drift`. Point runs live in `OUT/tau-<value>/` and are replaced on a rerun.
 """
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.paths import CALIBRATION, check_output, local_model, write_json_atomic
+from headroom_drift import is_gated
 from trainer.config import TrainConfig
 
-GATED_ARMS = ("headroom_drift", "headroom_drift_l1", "drift_only")
 SELECTIVE = (0.15, 0.85)
 
 
@@ -109,16 +109,15 @@ def calibrate(
     taus = taus or log_spaced(config.replay.tau)
     if len(taus) < 2:
         raise UserError("calibrate needs at least two taus")
-    arm = config.arm if config.arm in GATED_ARMS else "headroom_drift"
+    rule = config.replay.rule if is_gated(config.replay.rule) else "headroom_drift"
     points = []
     for tau in taus:
         point_dir = out / f"tau-{tau:.3g}"
         point_cfg = config.model_copy(
             update={
-                "arm": arm,
                 "steps": steps,
                 "out_dir": str(point_dir),
-                "replay": config.replay.model_copy(update={"tau": tau}),
+                "replay": config.replay.model_copy(update={"tau": tau, "rule": rule}),
                 "grpo": config.grpo.model_copy(
                     update={"warmup_steps": min(config.grpo.warmup_steps, steps - 1)}
                 ),

@@ -104,6 +104,18 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return loaded or {}
 
 
+def merge_settings(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `under` with `over` laid on it section by section: a key `over` sets replaces
+    the same key below it, the keys it leaves out stay (a list is one value, replaced whole)."""
+    out = copy.deepcopy(under)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_settings(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def build_config(model: type[M], data: dict[str, Any], overrides: Sequence[str] = ()) -> M:
     """Apply each `a.b.c=value` override to `data` (in place), then validate it as `model`."""
     for override in overrides:

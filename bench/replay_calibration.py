@@ -46,7 +46,7 @@ def calibration_run(preset: str, data_dir: Path, out: Path, steps: int, capacity
     from experiment.config import experiment_config
     from experiment.server import ensure_index, serve
     from experiment.sft_start import ensure_sft
-    from experiment.train_configs import base_train_config
+    from experiment.train_configs import base_train_config, shared_train_config
     from trainer.loop import train
 
     cfg = experiment_config(preset, data_dir=str(data_dir), out_dir=str(out))
@@ -57,7 +57,7 @@ def calibration_run(preset: str, data_dir: Path, out: Path, steps: int, capacity
     if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
         return run_dir
     index = ensure_index(cfg, log)
-    with serve(index, cfg.retriever, out / "server.log") as url:
+    with serve(index, shared_train_config(cfg).retrieval.retriever, out / "server.log") as url:
         sft_dir = ensure_sft(cfg, url, log)
         config = base_train_config(
             cfg, url, sft_dir, run_dir, seed,
@@ -172,11 +172,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from experiment.config import experiment_config
+    from experiment.train_configs import shared_train_config
 
     taus = [float(t) for t in args.taus.split(",")]
     capacities = [int(c) for c in args.capacities.split(",")]
     cfg = experiment_config(args.preset)
-    budget = args.budget or cfg.replay_budget
+    budget = args.budget or shared_train_config(cfg).replay.budget
     started = time.perf_counter()
     run_dir = calibration_run(args.preset, args.data_dir, args.out, args.steps, args.capacity,
                               taus[len(taus) // 2], args.seed)  # fmt: skip

@@ -22,7 +22,7 @@ EXPERIMENT_EXAMPLES = """Examples:
 
   hdr experiment --quick
 
-  hdr experiment --ablations seeds=[1,2,3] steps=80
+  hdr experiment --ablations seeds=[1,2,3] train.steps=80
 
   hdr experiment --preset bridge seeds=[1]
 
@@ -36,7 +36,7 @@ Presets: the YAML files of configs/experiments/, each read on main.yaml.
 
 DEMO_EXAMPLE = """Examples:
 
-  hdr demo --data-dir data --out runs/demo steps=20
+  hdr demo --data-dir data --out runs/demo train.steps=20
 
   .venv-vllm/bin/hdr demo --model smollm2    # a real model (vLLM's CPU engine: make demo-smollm2)
 """
@@ -250,7 +250,7 @@ def demo_command(
         help="The policy: tiny (hdr's own, fast) or smollm2 (SmolLM2-135M-Instruct, a real"
         " model; generates on vLLM's CPU engine, in .venv-vllm).",
     ),
-    overrides: list[str] = overrides_argument("ExperimentConfig", "steps=20"),
+    overrides: list[str] = overrides_argument("ExperimentConfig", "train.steps=20"),
     set_: list[str] = set_option(),
 ) -> None:
     """The whole pipeline on the embedded defaults: corpus, index, server, SFT, a short

@@ -5,6 +5,10 @@ is one line naming the file). `experiment_config` layers `main.yaml` (the main c
 then each named preset in order (a later one replaces the keys it sets), then the quick
 overlay of the task with `quick`, then explicit fields, then `KEY=VALUE` overrides. A preset
 is named by its file stem (`bridge`) or given as a path to any YAML file.
+
+The runs' training settings are TrainConfig keys under `train`, spelt as in configs/*.yaml
+(`train.grpo.lr=1e-4`), merged section by section across the layers and laid over
+`base_config`; the experiment reads b and steps from that result (`train_configs`).
 """
 
 from __future__ import annotations
@@ -14,12 +18,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from core.config import StrictModel, build_config, format_validation_error, read_config_file
+from core.config import (
+    StrictModel,
+    build_config,
+    format_validation_error,
+    merge_settings,
+    read_config_file,
+)
 from core.errors import UserError
 from evaluation.costs import MEASURED_HERE, CostModel
 from experiment.arms import ARMS, Arm
+from experiment.config_history import old_key_named, train_key_meant
 from experiment.decision import DecisionRule
 from experiment.diagnostics import DoseScreen, PoolCheck
 from experiment.precondition import Precondition
@@ -27,6 +38,26 @@ from models.tiny import TinyPolicyConfig
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 MAIN_PRESET = "main"
+
+SET_BY_THE_EXPERIMENT = {
+    "seed": "each run's is one of `seeds`",
+    "out_dir": "each run's folder is under out_dir (--out)",
+    "model.path": "each run starts from the SFT start (init_model, sft_*)",
+    "retrieval.urls": "the runs talk to the server the experiment starts",
+    "data.train": "it is the experiment's `task`",
+    "data.eval": "it is the experiment's `task`",
+    "replay.budget": "r = round(replay_ratio x b); set replay_ratio",
+    "log.progress": "set progress",
+}
+"""TrainConfig keys the experiment sets for every run from settings of its own."""
+
+
+def _holds(data: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 class Contrast(StrictModel):
@@ -92,33 +123,24 @@ class ExperimentConfig(StrictModel):
         description="Arms every other arm is compared with (paired).",
     )
     seeds: list[int] = Field([1, 2], min_length=1, description="Training seeds of every arm.")
-    steps: int = Field(60, ge=1, description="Training steps per run.")
-    batch_prompts: int = Field(8, ge=2, description="b: fresh prompts per step.")
-    group_size: int = Field(5, ge=2, description="G: responses per prompt.")
+    train: dict[str, Any] = Field(
+        {},
+        description="TrainConfig keys (as in configs/*.yaml) laid over `base_config` for every"
+        " run and the SFT start: steps, grpo.batch_prompts (b), grpo.lr, replay.tau, eval.*,"
+        " rollout.*, ...; deep-merged across presets (train.grpo.lr=1e-4 keeps the rest)."
+        " Unset: replay.tau_age steps / 4 (the published 500 steps is a quarter of a 2,000-step"
+        " run), grpo.warmup_steps min(3, steps - 1), checkpoint.save_every 0.",
+    )
     replay_ratio: float = Field(0.5, gt=0, description="r = round(ratio * b) replayed groups.")
-    lr: float = Field(5e-5, gt=0, description="GRPO learning rate (docs/cpu-bed.md: 3e-5 to 1e-4).")
-    tau: float | None = Field(None, gt=0, description="L2 drift gate; None: the base config's.")
     tau_l1: float | None = Field(
         None,
         gt=0,
         description="L1 gate of headroom_drift_l1, from its own `hdr calibrate` sweep; None:"
-        " sqrt(tau), an upper bound by Jensen and so a looser gate than L2's.",
-    )
-    tau_age: float | None = Field(
-        None,
-        gt=0,
-        description="replay_freshness_per's age scale in steps; None: steps / 4 (the published"
-        " 500 steps is a quarter of a 2,000-step run).",
-    )
-    train_split: str = Field(
-        "train", description="The task's split RL trains on (`rl`: disjoint from `sft`)."
+        " sqrt of the L2 replay.tau, an upper bound by Jensen and so a looser gate than L2's.",
     )
     sft_split: str | None = Field(
-        None, description="The split the SFT start is trained on; None: `train_split`."
+        None, description="The split the SFT start is trained on; None: RL's data.train_split."
     )
-    eval_every: int = Field(15, ge=0, description="Periodic held-out eval (eval.jsonl) interval.")
-    eval_num_questions: int = Field(48, ge=1, description="Periodic held-out subset size.")
-    eval_k: int = Field(4, ge=1, description="Samples per question in the periodic eval.")
     final_questions: int | None = Field(
         500,
         ge=1,
@@ -209,7 +231,6 @@ class ExperimentConfig(StrictModel):
         " already copies a description into a search and a title into an answer.",
     )
     corpus_limit: int | None = Field(None, ge=1, description="Index only the first N articles.")
-    retriever: str = Field("bm25", description="Retriever the server and rollouts use.")
     server_overrides: list[str] = Field(
         [],
         description="`hdr serve --set` settings, e.g. emulated_cost.request_latency_ms=500;"
@@ -220,15 +241,30 @@ class ExperimentConfig(StrictModel):
         description="interleaved: runs ordered seed by seed, every arm of a seed in turn, so"
         " with `jobs` runs at once every arm meets the same machine load; by_arm: arm by arm.",
     )
-    train_overrides: list[str] = Field([], description="Extra dotted overrides for every run.")
     jobs: int = Field(
         2, ge=1, description="Runs trained at once, each in its own process with cpu/jobs threads."
     )
     progress: bool = Field(True, description="Progress bars on stderr (only with jobs=1).")
 
-    @property
-    def replay_budget(self) -> int:
-        return max(1, round(self.replay_ratio * self.batch_prompts))
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys_named(cls, data: Any) -> Any:
+        """An old flat training key (`steps`, `lr`, `train_overrides`, ...), or an unknown key
+        close to one, is answered with its spelling under `train`."""
+        old = old_key_named(data) or train_key_meant(data, cls.model_fields)
+        if old is not None:
+            raise ValueError(old)
+        return data
+
+    @field_validator("train")
+    @classmethod
+    def _experiments_own_keys_refused(cls, train: dict[str, Any]) -> dict[str, Any]:
+        """A training key the experiment sets for each run is refused, naming its own key: laid
+        over it, it would be overwritten silently."""
+        for key, own in SET_BY_THE_EXPERIMENT.items():
+            if _holds(train, key):
+                raise ValueError(f"train.{key} is the experiment's: {own}")
+        return train
 
     def arm(self, name: str) -> Arm:
         """The registered arm or variant called `name` (a variant: its arm with its overrides
@@ -267,7 +303,9 @@ def preset_path(preset: str | Path) -> Path:
 
 def read_preset(preset: str | Path) -> dict[str, Any]:
     """The settings a preset file holds, checked against `ExperimentConfig` on their own: an
-    unknown key or a bad value is one UserError line naming the file."""
+    unknown key (under `train` too) or a bad value is one UserError line naming the file."""
+    from experiment.train_configs import unknown_train_key
+
     path = preset_path(preset)
     data = read_config_file(path)
     try:
@@ -276,7 +314,21 @@ def read_preset(preset: str | Path) -> dict[str, Any]:
         raise UserError(
             f"preset {path}: {format_validation_error(err, ExperimentConfig)}"
         ) from None
+    unknown = unknown_train_key(data.get("train", {}))
+    if unknown is not None:
+        raise UserError(f"preset {path}: {unknown}")
     return data
+
+
+def lay_over(data: dict[str, Any], layer: dict[str, Any]) -> None:
+    """`layer`'s settings over `data` (in place): each key replaces the one below it, except
+    `train`, merged section by section (a preset setting train.grpo.lr keeps the
+    train.grpo.batch_prompts of the ones below)."""
+    for key, value in layer.items():
+        if key == "train" and isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = merge_settings(data[key], value)
+        else:
+            data[key] = value
 
 
 def quick_overlay(data: dict[str, Any]) -> str:
@@ -294,12 +346,14 @@ def experiment_config(
 ) -> ExperimentConfig:
     """`main`, then `presets` in order, then the task's quick overlay with `quick`, then
     explicit fields, then `k=v` overrides; unknown keys, presets and arms are UserErrors."""
+    from experiment.train_configs import shared_train_config
+
     data: dict[str, Any] = {}
     for preset in [MAIN_PRESET, *presets]:
-        data.update(read_preset(preset))
+        lay_over(data, read_preset(preset))
     if quick:
-        data.update(read_preset(quick_overlay(data)))
-    data.update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+        lay_over(data, read_preset(quick_overlay(data)))
+    lay_over(data, {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
     cfg = build_config(ExperimentConfig, data, overrides)
     if cfg.pilot_bed is not None:
         beds = {b.name: b for b in (cfg.precondition.beds if cfg.precondition else [])}
@@ -327,4 +381,5 @@ def experiment_config(
     missing = [n for c in cfg.contrasts for n in (c.arm, c.reference) if n not in cfg.arms]
     if missing:
         raise UserError(f"contrasts name arms {missing} that are not among the arms {cfg.arms}")
+    shared_train_config(cfg)  # `train` over the base config: a bad key or value is one line now
     return cfg

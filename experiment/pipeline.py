@@ -15,7 +15,7 @@ from experiment.runs import RunResult, final_eval, heldout_set, run_all
 from experiment.server import ensure_index, serve
 from experiment.sft_start import ensure_sft
 from experiment.summary import ExperimentResults, machine_info, summarize
-from experiment.train_configs import base_train_config
+from experiment.train_configs import base_train_config, shared_train_config
 
 
 @contextmanager
@@ -54,11 +54,12 @@ def run_experiment(cfg: ExperimentConfig) -> Path:
     started = time.perf_counter()
     index = ensure_index(cfg, log)
     datasets = heldout_set(cfg)
+    retriever = shared_train_config(cfg).retrieval.retriever
     results: list[RunResult] = []
     try:
         with (
             sigterm_as_exit(),
-            serve(index, cfg.retriever, out / "server.log", settings=cfg.server_overrides) as url,
+            serve(index, retriever, out / "server.log", settings=cfg.server_overrides) as url,
         ):
             sft_dir = ensure_sft(cfg, url, log)
             sft_config = base_train_config(cfg, url, sft_dir, out / "sft", 0)

@@ -44,7 +44,8 @@ class PilotBed(StrictModel):
 
     name: str = Field(description="The bed's name (`pilot_bed=NAME` runs it).")
     overrides: list[str] = Field(
-        [], description="KEY=VALUE ExperimentConfig overrides (e.g. steps=240, lr=2e-5)."
+        [],
+        description="KEY=VALUE ExperimentConfig overrides (train.steps=240, train.grpo.lr=2e-5).",
     )
     why: str = Field("", description="The knob it turns and why it might make fresh data matter.")
     cpu_hours: float = Field(gt=0, description="Estimated CPU-hours of this pilot (2 cores).")

@@ -25,13 +25,12 @@ from typing import Any
 from core.errors import UserError
 from evaluation.evaluate import GZIPPED, load_report, report_file
 from experiment.config import ExperimentConfig
+from experiment.config_history import read_as_today
 from experiment.fingerprint import HASH_FILE
 from experiment.report import results_markdown
 from experiment.runs import RunResult
 from experiment.summary import ExperimentSummary, summarize
 
-# keys an older experiment_config.json may hold that no longer exist (dropped, not errors)
-RETIRED_KEYS = ("bootstrap_resamples",)
 # what a finished run keeps for the recompute (beside the top-level config and SFT evaluation)
 RUN_EVIDENCE = ("config.yaml", "metrics.jsonl", "eval.jsonl", "heldout/eval.json")
 # copied too where a run has it (fingerprint.HASH_FILE): the hash `hdr experiment` checks to
@@ -45,10 +44,8 @@ def read_config(root: Path) -> ExperimentConfig:
     path = root / "experiment_config.json"
     if not path.is_file():
         raise UserError(f"{root}: no experiment_config.json (is it an `hdr experiment` out dir?)")
-    data: dict[str, Any] = json.loads(path.read_text())
-    for key in RETIRED_KEYS:
-        data.pop(key, None)
-    return ExperimentConfig.model_validate(data)
+    written: dict[str, Any] = json.loads(path.read_text())
+    return ExperimentConfig.model_validate(read_as_today(written))  # older keys moved
 
 
 def read_runs(root: Path, cfg: ExperimentConfig) -> list[RunResult]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from experiment.config import ExperimentConfig
+from experiment.train_configs import shared_train_config
 
 
 def run_hdr_subcommand(*args: str, log: Path | None = None) -> None:
@@ -38,7 +39,7 @@ def ensure_index(cfg: ExperimentConfig, log: Path) -> Path:
     corpus, index = data / f"wiki-vital{suffix}.jsonl", data / f"index{suffix}"
     if (index / "manifest.json").is_file():
         return index
-    bm25_only = cfg.retriever == "bm25"
+    bm25_only = shared_train_config(cfg).retrieval.retriever == "bm25"
     if bm25_only:
         index = data / f"index{suffix}-bm25"
         if (index / "manifest.json").is_file():

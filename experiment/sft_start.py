@@ -2,7 +2,7 @@
 
 A cached start's folder name says roughly what it was trained on and with; its
 `config_hash.json` (`fingerprint`) says exactly: the settings `run_sft` reads, the base
-config's `sft:` section and the experiment's `train_overrides` and `sft_overrides` included.
+config's `sft:` section and the experiment's `train` and `sft_overrides` included.
 A start whose stored hash differs from the one just built is refused, in one line naming what
 differs, never silently reused.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from core.progress import say
 from experiment.config import ExperimentConfig
 from experiment.fingerprint import check_reuse, sft_settings, stored_hash, write_hash
-from experiment.train_configs import base_train_config
+from experiment.train_configs import base_train_config, shared_train_config
 
 
 def short_hash(value: Any) -> str:
@@ -54,8 +54,8 @@ def ensure_policy(cfg: ExperimentConfig) -> Path:
 
 
 def sft_split(cfg: ExperimentConfig) -> str:
-    """The split the SFT start learns from: `sft_split`, else RL's own `train_split`."""
-    return cfg.sft_split or cfg.train_split
+    """The split the SFT start learns from: `sft_split`, else RL's own `data.train_split`."""
+    return cfg.sft_split or shared_train_config(cfg).data.train_split
 
 
 def sft_start_dir(cfg: ExperimentConfig) -> Path:
@@ -83,8 +83,8 @@ def sft_start_dir(cfg: ExperimentConfig) -> Path:
 
 def sft_prerequisite(cfg: ExperimentConfig) -> ExperimentConfig | None:
     """The experiment whose SFT start `cfg`'s start is fine-tuned from (`sft_from_task`): that
-    task on the defaults (its own prompt and turns, not `cfg`'s overrides), same data, base
-    config and policy."""
+    task on the base config's settings (its own prompt and turns, not `cfg`'s `train`), same
+    data, base config, policy and retriever."""
     if not cfg.sft_from_task:
         return None
     return ExperimentConfig(
@@ -93,7 +93,7 @@ def sft_prerequisite(cfg: ExperimentConfig) -> ExperimentConfig | None:
         out_dir=cfg.out_dir,
         base_config=cfg.base_config,
         policy=cfg.policy,
-        retriever=cfg.retriever,
+        train={"retrieval": {"retriever": shared_train_config(cfg).retrieval.retriever}},
     )
 
 
@@ -128,7 +128,7 @@ def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
 
 def sft_train_config(cfg: ExperimentConfig, url: str, sft_dir: Path, init: Path):
     """The TrainConfig `run_sft` trains the start with: the base config (its `sft:` section
-    included) with the experiment's settings, `train_overrides` and `sft_overrides`."""
+    included) with the experiment's `train` and `sft_overrides`."""
     extra = [
         f"sft.init_model={init}",
         f"sft.split={sft_split(cfg)}",
@@ -161,7 +161,8 @@ def model_identity(model_dir: Path) -> str:
 def init_identity(cfg: ExperimentConfig, init: Path) -> dict[str, Any]:
     """What the start is initialised from (the prerequisite start's config hash, or the tiny
     policy's sizes) and the corpus its scripted searches ran over."""
-    environment = {"corpus_limit": cfg.corpus_limit, "retriever": cfg.retriever}
+    retriever = shared_train_config(cfg).retrieval.retriever
+    environment = {"corpus_limit": cfg.corpus_limit, "retriever": retriever}
     if cfg.sft_from_task:
         return {"sft_start_sha256": stored_hash(init), **environment}
     if cfg.init_model:

@@ -210,7 +210,9 @@ def test_run_costs_without_replay_has_no_acceptance():
 
 
 def test_arm_configs_share_everything_but_the_arm(tmp_path):
-    cfg = experiment_config(batch_prompts=8, replay_ratio=0.5, base_config=str(BASE))
+    cfg = experiment_config(
+        train={"grpo": {"batch_prompts": 8}}, replay_ratio=0.5, base_config=str(BASE)
+    )
     args = ("http://127.0.0.1:9", tmp_path / "sft", tmp_path / "run", 3)
     configs = {name: arm_train_config(cfg, ARMS.get(name), *args) for name in ARMS.names()}
     assert configs["on_policy"].grpo.batch_prompts == 8
@@ -223,7 +225,7 @@ def test_arm_configs_share_everything_but_the_arm(tmp_path):
     assert l1.replay.tau == pytest.approx(math.sqrt(configs["headroom_drift"].replay.tau))
     for c in configs.values():
         assert (c.seed, c.model.path, c.retrieval.urls) == (3, str(tmp_path / "sft"), [args[0]])
-        assert c.retrieval.retriever == "bm25" and c.steps == cfg.steps
+        assert c.retrieval.retriever == "bm25" and c.steps == read_preset("main")["train"]["steps"]
 
 
 def test_presets_and_errors():
@@ -231,7 +233,7 @@ def test_presets_and_errors():
     abl = experiment_config("ablations")
     assert abl.arms == read_preset("ablations")["arms"] and abl.references == ["headroom_drift"]
     quick = experiment_config(quick=True, overrides=["seeds=[5]"])
-    assert quick.steps < experiment_config().steps and quick.seeds == [5]
+    assert quick.train["steps"] < experiment_config().train["steps"] and quick.seeds == [5]
     with pytest.raises(UserError, match="unknown experiment arm"):
         experiment_config(arms=["on_policy", "bogus"])
     with pytest.raises(UserError, match="reference"):
@@ -303,7 +305,10 @@ def test_the_bridge_start_is_fine_tuned_from_the_default_wiki_vital_start(tmp_pa
     first = sft_prerequisite(bridge)
     assert first is not None and sft_prerequisite(first) is None
     assert sft_start_dir(first) == sft_start_dir(experiment_config(data_dir=str(tmp_path)))
-    assert first.train_overrides == [] and first.server_overrides == []
+    assert first.train == {
+        "retrieval": {"retriever": "bm25"}
+    }  # the server's, nothing of the bridge's
+    assert first.server_overrides == []
     assert (first.policy, first.out_dir) == (bridge.policy, bridge.out_dir)
 
 
@@ -381,7 +386,7 @@ def test_an_interrupted_parallel_experiment_stops_its_runs_and_server_at_once(tm
     out, log = tmp_path / "out", tmp_path / "experiment.log"
     cmd = [sys.executable, "-m", "hdr.cli", "experiment", "--quick", "--data-dir",
            str(tmp_path / "data"), "--out", str(out), "--config", str(BASE), "progress=false",
-           "jobs=2", "steps=500", "arms=[on_policy,replay_recency]", "references=[]",
+           "jobs=2", "train.steps=500", "arms=[on_policy,replay_recency]", "references=[]",
            "seeds=[1]"]  # fmt: skip
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
@@ -412,11 +417,11 @@ def test_bridge_preset_runs_the_multi_turn_task_against_an_emulated_api(tmp_path
         c = arm_train_config(cfg, ARMS.get(name), *args)
         assert (c.data.train, c.data.eval) == ("wiki-bridge", "wiki-bridge")
         assert c.rollout.max_turns == 2 and c.rollout.prompt.observation_suffix == ""
-        assert c.replay.tau_age == cfg.steps / 4
+        assert c.replay.tau_age == cfg.train["steps"] / 4
     filtered = arm_train_config(cfg, ARMS.get("on_policy_filtered"), *args)
     assert filtered.grpo.dynamic_sampling and not filtered.replays
     quick = experiment_config("bridge", quick=True)
-    assert quick.corpus_limit is None and "rollout.max_turns=2" in quick.train_overrides
+    assert quick.corpus_limit is None and quick.train["rollout"]["max_turns"] == 2
     assert quick.sft_from_task is None  # the quick check does not first train a full start
 
 

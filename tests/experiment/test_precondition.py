@@ -12,6 +12,7 @@ from experiment.config import experiment_config
 from experiment.precondition import gate
 from experiment.report import results_markdown
 from experiment.summary import summarize
+from experiment.train_configs import shared_train_config
 
 # 2 seeds x 4 questions: seed and question means all 0.1, so MS_S = MS_Q = 0; the residuals
 # are 0, -0.1, 0.1, 0 and 0, 0.1, -0.1, 0: SS_E = 0.04 over 3 df, MS_E = 0.04 / 3
@@ -38,7 +39,8 @@ def test_the_pilot_preset_declares_the_gate_and_results_carry_it(tmp_path):
     assert [b.name for b in cfg.precondition.beds][:2] == ["base", "longer"]
     assert cfg.arm("on_policy_b4").overrides == ("grpo.batch_prompts=4",)
     assert cfg.final_questions is None and cfg.final_k == 8  # the whole test split
-    assert experiment_config("pilot-dose-response", overrides=["pilot_bed=longer"]).steps == 240
+    longer = experiment_config("pilot-dose-response", overrides=["pilot_bed=longer"])
+    assert longer.train["steps"] == 240
     with pytest.raises(UserError, match="unknown pilot_bed 'nope'; declared beds: base"):
         experiment_config("pilot-dose-response", overrides=["pilot_bed=nope"])
     doses = (("on_policy_b4", 0.0), ("on_policy_b6", 0.01), ("on_policy_b8", 0.02),
@@ -69,9 +71,10 @@ def test_the_replay_comparison_is_the_gated_design_on_any_bed():
     assert len(comparison.seeds) == pre.planned_seeds and comparison.final_k == pre.planned_k
     assert comparison.final_questions == pre.planned_questions  # None: the whole test split
     gate_fresh = [o for o in pilot.arm(pre.arm).overrides if o.startswith("grpo.batch_prompts=")]
-    larger = comparison.arm("on_policy_larger").fresh * comparison.batch_prompts
+    b = comparison.train["grpo"]["batch_prompts"]
+    larger = comparison.arm("on_policy_larger").fresh * b
     assert gate_fresh == [f"grpo.batch_prompts={round(larger)}"]
-    assert pilot.arm(pre.reference).overrides == (f"grpo.batch_prompts={comparison.batch_prompts}",)
+    assert pilot.arm(pre.reference).overrides == (f"grpo.batch_prompts={b}",)
     pairs = {(c.arm, c.reference, c.metric): c for c in comparison.contrasts}
     assert ("headroom_drift", "on_policy", "mean_at_k") in pairs  # equal fresh rollouts
     primary = pairs[("headroom_drift", "on_policy_larger", "mean_at_k")]
@@ -79,6 +82,9 @@ def test_the_replay_comparison_is_the_gated_design_on_any_bed():
     for bed in pre.beds:
         on_bed = experiment_config("replay-comparison", overrides=bed.overrides)
         on_pilot = experiment_config("pilot-dose-response", overrides=[f"pilot_bed={bed.name}"])
-        changed = {o.split("=")[0].split(".")[0] for o in bed.overrides}
-        for key in changed | {"steps", "lr", "group_size", "policy"}:
+        changed = {o.split("=")[0].split(".")[0] for o in bed.overrides} - {"train"}
+        for key in changed | {"policy"}:
             assert getattr(on_bed, key) == getattr(on_pilot, key), (bed.name, key)
+        bed_train, pilot_train = shared_train_config(on_bed), shared_train_config(on_pilot)
+        for key in ("steps", "grpo", "rollout", "data"):  # the pilot's arms do not replay
+            assert getattr(bed_train, key) == getattr(pilot_train, key), (bed.name, key)

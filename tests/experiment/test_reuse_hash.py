@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.config import merge_settings
 from core.errors import UserError
 from core.fingerprint import digest
 from experiment.config import experiment_config
@@ -26,6 +27,7 @@ from experiment.train_configs import arm_train_config
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "configs" / "tiny-cpu.yaml"
 URL = "http://127.0.0.1:9"
+LR_2E5 = {"grpo": {"lr": 2e-5}}
 
 
 def _run_config(tmp_path, port_url=URL, out="o", **fields):
@@ -38,7 +40,7 @@ def _run_config(tmp_path, port_url=URL, out="o", **fields):
 def test_the_hash_ignores_the_port_and_the_folder_and_sees_every_setting(tmp_path):
     _, a, sft = _run_config(tmp_path)
     _, moved, _ = _run_config(tmp_path, "http://127.0.0.1:4242", out="elsewhere")
-    _, other_lr, _ = _run_config(tmp_path, lr=1e-4)
+    _, other_lr, _ = _run_config(tmp_path, train={"grpo": {"lr": 1e-4}})
     assert digest(run_settings(a, sft)) == digest(run_settings(moved, sft))
     assert digest(run_settings(a, sft)) != digest(run_settings(other_lr, sft))
     assert digest(run_settings(a, sft)) != digest(run_settings(a, sft, {"corpus_limit": 2000}))
@@ -46,7 +48,7 @@ def test_the_hash_ignores_the_port_and_the_folder_and_sees_every_setting(tmp_pat
 
 def test_a_mismatch_is_refused_in_one_line_naming_what_differs(tmp_path):
     _, a, sft = _run_config(tmp_path)
-    _, b, _ = _run_config(tmp_path, lr=1e-4, steps=70)
+    _, b, _ = _run_config(tmp_path, train={"steps": 70, "grpo": {"lr": 1e-4}})
     folder = tmp_path / "run"
     folder.mkdir()
     stored = write_hash(folder, run_settings(a, sft))
@@ -71,7 +73,7 @@ def test_a_finished_run_made_with_another_config_is_refused_before_any_work(tmp_
     (run_dir / "final").mkdir(parents=True)
     (run_dir / "final" / "config.json").write_text("{}")
     write_hash(run_dir, run_settings(config, sft, run_environment(cfg)))
-    changed = cfg.model_copy(update={"lr": 2e-5})
+    changed = cfg.model_copy(update={"train": merge_settings(cfg.train, LR_2E5)})
     with pytest.raises(UserError, match=r"run .*seed-1 was made with other settings \(grpo.lr"):
         run_arm(changed, changed.arm("on_policy"), 1, URL, sft, [])
     # a finished run from before runs carried a hash: checked through its own config.yaml
@@ -95,12 +97,12 @@ def test_a_run_carried_by_its_exported_evidence_is_checked_like_a_finished_one(t
     assert not carried(run_dir)  # no hash: what it was made with is unknown
     write_hash(run_dir, run_settings(config, sft, run_environment(cfg)))
     assert carried(run_dir)
-    changed = cfg.model_copy(update={"lr": 2e-5})
+    changed = cfg.model_copy(update={"train": merge_settings(cfg.train, LR_2E5)})
     with pytest.raises(UserError, match=r"run .*seed-1 was made with other settings \(grpo.lr"):
         run_arm(changed, changed.arm("on_policy"), 1, URL, sft, [])
 
 
-def test_the_sft_key_holds_the_base_configs_sft_section_and_the_train_overrides(tmp_path):
+def test_the_sft_key_holds_the_base_configs_sft_section_and_the_train_settings(tmp_path):
     def settings(**fields):
         cfg = experiment_config(data_dir=str(tmp_path), **fields)
         init = tmp_path / "tiny-policy"
@@ -113,10 +115,10 @@ def test_the_sft_key_holds_the_base_configs_sft_section_and_the_train_overrides(
     other_base.write_text(yaml.safe_dump(base))
     default = settings(base_config=str(BASE))
     assert settings(base_config=str(other_base)) != default  # the base config's sft: section
-    assert settings(base_config=str(BASE), train_overrides=["rollout.max_turns=2"]) != default
+    assert settings(base_config=str(BASE), train={"rollout": {"max_turns": 2}}) != default
     assert settings(base_config=str(BASE), sft_overrides=["sft.epochs=3"]) != default
     # what SFT does not read leaves its key alone: the RL learning rate, steps, the port
-    assert settings(base_config=str(BASE), lr=1e-4, steps=7) == default
+    assert settings(base_config=str(BASE), train={"steps": 7, "grpo": {"lr": 1e-4}}) == default
 
 
 def test_an_sft_start_made_with_other_settings_is_refused_not_reused(tmp_path):
@@ -125,7 +127,7 @@ def test_an_sft_start_made_with_other_settings_is_refused_not_reused(tmp_path):
     now = experiment_config(
         data_dir=str(tmp_path),
         base_config=str(BASE),
-        overrides=[*small, "train_overrides=[rollout.max_tokens_per_turn=9]"],
+        overrides=[*small, "train.rollout.max_tokens_per_turn=9"],
     )
     from experiment.sft_start import ensure_policy, sft_start_dir
 
@@ -208,3 +210,27 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
     now["data"]["train_questions"] = 32
     with pytest.raises(UserError, match=r"data\.train_questions None then, 32 now"):
         check_reuse(RECORDED_BEFORE, now, "run", **removed)
+
+
+def test_the_running_comparisons_committed_run_is_reused_by_its_preset_as_written_now():
+    """docs/results/smollm2-replay's finished run, checked against the config the comparison's
+    preset builds today for it: the same run, so the comparison goes on without training it
+    again. The start is the one the run recorded (a start is checked on its own)."""
+    from experiment.sft_start import sft_start_dir
+    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
+
+    run = REPO / "docs/results/smollm2-replay/runs/on_policy/seed-1"
+    recorded = json.loads((run / HASH_FILE).read_text())["settings"]
+    data_dir = Path(recorded["model"]["path"]).parent  # where that session's start was
+    cfg = experiment_config(
+        "smollm2-replay-comparison", data_dir=str(data_dir), out_dir="runs/smollm2-replay"
+    )
+    sft = sft_start_dir(cfg)
+    config = arm_train_config(cfg, cfg.arm("on_policy"), URL, sft, Path("runs/x/seed-1"), 1)
+    now = run_settings(config, sft, run_environment(cfg))
+    now["sft_start_sha256"] = recorded["sft_start_sha256"]
+    history = {"renamed": RENAMED_KEYS, "added": ADDED_KEYS, "removed": REMOVED_KEYS}
+    check_reuse(run, now, "run", **history)
+    now["replay"]["capacity"] = 64  # the base config's: what the preset's train sets counts
+    with pytest.raises(UserError, match=r"replay\.capacity 32 then, 64 now"):
+        check_reuse(run, now, "run", **history)

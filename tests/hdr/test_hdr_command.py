@@ -88,7 +88,7 @@ def test_unknown_config_keys_name_the_nearest_valid_key(tmp_path: Path) -> None:
     )
     assert_one_line(hdr("serve", "--index", str(tmp_path), "max_topkk=3"), "max_topk?")
     assert_one_line(hdr("init-model", "--out", str(tmp_path / "m"), "hiden_size=8"), "hidden_size")
-    assert_one_line(hdr("demo", "--data-dir", str(tmp_path), "step=3"), "did you mean steps?")
+    assert_one_line(hdr("demo", "--data-dir", str(tmp_path), "step=3"), "mean train.steps?")
     # no close name: the section's valid keys are listed instead
     line = assert_one_line(hdr("train", "-c", str(TINY_CPU), "grpo.learning_rate=1"))
     assert "valid keys in grpo:" in line and " lr," in line

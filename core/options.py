@@ -75,7 +75,11 @@ def register_config(command: str, model: str) -> None:
 
 
 def config_keys(model: type) -> list[str]:
-    """Every dotted key of a pydantic config model, sections expanded."""
+    """Every dotted key of a pydantic config model, sections expanded; a mapping field that
+    names the model of its keys (`json_schema_extra={"keys_of": "module:Model"}`, less those
+    listed under "except") too."""
+    import importlib
+
     from pydantic import BaseModel
 
     keys = []
@@ -85,7 +89,13 @@ def config_keys(model: type) -> list[str]:
             for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
             if isinstance(t, type) and issubclass(t, BaseModel)
         ]
-        keys += [f"{name}.{k}" for k in config_keys(nested[0])] if nested else [name]
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if "keys_of" in extra:
+            module, _, attr = str(extra["keys_of"]).partition(":")
+            nested = [getattr(importlib.import_module(module), attr)]
+        left_out = set(extra.get("except", ()))
+        below = [k for k in config_keys(nested[0]) if k not in left_out] if nested else []
+        keys += [f"{name}.{k}" for k in below] if nested else [name]
     return keys
 
 

@@ -130,6 +130,11 @@ class ExperimentConfig(StrictModel):
         " rollout.*, ...; deep-merged across presets (train.grpo.lr=1e-4 keeps the rest)."
         " Unset: replay.tau_age steps / 4 (the published 500 steps is a quarter of a 2,000-step"
         " run), grpo.warmup_steps min(3, steps - 1), checkpoint.save_every 0.",
+        # `hdr experiment --lr` is answered with train.grpo.lr, not with a key it refuses
+        json_schema_extra={
+            "keys_of": "trainer.config:TrainConfig",
+            "except": list(SET_BY_THE_EXPERIMENT),
+        },
     )
     replay_ratio: float = Field(0.5, gt=0, description="r = round(ratio * b) replayed groups.")
     tau_l1: float | None = Field(

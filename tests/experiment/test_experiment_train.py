@@ -174,3 +174,14 @@ def test_a_presets_arm_is_its_base_config_with_the_settings_spelt_out(tmp_path):
     ]  # the base config's replay rule is headroom_drift's
     explicit = load_config(TrainConfig, REPO / "configs/smollm2-cpu.yaml", spelt)
     assert got.model_dump(mode="json") == explicit.model_dump(mode="json")
+
+
+def test_an_option_spelt_like_a_training_setting_is_answered_with_its_train_key():
+    """`hdr experiment --steps 60` (an option, not a setting) names train.steps, the key it
+    takes; keys the experiment refuses under `train` are not offered."""
+    import hdr.cli  # noqa: F401  (registers every command's config)
+    from core.options import keys_like_option
+
+    assert keys_like_option("experiment", "--steps") == ["train.steps"]
+    assert keys_like_option("experiment", "--lr")[0] == "train.grpo.lr"
+    assert keys_like_option("experiment", "--out-dir") == ["out_dir"]  # not train.out_dir

@@ -1,9 +1,10 @@
 """The experiment's arms: which replay rule a run uses and how much data a step takes.
 
 An arm is a replay rule (`replay.rule`) at a batch: `on_policy` and `on_policy_larger` are one
-rule at b and 1.5b fresh prompts. An arm is one registered `Arm`; presets name arms, and `ARMS.get` refuses an unknown name
-with the valid ones listed. r = b/2 by default (`ExperimentConfig.replay_ratio`), so the replay
-arms update on as many groups as `on_policy_larger` while rolling out as few as `on_policy`.
+rule at b and 1.5b fresh prompts. An arm is one registered `Arm`; presets name arms, and
+`ARMS.get` refuses an unknown name with the valid ones listed. r = b/2 by default
+(`ExperimentConfig.replay_ratio`), so the replay arms update on as many groups as
+`on_policy_larger` while rolling out as few as `on_policy`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ in GRPO", arXiv 2609.03941). One step, top to bottom (`train_step`; docs/design.
 3. behaviour log-probs: every fresh token teacher-forced under the current weights
    (`gen_logprobs`), and the group advantages;
 4. replay selection: the run's `GroupReplay` (`headroom_drift`) picks up to `R` stored groups
-   by the run's replay rule (`replay.rule`), re-scoring candidates teacher-forced (no generation, no retrieval);
+   by the run's replay rule (`replay.rule`), re-scoring candidates teacher-forced (no
+   generation, no retrieval);
 5. one update on fresh + replayed rows (`headroom_drift.assemble_batch`, then
    `trainer.update.update_policy`: token-mean clipped loss, AdamW, gradient clipping, warmup),
    `grpo.updates_per_step` passes (1 by default); fresh tokens optionally weighted by

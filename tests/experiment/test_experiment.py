@@ -220,7 +220,7 @@ def test_arm_configs_share_everything_but_the_arm(tmp_path):
     assert not configs["on_policy"].replays and not configs["on_policy_larger"].replays
     for name in ("replay_recency", "headroom_drift", "headroom_only", "drift_only"):
         c = configs[name]
-        assert (c.arm, c.grpo.batch_prompts, c.replay.budget) == (name, 8, 4)
+        assert (c.replay.rule, c.grpo.batch_prompts, c.replay.budget) == (name, 8, 4)
     l1 = configs["headroom_drift_l1"]
     assert l1.replay.tau == pytest.approx(math.sqrt(configs["headroom_drift"].replay.tau))
     for c in configs.values():

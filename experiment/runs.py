@@ -118,7 +118,7 @@ def run_arm(
     evaluate its final model on the held-out set."""
     from evaluation.plots import read_jsonl
     from trainer.checkpoint import list_checkpoints
-    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
+    from trainer.config.history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
     from trainer.loop import train
 
     run_dir = Path(cfg.out_dir) / "runs" / arm.name / f"seed-{seed}"

@@ -99,7 +99,7 @@ def sft_prerequisite(cfg: ExperimentConfig) -> ExperimentConfig | None:
 
 def ensure_sft(cfg: ExperimentConfig, url: str, log: Path) -> Path:
     """The shared SFT start (`sft_start_dir`), trained once (`run_sft`) and then reused."""
-    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
+    from trainer.config.history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
     from trainer.tools.sft import run_sft
 
     sft_dir = sft_start_dir(cfg)

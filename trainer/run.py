@@ -39,7 +39,7 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import TrainConfig
-from trainer.config_history import read_as_today
+from trainer.config.history import read_as_today
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
 from trainer.scoring import compute_context, score_groups
 from trainer.telemetry import RunLogs, require_wandb
@@ -380,7 +380,7 @@ def load_train_config(path: str | None, overrides: list[str], resume: str | None
 
 def read_run_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config a run wrote (its `config.yaml`, a checkpoint's), with `overrides`. A run of
-    an earlier hdr wrote keys renamed or removed since (`trainer.config_history`): it is read
+    an earlier hdr wrote keys renamed or removed since (`trainer.config.history`): it is read
     under today's keys."""
     return build_config(TrainConfig, read_as_today(read_config_file(path)), overrides)
 

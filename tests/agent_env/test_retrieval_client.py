@@ -299,10 +299,10 @@ def test_rendezvous_moves_only_the_queries_of_a_url_that_goes() -> None:
 
 def test_settings_recorded_before_routing_existed_compare_as_rotate() -> None:
     """Runs recorded before `routing` existed routed in rotation: their recorded settings,
-    which lack the key, read as today's default (config_history.ADDED_KEYS), so they are still
-    reused; a hashing config keeps its routing through a dump."""
+    which lack the key, read as today's default (trainer.config.history.ADDED_KEYS), so they
+    are still reused; a hashing config keeps its routing through a dump."""
     from core.config import fill_added
-    from trainer.config_history import ADDED_KEYS
+    from trainer.config.history import ADDED_KEYS
 
     today = {"retrieval": RetrievalConfig().model_dump(mode="json")}
     recorded = {"retrieval": {k: v for k, v in today["retrieval"].items() if k != "routing"}}

@@ -149,7 +149,7 @@ def test_a_run_recorded_before_the_gate_keys_were_renamed_is_reused(tmp_path):
     """config_hash.json of a run an earlier hdr finished holds the gate's old key names: the
     same settings under them are the same run; another value under them is not."""
     from core.config import move_renamed
-    from trainer.config_history import RENAMED_KEYS
+    from trainer.config.history import RENAMED_KEYS
 
     _, config, sft = _run_config(tmp_path)
     now = run_settings(config, sft)
@@ -184,7 +184,7 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
     from core.config import build_config
     from experiment.fingerprint import RUN_VOLATILE
     from trainer.config import TrainConfig
-    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS, read_as_today
+    from trainer.config.history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS, read_as_today
 
     recorded = json.loads((RECORDED_BEFORE / "config_hash.json").read_text())["settings"]
     assert "train_questions" not in recorded["data"]  # recorded before the key existed
@@ -217,7 +217,7 @@ def test_the_running_comparisons_committed_run_is_reused_by_its_preset_as_writte
     preset builds today for it: the same run, so the comparison goes on without training it
     again. The start is the one the run recorded (a start is checked on its own)."""
     from experiment.sft_start import sft_start_dir
-    from trainer.config_history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
+    from trainer.config.history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
 
     run = REPO / "docs/results/smollm2-replay/runs/on_policy/seed-1"
     recorded = json.loads((run / HASH_FILE).read_text())["settings"]

@@ -97,8 +97,8 @@ def resolves(dotted: str) -> bool:
 
 def unresolved(spans: list[tuple[str, str, str]]) -> list[str]:
     """One line for each span that names what the code does not have. A key renamed since
-    (`trainer.config_history.RENAMED_KEYS`) may be named only beside its new name."""
-    from trainer.config_history import RENAMED_KEYS
+    (`trainer.config.history.RENAMED_KEYS`) may be named only beside its new name."""
+    from trainer.config.history import RENAMED_KEYS
 
     keys, free = config_keys()
     tops = {key.split(".")[0] for key in keys}

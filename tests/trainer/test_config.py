@@ -127,7 +127,7 @@ def test_a_renamed_gate_key_is_answered_with_its_new_name_by_the_cli(setting, ne
 
 def test_every_renamed_key_is_refused_in_a_users_config_and_moved_in_one_hdr_wrote():
     from core.config import build_config, move_renamed, read_config_file
-    from trainer.config_history import RENAMED_KEYS
+    from trainer.config.history import RENAMED_KEYS
     from trainer.run import read_run_config
 
     for old, new in RENAMED_KEYS.items():

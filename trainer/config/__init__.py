@@ -20,6 +20,7 @@ from core.config import StrictModel, removed_in, renamed_in
 from headroom_drift import GroupReplay
 from trainer.config.async_rollout import AsyncConfig
 from trainer.config.grpo import GRPOConfig
+from trainer.config.history import REMOVED_KEYS, RENAMED_KEYS
 from trainer.config.model import ModelConfig
 from trainer.config.replay import GateConfig, ReplayConfig
 from trainer.config.run import (
@@ -30,7 +31,6 @@ from trainer.config.run import (
     WandbConfig,
 )
 from trainer.config.sft import SFTConfig
-from trainer.config_history import REMOVED_KEYS, RENAMED_KEYS
 
 __all__ = [
     "AsyncConfig", "CheckpointConfig", "DistributedConfig", "GRPOConfig", "GateConfig",

@@ -1,5 +1,5 @@
 """How the experiment's settings changed since hdr first recorded them (beside
-`trainer/config_history.py`, which keeps the training config's). A preset or override that
+`trainer/config/history.py`, which keeps the training config's). A preset or override that
 names an old key is refused in one line naming the new spelling; an `experiment_config.json`
 that hdr itself wrote earlier (`hdr report --from`) is read as today's settings
 (`read_as_today`)."""

@@ -23,12 +23,17 @@ behaviour log-probs), selection (the replay scan) and update (with the vLLM weig
 the step is `time_step`. The median over the steps after `--skip` (the first fills the
 buffer; the scan runs from the second) is reported.
 
-`--full-buffer 64,16` times hdr's path instead with the buffer full: one longer run per
-capacity (`replay.capacity`), every run as long (`--total-steps`, by default long enough to
-fill the largest buffer: about 2 groups enter a step), the median over the same last `--steps`
-steps of each, all of which must have scanned a full buffer. The scan grows with the capacity.
-Rows are added to the JSON (bench/results/smollm2_full_buffer.json) by capacity, each with its
-own command, so one capacity can be timed in a later run over the same steps.
+`--full-buffer 128,64,16` times hdr's path instead with the buffer full: one longer run per
+capacity (`replay.capacity`), each long enough to fill its buffer (about 1.4 groups enter a
+step; `--total-steps` sets one length for all), the median over its last `--steps` steps, all
+of which must have scanned a full buffer; `--trl` adds TRL's row to the same run. Each full
+row also gives what one stored group costs to re-score (the scan's seconds per scanned group)
+against what one fresh group costs to produce (generation, retrieval and the behaviour
+log-probs, per fresh group), and the frozen-bottom tokens the scan forwarded (0 when it runs
+the top layers only, on each group's kept bottom states). `--set KEY=VALUE` adds a setting to
+every hdr row (the replay setting under test: `--set replay.tau=0.03 --set replay.budget=4`).
+Rows are added to the JSON (bench/results/smollm2_full_buffer.json) by name, each with its
+own command, so one capacity can be timed in a later run.
 
 `trl` is TRL's own `GRPOTrainer` through `hdr trl-train`'s pieces (configs/trl/smollm2-cpu.yaml:
 the same model, questions, prompt, rollout, batch and learning rate, TRL's colocated vLLM
@@ -157,6 +162,8 @@ def summarize(
             out[part.removeprefix("time_") + "_s"] = statistics.median(r[part] for r in kept)
         out["replayed_groups"] = statistics.mean(r["replayed_groups"] for r in kept)
         out["scanned_groups"] = statistics.mean(r["scanned_groups"] for r in kept)
+        if full is not None:
+            out.update(rescoring_against_fresh(kept))
         out["steps_s"] = [round(r["time_step"], 2) for r in row["records"]]
     else:
         out["step_s"] = statistics.median(row["step_s"][skip:])
@@ -164,9 +171,27 @@ def summarize(
     return out
 
 
+def rescoring_against_fresh(records: list[dict]) -> dict:
+    """What one stored group costs to re-score (the scan's seconds over the groups it scored)
+    against what one fresh group costs to produce (generation, retrieval and behaviour
+    scoring over the fresh groups), summed over `records`; and the frozen-bottom tokens the
+    scan forwarded (0: it ran the top layers on kept bottom states)."""
+    scanned = sum(r["cost_scanned_groups"] for r in records)
+    fresh = sum(r["cost_fresh_groups"] for r in records)
+    fresh_s = sum(r["time_generation"] + r["time_retrieval"] + r["time_scoring"] for r in records)
+    rescore = sum(r["time_selection"] for r in records) / scanned if scanned else None
+    per_fresh = fresh_s / fresh
+    return {
+        "rescore_s_per_group": rescore,
+        "fresh_s_per_group": per_fresh,
+        "rescore_over_fresh": rescore / per_fresh if rescore is not None else None,
+        "bottom_tokens_selection": sum(r.get("bottom_tokens_selection", 0) for r in records),
+    }
+
+
 def table(rows: list[dict]) -> str:
     heads = ["row", "step s", "generation", "retrieval", "scoring", "scan", "update",
-             "replayed", "x TRL", "load"]  # fmt: skip
+             "replayed", "scanned", "re-score / fresh", "x TRL", "load"]  # fmt: skip
     trl = next((r["step_s"] for r in rows if r["row"] == "trl"), None)
     lines = ["| " + " | ".join(heads) + " |", "|" + " --- |" * len(heads)]
     for r in rows:
@@ -174,6 +199,9 @@ def table(rows: list[dict]) -> str:
         for part in ("generation_s", "retrieval_s", "scoring_s", "selection_s", "update_s"):
             cells.append(f"{r[part]:.1f}" if part in r else "")
         cells.append(f"{r['replayed_groups']:.1f}" if "replayed_groups" in r else "")
+        cells.append(f"{r['scanned_groups']:.1f}" if "scanned_groups" in r else "")
+        ratio = r.get("rescore_over_fresh")
+        cells.append(f"{ratio:.3f}" if ratio is not None else "")
         cells.append(f"{r['step_s'] / trl:.2f}" if trl else "")
         cells.append(f"{r['load_before']:.1f}-{r['load_after']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -192,6 +220,11 @@ def main() -> None:
         " --steps is then the number of last steps measured, each with the buffer full.",
     )
     ap.add_argument("--total-steps", type=int, help="Steps of every --full-buffer run.")
+    ap.add_argument("--trl", action="store_true", help="--full-buffer: TRL's row too.")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="A TrainConfig setting added to every hdr row (repeatable).",
+    )  # fmt: skip
     ap.add_argument("--out", help="The JSON (default: bench/results/smollm2_step.json, or"
                     " smollm2_full_buffer.json with --full-buffer).")  # fmt: skip
     ap.add_argument("--trl-only", type=Path, help=argparse.SUPPRESS)
@@ -200,9 +233,10 @@ def main() -> None:
         return trl_only(args.model, args.steps, args.trl_only)
     if args.full_buffer:
         capacities = [int(c) for c in args.full_buffer.split(",")]
-        total = args.total_steps or full_buffer_steps(max(capacities), args.steps)
         out = args.out or "bench/results/smollm2_full_buffer.json"
-        rows = full_buffer_rows(args.model, capacities, total, args.steps)
+        rows = full_buffer_rows(args.model, capacities, args.total_steps, args.steps, args.set)
+        if args.trl:
+            rows.append(timed_trl_row(args.model, args.steps + args.skip, args.skip))
         return write_report(args, merged_rows(out, rows), out)
     wanted = args.rows.split(",")
     unknown = [r for r in wanted if r not in LEVERS and r != "trl"]
@@ -221,7 +255,7 @@ def main() -> None:
             if name == "trl":
                 row = trl_row(args.model, args.steps, out)
             else:
-                row = hdr_row(args.model, args.steps, list(settings), out)
+                row = hdr_row(args.model, args.steps, [*settings, *args.set], out)
             summary = summarize(name, row, args.skip, (before, os.getloadavg()[0]))
             summary["wall_s"] = round(time.perf_counter() - started, 1)
             summary["settings"] = list(settings) if name != "trl" else [TRL_CONFIG]
@@ -230,10 +264,13 @@ def main() -> None:
     write_report(args, rows, args.out or "bench/results/smollm2_step.json")
 
 
-def full_buffer_rows(model: str, capacities: list[int], steps: int, last: int) -> list[dict]:
-    """hdr's path (every lever), `steps` steps once per capacity, timed over the `last`
-    steps, with the buffer full."""
-    settings = [s for lever in LEVERS.values() for s in lever]
+def full_buffer_rows(
+    model: str, capacities: list[int], steps: int | None, last: int, extra: list[str]
+) -> list[dict]:
+    """hdr's path (every lever, then `extra`) once per capacity, `steps` steps (None: enough
+    to fill that capacity, then `last` more), timed over the `last` steps, with the buffer
+    full."""
+    settings = [*(s for lever in LEVERS.values() for s in lever), *extra]
     rows = []
     with tempfile.TemporaryDirectory(prefix="hdr-smollm2-full-") as tmp:
         for capacity in capacities:
@@ -241,7 +278,8 @@ def full_buffer_rows(model: str, capacities: list[int], steps: int, last: int) -
             out = Path(tmp) / f"capacity_{capacity}"
             before = os.getloadavg()[0]
             started = time.perf_counter()
-            row = hdr_row(model, steps, [*settings, f"replay.capacity={capacity}"], out)
+            length = steps or full_buffer_steps(capacity, last)
+            row = hdr_row(model, length, [*settings, f"replay.capacity={capacity}"], out)
             load = (before, os.getloadavg()[0])
             summary = summarize(name, row, 0, load, (capacity, last))
             summary["wall_s"] = round(time.perf_counter() - started, 1)
@@ -250,6 +288,19 @@ def full_buffer_rows(model: str, capacities: list[int], steps: int, last: int) -
             rows.append(summary)
             print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
     return rows
+
+
+def timed_trl_row(model: str, steps: int, skip: int) -> dict:
+    """TRL's row (no replay, so no buffer to fill), timed like the others."""
+    with tempfile.TemporaryDirectory(prefix="hdr-smollm2-trl-") as tmp:
+        before = os.getloadavg()[0]
+        started = time.perf_counter()
+        row = trl_row(model, steps, Path(tmp) / "trl")
+        summary = summarize("trl", row, skip, (before, os.getloadavg()[0]))
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    summary["settings"] = [TRL_CONFIG]
+    print(f"trl: step {summary['step_s']:.1f} s", flush=True)
+    return summary
 
 
 def merged_rows(out: str, rows: list[dict]) -> list[dict]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import random
 import shutil
 from collections.abc import Sequence
@@ -428,6 +429,9 @@ def save_final(run: Run) -> Path | None:
 # --- stopping ------------------------------------------------------------------------------
 
 
+STOPPING = b"hdr train: stopping after this step with a checkpoint (again to stop at once)\n"
+
+
 class StopSignals:
     """SIGINT/SIGTERM as a request to stop at the next step boundary (see `train`). Across
     processes the request is agreed at every boundary, so all ranks checkpoint the same step
@@ -447,10 +451,13 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        # Nothing here may import: the signal can land inside an import (a run's first seconds
+        # import transformers), and Python 3.11's import lock then breaks with a KeyError when
+        # the handler imports too (tqdm.write does, building its lock on first use).
         if self.signum is not None:  # the second one: stop now, without a checkpoint
             raise KeyboardInterrupt
         self.signum = signum
-        say("hdr train: stopping after this step with a checkpoint (again to stop at once)")
+        os.write(2, STOPPING)
 
     def __enter__(self) -> StopSignals:
         import signal

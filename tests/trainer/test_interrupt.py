@@ -108,3 +108,25 @@ def test_no_server_is_one_line_and_the_same_command_runs_again(sft_policy, small
         assert f"no retrieval server answers at {url}" in errors[0]
         assert "Traceback" not in result.stderr
     assert not out.exists() and not (tmp_path / "sft").exists()
+
+
+def test_the_stop_handler_imports_nothing():
+    """A signal can land while `hdr train` imports (transformers, in a run's first seconds), and
+    Python 3.11's import lock then breaks with a KeyError if the handler imports too. In a fresh
+    interpreter, the handler's first call imports nothing and still says it is stopping."""
+    probe = (
+        "import builtins, signal\n"
+        "from trainer.run import StopSignals\n"
+        "seen = []\n"
+        "real = builtins.__import__\n"
+        "builtins.__import__ = lambda name, *a, **k: seen.append(name) or real(name, *a, **k)\n"
+        "StopSignals()._handle(signal.SIGTERM, None)\n"
+        "builtins.__import__ = real\n"
+        "print(seen)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env(), timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert "hdr train: stopping after this step with a checkpoint" in done.stderr

@@ -295,6 +295,14 @@ def pct(x: float, digits: int = 0) -> str:
     return "–" if np.isnan(x) else f"{x:.{digits}%}"
 
 
+PAPER_ROW = [
+    "*the paper* (Search-R1, Qwen2.5-3B)", "–", "40.2% (middle tau)", "–", "–",
+    "44% (recency: 0%)", "< 0.24 below initial Headroom 0.8, > 0.56 above", "–",
+    "most steps, fewer late", "lower", "higher, less so late",
+]  # fmt: skip
+"""The paper's figures for Headroom-Drift, in the table's columns, for comparison."""
+
+
 def mechanism_lines(m: MechanismSummary) -> list[str]:
     """results.md's mechanism table (the paper's figures as numbers)."""
     from evaluation.metrics import markdown_table
@@ -312,6 +320,7 @@ def mechanism_lines(m: MechanismSummary) -> list[str]:
             "–" if cf is None else f"{cf.drift_chosen:.4f} vs {cf.drift_recency:.4f}",
             "–" if cf is None else f"{cf.headroom_chosen:.3f} vs {cf.headroom_recency:.3f}",
         ])  # fmt: skip
+    rows.append(PAPER_ROW)
     head = [
         "arm", "runs", "scan acceptance", "replayed", "median age", "age >= 3",
         "P(replayed) by initial-Headroom quartile", "replays to top quartile",
@@ -327,7 +336,9 @@ def mechanism_lines(m: MechanismSummary) -> list[str]:
         names = list(m.entropy[0][1])
         erows = [[f"{level:.3f}", *(f"{at[n]:.3f}" for n in names)] for level, at in m.entropy]
         lines += [
-            "Policy entropy at matched training score (smoothed over 10 steps, seeds averaged):",
+            "Policy entropy at matched training score (smoothed over 10 steps, seeds averaged;"
+            " the paper: the replay run reaches the low-entropy regime later than"
+            " on_policy_larger at the same score):",
             "",
             markdown_table(["training reward", *names], erows),
         ]

@@ -111,3 +111,4 @@ def test_a_run_folder_gives_the_mechanism_table(tmp_path):
     assert m.arms[0].ages.share_old == 1.0
     text = "\n".join(mechanism_lines(m))
     assert "| headroom_drift | 1 |" in text and "100% / –" in text
+    assert "| *the paper* (Search-R1, Qwen2.5-3B) | – | 40.2% (middle tau) |" in text

@@ -26,7 +26,8 @@ buffer; the scan runs from the second) is reported.
 `--full-buffer 128,64,16` times hdr's path instead with the buffer full: one longer run per
 capacity (`replay.capacity`), each long enough to fill its buffer (about 1.4 groups enter a
 step; `--total-steps` sets one length for all), the median over its last `--steps` steps, all
-of which must have scanned a full buffer; `--trl` adds TRL's row to the same run. Each full
+of which must have scanned a full buffer; `--trl` adds TRL's row to the same run (it needs
+about 17 GB free: nothing else large beside it). Each row is written as it ends. Each full
 row also gives what one stored group costs to re-score (the scan's seconds per scanned group)
 against what one fresh group costs to produce (generation, retrieval and the behaviour
 log-probs, per fresh group), and the frozen-bottom tokens the scan forwarded (0 when it runs
@@ -234,10 +235,12 @@ def main() -> None:
     if args.full_buffer:
         capacities = [int(c) for c in args.full_buffer.split(",")]
         out = args.out or "bench/results/smollm2_full_buffer.json"
-        rows = full_buffer_rows(args.model, capacities, args.total_steps, args.steps, args.set)
+        keep = lambda row: write_report(args, merged_rows(out, [row]), out)  # noqa: E731
+        for capacity in capacities:  # each row written as it ends: a later failure keeps it
+            keep(full_buffer_row(args.model, capacity, args.total_steps, args.steps, args.set))
         if args.trl:
-            rows.append(timed_trl_row(args.model, args.steps + args.skip, args.skip))
-        return write_report(args, merged_rows(out, rows), out)
+            keep(timed_trl_row(args.model, args.steps + args.skip, args.skip))
+        return None
     wanted = args.rows.split(",")
     unknown = [r for r in wanted if r not in LEVERS and r != "trl"]
     if unknown:
@@ -264,34 +267,31 @@ def main() -> None:
     write_report(args, rows, args.out or "bench/results/smollm2_step.json")
 
 
-def full_buffer_rows(
-    model: str, capacities: list[int], steps: int | None, last: int, extra: list[str]
-) -> list[dict]:
-    """hdr's path (every lever, then `extra`) once per capacity, `steps` steps (None: enough
-    to fill that capacity, then `last` more), timed over the `last` steps, with the buffer
-    full."""
+def full_buffer_row(
+    model: str, capacity: int, steps: int | None, last: int, extra: list[str]
+) -> dict:
+    """hdr's path (every lever, then `extra`) at `capacity`, `steps` steps (None: enough to
+    fill it, then `last` more), timed over the `last` steps, with the buffer full."""
     settings = [*(s for lever in LEVERS.values() for s in lever), *extra]
-    rows = []
+    name = f"full buffer, capacity {capacity}"
     with tempfile.TemporaryDirectory(prefix="hdr-smollm2-full-") as tmp:
-        for capacity in capacities:
-            name = f"full buffer, capacity {capacity}"
-            out = Path(tmp) / f"capacity_{capacity}"
-            before = os.getloadavg()[0]
-            started = time.perf_counter()
-            length = steps or full_buffer_steps(capacity, last)
-            row = hdr_row(model, length, [*settings, f"replay.capacity={capacity}"], out)
-            load = (before, os.getloadavg()[0])
-            summary = summarize(name, row, 0, load, (capacity, last))
-            summary["wall_s"] = round(time.perf_counter() - started, 1)
-            summary["settings"] = [*settings, f"replay.capacity={capacity}"]
-            summary["command"] = "bench/smollm2_step.py " + " ".join(sys.argv[1:])
-            rows.append(summary)
-            print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
-    return rows
+        out = Path(tmp) / f"capacity_{capacity}"
+        before = os.getloadavg()[0]
+        started = time.perf_counter()
+        length = steps or full_buffer_steps(capacity, last)
+        row = hdr_row(model, length, [*settings, f"replay.capacity={capacity}"], out)
+        summary = summarize(name, row, 0, (before, os.getloadavg()[0]), (capacity, last))
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    summary["settings"] = [*settings, f"replay.capacity={capacity}"]
+    summary["command"] = "bench/smollm2_step.py " + " ".join(sys.argv[1:])
+    print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
+    return summary
 
 
 def timed_trl_row(model: str, steps: int, skip: int) -> dict:
-    """TRL's row (no replay, so no buffer to fill), timed like the others."""
+    """TRL's row (no replay, so no buffer to fill), timed like the others. Its colocated vLLM
+    engine and full fine-tune hold about 17 GB: on a 24 GB machine nothing else large may run
+    beside it (a paused process keeps its memory)."""
     with tempfile.TemporaryDirectory(prefix="hdr-smollm2-trl-") as tmp:
         before = os.getloadavg()[0]
         started = time.perf_counter()

@@ -131,7 +131,7 @@ def load_config(model: type[M], path: str | Path | None = None, overrides: Seque
     return build_config(model, read_config_file(path) if path is not None else {}, overrides)
 
 
-def _lookup(data: Any, dotted: str) -> tuple[dict[str, Any], str] | None:
+def lookup(data: Any, dotted: str) -> tuple[dict[str, Any], str] | None:
     """The mapping that holds the last part of `dotted` in `data`, and that part; None when
     `data` does not hold the key."""
     *parents, last = dotted.split(".")
@@ -144,7 +144,7 @@ def renamed_in(data: Any, renamed: dict[str, str]) -> str | None:
     """One line for the first old key of `renamed` (old dotted key -> new) that `data` holds:
     it names the new key and how to write the value there; None when it holds none."""
     for old, new in renamed.items():
-        found = _lookup(data, old)
+        found = lookup(data, old)
         if found is not None:
             return f"{old} is now {new}: write {new}={found[0][found[1]]}"
     return None
@@ -155,7 +155,7 @@ def move_renamed(data: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any
     key: how hdr reads a config it wrote itself before a key was renamed."""
     out = copy.deepcopy(data)
     for old, new in renamed.items():
-        found = _lookup(out, old)
+        found = lookup(out, old)
         if found is None:
             continue
         value = found[0].pop(found[1])
@@ -186,7 +186,7 @@ def removed_in(data: Any, removed: dict[str, tuple[Any, str]]) -> str | None:
     """One line for the first key of `removed` (dotted key -> (the value that does what hdr
     does now, why it went)) that `data` holds; None when it holds none."""
     for dotted, (_, why) in removed.items():
-        if _lookup(data, dotted) is not None:
+        if lookup(data, dotted) is not None:
             return f"{dotted} was removed: {why}; drop it from the config"
     return None
 
@@ -197,7 +197,7 @@ def drop_removed(data: dict[str, Any], removed: dict[str, tuple[Any, str]]) -> d
     kept, for `removed_in` to refuse)."""
     out = copy.deepcopy(data)
     for dotted, (today, _) in removed.items():
-        found = _lookup(out, dotted)
+        found = lookup(out, dotted)
         if found is not None and found[0][found[1]] == today:
             del found[0][found[1]]
     return out

@@ -24,6 +24,7 @@ from core.config import (
     StrictModel,
     build_config,
     format_validation_error,
+    lookup,
     merge_settings,
     read_config_file,
 )
@@ -50,14 +51,6 @@ SET_BY_THE_EXPERIMENT = {
     "log.progress": "set progress",
 }
 """TrainConfig keys the experiment sets for every run from settings of its own."""
-
-
-def _holds(data: Any, dotted: str) -> bool:
-    for part in dotted.split("."):
-        if not isinstance(data, dict) or part not in data:
-            return False
-        data = data[part]
-    return True
 
 
 class Contrast(StrictModel):
@@ -267,7 +260,7 @@ class ExperimentConfig(StrictModel):
         """A training key the experiment sets for each run is refused, naming its own key: laid
         over it, it would be overwritten silently."""
         for key, own in SET_BY_THE_EXPERIMENT.items():
-            if _holds(train, key):
+            if lookup(train, key) is not None:
                 raise ValueError(f"train.{key} is the experiment's: {own}")
         return train
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from core.config import (
     apply_override,
     build_config,
+    lookup,
     merge_settings,
     read_config_file,
     unknown_key_hint,
@@ -27,14 +28,13 @@ def _laid(settings: dict[str, Any], dotted: str) -> Any:
     """The setting at `dotted` as laid so far, else TrainConfig's default."""
     from trainer.config import TrainConfig
 
-    node: Any = settings
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            node = TrainConfig()
-            for attr in dotted.split("."):
-                node = getattr(node, attr)
-            return node
-        node = node[part]
+    found = lookup(settings, dotted)
+    if found is not None:
+        return found[0][found[1]]
+    first, *rest = dotted.split(".")  # TrainConfig's default (its `model` has none to build)
+    node = TrainConfig.model_fields[first].get_default(call_default_factory=True)
+    for attr in rest:
+        node = getattr(node, attr)
     return node
 
 

@@ -185,3 +185,14 @@ def test_an_option_spelt_like_a_training_setting_is_answered_with_its_train_key(
     assert keys_like_option("experiment", "--steps") == ["train.steps"]
     assert keys_like_option("experiment", "--lr")[0] == "train.grpo.lr"
     assert keys_like_option("experiment", "--out-dir") == ["out_dir"]  # not train.out_dir
+
+
+def test_a_training_value_the_base_config_leaves_out_is_the_training_configs_default():
+    """b and steps are read from base_config + train, else from TrainConfig's own defaults
+    (whose required `model` has no default to build a whole TrainConfig from)."""
+    from experiment.train_configs import _laid
+    from trainer.config import GRPOConfig, TrainConfig
+
+    assert _laid({}, "steps") == TrainConfig.model_fields["steps"].default
+    assert _laid({}, "grpo.batch_prompts") == GRPOConfig().batch_prompts
+    assert _laid({"grpo": {"batch_prompts": 3}}, "grpo.batch_prompts") == 3

@@ -223,6 +223,11 @@ def main() -> None:
     ap.add_argument("--total-steps", type=int, help="Steps of every --full-buffer run.")
     ap.add_argument("--trl", action="store_true", help="--full-buffer: TRL's row too.")
     ap.add_argument(
+        "--trl-steps", type=int, default=4,
+        help="--full-buffer: TRL's steps, the first left out (its process grows each step on"
+        " the CPU: 20 GB after 4, killed for memory on a 24 GB machine during its 5th).",
+    )  # fmt: skip
+    ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="A TrainConfig setting added to every hdr row (repeatable).",
     )  # fmt: skip
@@ -232,14 +237,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.trl_only:
         return trl_only(args.model, args.steps, args.trl_only)
-    if args.full_buffer:
-        capacities = [int(c) for c in args.full_buffer.split(",")]
+    if args.full_buffer is not None:  # "" with --trl: TRL's row alone, into the same JSON
+        capacities = [int(c) for c in args.full_buffer.split(",") if c]
         out = args.out or "bench/results/smollm2_full_buffer.json"
         keep = lambda row: write_report(args, merged_rows(out, [row]), out)  # noqa: E731
         for capacity in capacities:  # each row written as it ends: a later failure keeps it
             keep(full_buffer_row(args.model, capacity, args.total_steps, args.steps, args.set))
         if args.trl:
-            keep(timed_trl_row(args.model, args.steps + args.skip, args.skip))
+            keep(timed_trl_row(args.model, args.trl_steps, args.skip))
         return None
     wanted = args.rows.split(",")
     unknown = [r for r in wanted if r not in LEVERS and r != "trl"]
@@ -290,13 +295,14 @@ def full_buffer_row(
 
 def timed_trl_row(model: str, steps: int, skip: int) -> dict:
     """TRL's row (no replay, so no buffer to fill), timed like the others. Its colocated vLLM
-    engine and full fine-tune hold about 17 GB: on a 24 GB machine nothing else large may run
-    beside it (a paused process keeps its memory)."""
+    engine and full fine-tune hold about 17 GB after its first steps and grow each step: on a
+    24 GB machine nothing else large may run beside it (a paused process keeps its memory)."""
     with tempfile.TemporaryDirectory(prefix="hdr-smollm2-trl-") as tmp:
         before = os.getloadavg()[0]
         started = time.perf_counter()
         row = trl_row(model, steps, Path(tmp) / "trl")
         summary = summarize("trl", row, skip, (before, os.getloadavg()[0]))
+    summary["command"] = "bench/smollm2_step.py " + " ".join(sys.argv[1:])
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     summary["settings"] = [TRL_CONFIG]
     print(f"trl: step {summary['step_s']:.1f} s", flush=True)

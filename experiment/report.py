@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from evaluation.costs import modelled_cost_markdown
-from evaluation.metrics import Spread, markdown_table
+from evaluation.metrics import PairedDifference, Spread, markdown_table
 from evaluation.statistics import Equivalence, Estimate
 from experiment.config import ExperimentConfig
 from experiment.decision import decision_lines
@@ -108,6 +108,7 @@ def results_markdown(
         quality = [format_spread(spread) for _, spread in arm.quality().items()]
         rows.append([name, len(arm.seeds), *quality])
     lines.append(markdown_table(["arm", "seeds", f"Mean@{k}", f"Best@{k}", "greedy EM"], rows))
+    lines += rise_lines(summary)
     lines += paired_tables(summary)
     lines += cost_tables(summary)
     markdown = "\n".join(lines)
@@ -220,6 +221,29 @@ def matched_cost_tables(summary: ExperimentSummary) -> list[str]:
         lines.append(f"\n{name} (rows with − : the declared contrasts, paired by seed):\n")
         lines.append(markdown_table(["arm", *(f"{b:,.0f}" for b in budgets)], table))
     return lines
+
+
+def rise_lines(summary: ExperimentSummary) -> list[str]:
+    """Each arm's rise over the SFT start with a 95% interval over the questions: the
+    per-question difference carries the sampling noise of both evaluations, so a rise whose
+    interval excludes 0 is more than a resampled start would show."""
+    if not summary.rise:
+        return []
+    k = summary.k
+
+    def cell(d: PairedDifference) -> str:
+        half = 1.96 * d.se
+        return f"{d.diff:+.3f} [{d.diff - half:+.3f}, {d.diff + half:+.3f}]"
+
+    rows = [
+        [name, *(cell(d) for _, d in rise.items())] for name, rise in summary.rise.items()
+    ]
+    return [
+        "\nRise over the SFT start (arm − start on the same questions, per-question scores"
+        " averaged over seeds; 95% normal interval over the questions, which holds the sampling"
+        " noise of both evaluations):\n",
+        markdown_table(["arm", f"Δ Mean@{k}", f"Δ Best@{k}", "Δ greedy EM"], rows),
+    ]
 
 
 def paired_tables(summary: ExperimentSummary) -> list[str]:

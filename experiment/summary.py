@@ -172,6 +172,9 @@ class ExperimentSummary:
     k: int | None
     sft_start: ByMetric[float] | None = None
     """The shared SFT start's held-out scores, the row every arm started from."""
+    rise: dict[str, ByMetric[PairedDifference]] = field(default_factory=dict)
+    """Per arm, its score minus the SFT start's on the same questions (empty without the
+    start's evaluation): how far RL moved the policy, beside the sampling noise of both."""
     contrasts: list[ContrastResult] = field(default_factory=list)
     """The declared contrasts, primary ones first."""
     matched_cost: list[BudgetRow] = field(default_factory=list)
@@ -285,6 +288,20 @@ def paired_differences(runs: list[RunResult], refs: list[RunResult]) -> ByMetric
             per_question_scores(runs, short), per_question_scores(refs, short)
         )
     )
+
+
+def rise_over_start(
+    arms: dict[str, list[RunResult]], sft_report: EvalReport
+) -> dict[str, ByMetric[PairedDifference]]:
+    """Per arm, its per-question scores (averaged over seeds) minus the SFT start's."""
+    return {
+        name: ByMetric.build(
+            lambda _, short, runs=runs: paired_difference(
+                per_question_scores(runs, short), sft_report.per_question(short)
+            )
+        )
+        for name, runs in arms.items()
+    }
 
 
 def seed_statistics(runs: list[RunResult], refs: list[RunResult]) -> ByMetric[SeedComparison]:
@@ -502,6 +519,7 @@ def summarize(
             if sft_report is not None
             else None
         ),
+        rise=rise_over_start(arms, sft_report) if sft_report is not None else {},
         contrasts=contrast_results(arms, cfg) if cfg is not None else [],
         matched_cost=matched_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],
         modelled_cost=modelled_cost(arms, cfg) if cfg is not None and cfg.contrasts else [],

@@ -566,3 +566,27 @@ def test_quality_at_matched_cost_reads_each_seed_off_its_curve(tmp_path):
     assert {axis for axis, _, _ in rows} == {
         "generated_tokens", "env_requests", "cpu_seconds", "wall_seconds"
     }  # fmt: skip
+
+
+def test_the_rise_over_the_start_is_the_paired_difference_with_its_interval(tmp_path):
+    from experiment.report import rise_lines
+
+    start_correct = np.zeros((40, 4), dtype=int)
+    start_correct[:8] = 1  # the start answers 8 of 40 questions, always
+    start = _report(start_correct, [1] * 8 + [0] * 32)
+    learned = _runs(tmp_path, "headroom_drift", 0.4)  # p = 0.7 a sample
+    unchanged = [
+        RunResult("on_policy", s, tmp_path / f"op-{s}", start, _metrics(2, 1, False), 4)
+        for s in (1, 2, 3)
+    ]
+    summary = summarize([*learned, *unchanged], [], sft_report=start)
+    rise = summary.rise["headroom_drift"].mean_at_k
+    mine = np.mean([r.report.per_question("mean") for r in learned], axis=0)
+    assert rise.diff == pytest.approx(mine.mean() - 0.2)
+    assert rise.diff - 1.96 * rise.se > 0  # a rise far above the noise
+    same = summary.rise["on_policy"].mean_at_k
+    assert same.diff == 0 and same.se == 0
+    md = "\n".join(rise_lines(summary))
+    assert f"| headroom_drift | {rise.diff:+.3f} [" in md and "| on_policy | +0.000 [+0.000" in md
+    # without the start's evaluation there is nothing to rise over
+    assert summarize(learned, []).rise == {} and rise_lines(summarize(learned, [])) == []

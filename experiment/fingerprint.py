@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.config import drop_removed, fill_added, move_renamed
+from core.config import drop_removed, fill_added, lookup, move_renamed
 from core.errors import UserError
 from core.fingerprint import differences, digest, summary
 from core.paths import write_json_atomic
@@ -43,6 +43,9 @@ RUN_VOLATILE = ("out_dir", "retrieval.urls", "log.progress", "log.tensorboard", 
 # initialised from), less where it is written and where the server listened.
 SFT_SECTIONS = ("seed", "sft", "data", "rollout", "model", "retrieval")
 SFT_VOLATILE = ("model.path", "retrieval.urls", "sft.init_model")  # init: by identity
+# Where a run's SFT start lies (`--data-dir data` and its absolute spelling are one start): a
+# run names its start by the start's hash, and runs recorded with the path are read without it.
+START_LOCATION = ("model.path",)
 
 
 def stored_hash(folder: Path) -> str | None:
@@ -61,6 +64,8 @@ def run_settings(
     it talked to was started with (the corpus it indexes, its settings)."""
     settings = _without(train_config.model_dump(mode="json"), RUN_VOLATILE)
     settings["sft_start_sha256"] = stored_hash(sft_dir)
+    if settings["sft_start_sha256"] is not None:  # the start is its hash, wherever it lies
+        settings = _without(settings, START_LOCATION)
     settings["environment"] = dict(environment or {})
     return settings
 
@@ -90,6 +95,7 @@ def check_reuse(
     renamed: dict[str, str] | None = None,
     added: dict[str, Any] | None = None,
     removed: dict[str, tuple[Any, str]] | None = None,
+    ignored: tuple[str, ...] = (),
 ) -> None:
     """Nothing when `folder`'s stored hash is that of `settings`; otherwise one UserError line
     naming what differs. A folder without `config_hash.json` (one being made, or made before
@@ -100,7 +106,8 @@ def check_reuse(
     the value that did what hdr did before the key existed): keys added since, which the
     recording is compared as holding at that value; `removed` (dotted key -> (the value that did
     what hdr does now, why)): keys removed since, dropped from the recording where they hold
-    that value."""
+    that value; `ignored`: keys the recording may hold and the comparison leaves out (what
+    today's settings no longer record)."""
     path = Path(folder) / HASH_FILE
     remedy = "use another folder (--out / --data-dir) or remove it to rebuild it"
     if path.is_file():
@@ -117,6 +124,9 @@ def check_reuse(
         # have yet, keys it had and today's does not
         recorded = fill_added(move_renamed(dict(recorded), renamed or {}), added or {})
         recorded = drop_removed(recorded, removed or {})
+        sha = digest(recorded)
+    if any(lookup(recorded, key) is not None for key in ignored):
+        recorded = _without(recorded, ignored)
         sha = digest(recorded)
     if sha == digest(settings):
         return

@@ -235,9 +235,7 @@ def rise_lines(summary: ExperimentSummary) -> list[str]:
         half = 1.96 * d.se
         return f"{d.diff:+.3f} [{d.diff - half:+.3f}, {d.diff + half:+.3f}]"
 
-    rows = [
-        [name, *(cell(d) for _, d in rise.items())] for name, rise in summary.rise.items()
-    ]
+    rows = [[name, *(cell(d) for _, d in rise.items())] for name, rise in summary.rise.items()]
     return [
         "\nRise over the SFT start (arm − start on the same questions, per-question scores"
         " averaged over seeds; 95% normal interval over the questions, which holds the sampling"

@@ -23,7 +23,13 @@ from core.fingerprint import digest
 from core.progress import say
 from experiment.arms import Arm
 from experiment.config import ExperimentConfig
-from experiment.fingerprint import HASH_FILE, check_reuse, run_settings, write_hash
+from experiment.fingerprint import (
+    HASH_FILE,
+    START_LOCATION,
+    check_reuse,
+    run_settings,
+    write_hash,
+)
 from experiment.server import die_with_parent
 from experiment.train_configs import arm_train_config
 
@@ -136,6 +142,7 @@ def run_arm(
             renamed=RENAMED_KEYS,
             added=ADDED_KEYS,
             removed=REMOVED_KEYS,
+            ignored=START_LOCATION if settings["sft_start_sha256"] is not None else (),
         )
 
     if done:  # reused only when it was trained with exactly this config

@@ -15,6 +15,7 @@ from core.fingerprint import digest
 from experiment.config import experiment_config
 from experiment.fingerprint import (
     HASH_FILE,
+    START_LOCATION,
     check_reuse,
     run_settings,
     sft_settings,
@@ -212,25 +213,34 @@ def test_a_run_an_earlier_hdr_recorded_is_reused_by_todays(tmp_path):
         check_reuse(RECORDED_BEFORE, now, "run", **removed)
 
 
-def test_the_running_comparisons_committed_run_is_reused_by_its_preset_as_written_now():
+def test_the_running_comparisons_committed_run_is_reused_by_its_preset_as_written_now(tmp_path):
     """docs/results/smollm2-replay's finished run, checked against the config the comparison's
     preset builds today for it: the same run, so the comparison goes on without training it
-    again. The start is the one the run recorded (a start is checked on its own)."""
+    again, from a data folder anywhere (the run recorded its start's absolute path; a start
+    is named by its hash, and is checked on its own)."""
     from experiment.sft_start import sft_start_dir
     from trainer.config.history import ADDED_KEYS, REMOVED_KEYS, RENAMED_KEYS
 
     run = REPO / "docs/results/smollm2-replay/runs/on_policy/seed-1"
     recorded = json.loads((run / HASH_FILE).read_text())["settings"]
-    data_dir = Path(recorded["model"]["path"]).parent  # where that session's start was
+    assert recorded["model"]["path"].startswith("/work/")  # another machine's folder
     cfg = experiment_config(
-        "smollm2-replay-comparison", data_dir=str(data_dir), out_dir="runs/smollm2-replay"
+        "smollm2-replay-comparison", data_dir=str(tmp_path / "data"), out_dir="runs/x"
     )
     sft = sft_start_dir(cfg)
+    sft.mkdir(parents=True)  # the same start (by hash) in this data folder
+    (sft / HASH_FILE).write_text(json.dumps({"sha256": recorded["sft_start_sha256"]}))
     config = arm_train_config(cfg, cfg.arm("on_policy"), URL, sft, Path("runs/x/seed-1"), 1)
     now = run_settings(config, sft, run_environment(cfg))
-    now["sft_start_sha256"] = recorded["sft_start_sha256"]
+    assert "path" not in now["model"]
     history = {"renamed": RENAMED_KEYS, "added": ADDED_KEYS, "removed": REMOVED_KEYS}
-    check_reuse(run, now, "run", **history)
+    check_reuse(run, now, "run", **history, ignored=START_LOCATION)
+    with pytest.raises(UserError, match=r"model\.path"):  # without `ignored`, the path differs
+        check_reuse(run, now, "run", **history)
     now["replay"]["capacity"] = 64  # the base config's: what the preset's train sets counts
     with pytest.raises(UserError, match=r"replay\.capacity 32 then, 64 now"):
-        check_reuse(run, now, "run", **history)
+        check_reuse(run, now, "run", **history, ignored=START_LOCATION)
+    now["replay"]["capacity"] = 32
+    now["sft_start_sha256"] = "0" * 64  # another start: another run
+    with pytest.raises(UserError, match=r"sft_start_sha256"):
+        check_reuse(run, now, "run", **history, ignored=START_LOCATION)

@@ -48,6 +48,12 @@ SFT_VOLATILE = ("model.path", "retrieval.urls", "sft.init_model")  # init: by id
 START_LOCATION = ("model.path",)
 
 
+def run_ignored(settings: Mapping[str, Any]) -> tuple[str, ...]:
+    """What `check_reuse` leaves out of a run's recording for `settings` (`run_settings`):
+    the start's path, where the start is known by its hash."""
+    return START_LOCATION if settings.get("sft_start_sha256") is not None else ()
+
+
 def stored_hash(folder: Path) -> str | None:
     """The SHA-256 in `folder`'s `config_hash.json`, None when it has none."""
     path = Path(folder) / HASH_FILE
@@ -64,8 +70,7 @@ def run_settings(
     it talked to was started with (the corpus it indexes, its settings)."""
     settings = _without(train_config.model_dump(mode="json"), RUN_VOLATILE)
     settings["sft_start_sha256"] = stored_hash(sft_dir)
-    if settings["sft_start_sha256"] is not None:  # the start is its hash, wherever it lies
-        settings = _without(settings, START_LOCATION)
+    settings = _without(settings, run_ignored(settings))  # the start is its hash, wherever it lies
     settings["environment"] = dict(environment or {})
     return settings
 

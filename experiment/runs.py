@@ -25,8 +25,8 @@ from experiment.arms import Arm
 from experiment.config import ExperimentConfig
 from experiment.fingerprint import (
     HASH_FILE,
-    START_LOCATION,
     check_reuse,
+    run_ignored,
     run_settings,
     write_hash,
 )
@@ -142,7 +142,7 @@ def run_arm(
             renamed=RENAMED_KEYS,
             added=ADDED_KEYS,
             removed=REMOVED_KEYS,
-            ignored=START_LOCATION if settings["sft_start_sha256"] is not None else (),
+            ignored=run_ignored(settings),
         )
 
     if done:  # reused only when it was trained with exactly this config

@@ -25,11 +25,13 @@ rotary tables) over a sub-list of its layers, so it holds for the Llama and Qwen
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -167,10 +169,46 @@ class FrozenBottom:
             ).last_hidden_state  # fmt: skip
 
 
+def cast_frozen_once(model) -> int:
+    """Give each frozen linear layer on the CPU (the bottom's, and the output layer tied to the
+    frozen embeddings) its weight in the autocast dtype, cast on first use and kept while the
+    weight is unchanged. Autocast keeps the casts of trained weights within a forward and casts
+    frozen ones again at every call: on SmolLM2 the output layer's cast was a tenth of a replay
+    scan. Exact: the same cast, made once. On a GPU the cast is a few milliseconds and the
+    copy would cost memory, so layers there are left as they are. Returns the layers changed."""
+    changed = 0
+    for module in model.modules():
+        if (
+            type(module) is nn.Linear  # a subclass (a quantized layer) has its own forward
+            and module.weight.device.type == "cpu"
+            and not any(p.requires_grad for p in module.parameters())
+        ):
+            module.forward = types.MethodType(_linear_cast_once, module)
+            changed += 1
+    return changed
+
+
+def _linear_cast_once(self: nn.Linear, x: Tensor) -> Tensor:
+    """`nn.Linear.forward` with the weight's autocast copy kept (`cast_frozen_once`); the copy
+    is made again when the weight is replaced or changed in place (its storage or version)."""
+    device = x.device.type
+    weight = self.weight
+    if device != "cpu" or not torch.is_autocast_enabled(device) or hasattr(weight, "ds_id"):
+        return nn.Linear.forward(self, x)  # (a ZeRO-3 parameter, `ds_id`, is gathered per call)
+    dtype = torch.get_autocast_dtype(device)
+    state = (weight.data_ptr(), weight._version, dtype)
+    kept = self.__dict__.get("_cast_once")  # (the parameter, its state, weight, bias) cast
+    if kept is None or kept[0] is not weight or kept[1] != state:
+        bias = None if self.bias is None else self.bias.detach().to(dtype)
+        kept = self.__dict__["_cast_once"] = (weight, state, weight.detach().to(dtype), bias)
+    return F.linear(x, kept[2], kept[3])  # autocast casts `x`; the weight is already `dtype`
+
+
 def attach(model, trained: int, cache_dtype: torch.dtype, max_bytes: int) -> FrozenBottom:
-    """Freeze `model` below its top `trained` layers and attach the states' cache that
-    `backbone` uses for it."""
+    """Freeze `model` below its top `trained` layers, keep its frozen linear layers' autocast
+    casts (`cast_frozen_once`) and attach the states' cache that `backbone` uses for it."""
     freeze_below(model, trained)
+    cast_frozen_once(model)
     bottom = FrozenBottom(model, trained, cache_dtype, max_bytes)
     _ATTACHED[model] = bottom
     return bottom

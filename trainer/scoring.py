@@ -117,6 +117,14 @@ def forward_logprobs(
     return out, entropy
 
 
+def sampler_logits(head, hidden: Tensor, temperature: float) -> Tensor:
+    """The output layer's float32 logits `[k, V]` over `temperature`: the sampler's. At
+    temperature 1 the division is skipped (it changes no bit, and on a large vocabulary it is
+    a pass over every logit)."""
+    logits = head(hidden).float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _head_logprobs(
     head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool, recompute: bool
 ):
@@ -129,15 +137,15 @@ def _head_logprobs(
         return torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
 
     def head_logprobs(h: Tensor, t: Tensor) -> Tensor:
-        return logprobs(head(h).float() / temperature, t)  # (k, V) logits
+        return logprobs(sampler_logits(head, h, temperature), t)
 
     if recompute:
         lp = torch.utils.checkpoint.checkpoint(head_logprobs, hidden, targets, use_reentrant=False)
         if not with_entropy:
             return lp, None
         with torch.no_grad():
-            return lp, token_entropy(head(hidden).float() / temperature)
-    logits = head(hidden).float() / temperature
+            return lp, token_entropy(sampler_logits(head, hidden, temperature))
+    logits = sampler_logits(head, hidden, temperature)
     entropy = None
     if with_entropy:
         with torch.no_grad():

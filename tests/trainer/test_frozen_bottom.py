@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_llama
 
 from headroom_drift import GroupTensors, make_group
-from trainer.frozen_bottom import attach, attached, freeze_below
+from trainer.frozen_bottom import attach, attached, cast_frozen_once, freeze_below
 from trainer.scoring import left_pad, score_groups, token_logprobs
 
 
@@ -57,6 +57,40 @@ def test_only_the_top_layers_train_and_get_gradients():
     assert got_grad == set(trainable)
     with pytest.raises(ValueError, match="the model has 2 layers"):
         freeze_below(tiny_llama(), 3)
+
+
+def test_frozen_layers_cast_once_give_the_same_bits_and_follow_their_weights():
+    # under bf16 autocast the frozen layers' kept casts change no bit of the scores or of the
+    # trained layers' gradients; the cast is kept between forwards and made again when the
+    # weight changes in place
+    kept, plain = tiny_llama(seed=5), tiny_llama(seed=5)
+    attach(kept, 1, torch.float32, 1 << 20)
+    freeze_below(plain, 1)
+    head = kept.get_output_embeddings()
+    assert "forward" in head.__dict__ and "forward" not in plain.get_output_embeddings().__dict__
+    stored = groups(5)
+
+    def scores_and_grads(model):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp = score_groups(model, stored, with_grad=True)
+        torch.stack([x.sum() for x in lp]).sum().backward()
+        return lp, [p.grad for p in model.parameters() if p.requires_grad]
+
+    for _ in range(2):  # the second forward runs on the kept casts
+        (got, got_grads), (want, want_grads) = scores_and_grads(kept), scores_and_grads(plain)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    cast = head.__dict__["_cast_once"][2]
+    scores_and_grads(kept)
+    assert head.__dict__["_cast_once"][2] is cast  # kept, not cast again
+    x = torch.randn(4, head.in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        before = head(x)
+        head.weight.mul_(1.5)
+        after, want = head(x), torch.nn.Linear.forward(head, x)
+    assert torch.equal(after, want) and not torch.equal(after, before)
+    assert cast_frozen_once(tiny_llama()) == 0  # nothing frozen: nothing changed
 
 
 def test_a_groups_states_are_the_same_whenever_computed():

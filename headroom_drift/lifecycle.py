@@ -295,9 +295,10 @@ class GroupReplay:
             "groups": [group.state_dict() for group in self.buffer],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned. The rule, its params and a fixed gate's tau
-        stay this object's (a resumed run may change them by config)."""
+    def load_state_dict(self, state: dict[str, Any]) -> list[StoredGroup]:
+        """Restore what `state_dict` returned. The rule, its params, a fixed gate's tau and the
+        capacity stay this object's (a resumed run may change them by config): groups beyond
+        a smaller capacity leave, the oldest first, and are returned (oldest first)."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} state")
         if state.get("version", 0) > STATE_VERSION:
@@ -306,12 +307,14 @@ class GroupReplay:
                 f" ({STATE_VERSION})"
             )
         groups = [StoredGroup.from_state_dict(g) for g in state["groups"]]
-        self.buffer = ReplayBuffer(int(state["capacity"]), groups)
+        self.buffer = ReplayBuffer(self.buffer.capacity)
+        left = [g for group in groups for g in self.buffer.add(group)]
         self.stored = int(state["stored"])
         restore_gate(self.gate, state["gate"])
         if self.late is not None:
             restore_gate(self.late.gate, state.get("late_gate"))
         self.pending = None
+        return left
 
     def save(self, path: str | Path) -> Path:
         """`state_dict()` to `path` (torch's format), whole or not at all: written beside it
@@ -322,7 +325,7 @@ class GroupReplay:
         os.replace(tmp, path)
         return path
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path) -> list[StoredGroup]:
         """Restore a `save`d state (read with `weights_only=True`: tensors and plain values
-        only, never arbitrary pickled objects)."""
-        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        only, never arbitrary pickled objects); returns what `load_state_dict` returns."""
+        return self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

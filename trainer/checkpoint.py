@@ -224,13 +224,13 @@ class Checkpoint:
     def scheduler_state(self) -> dict:
         return json.loads((self.path / "scheduler.json").read_text())
 
-    def restore_replay(self, replay: GroupReplay) -> None:
-        """The replay lifecycle's state as this checkpoint holds it (either format)."""
+    def restore_replay(self, replay: GroupReplay) -> list[StoredGroup]:
+        """The replay lifecycle's state as this checkpoint holds it (either format); returns
+        the stored groups beyond `replay`'s capacity, which left (`GroupReplay.load_state_dict`)."""
         if (self.path / REPLAY_STATE).is_file():
-            replay.load(self.path / REPLAY_STATE)
-            return
+            return replay.load(self.path / REPLAY_STATE)
         state = json.loads((self.path / "state.json").read_text())
-        replay.load_state_dict(
+        return replay.load_state_dict(
             legacy_replay_state(
                 load_file(self.path / "buffer.safetensors"),
                 json.loads((self.path / "buffer.json").read_text()),

@@ -114,6 +114,18 @@ class FrozenBottom:
             for k, row, m in zip(keys, states, mask, strict=True):
                 self._put(k, row[m.bool()].to(self.cache_dtype).contiguous())
 
+    def warm(self, model, groups: Sequence) -> int:
+        """`fill` for `groups`, the newest (last) first, while the kept states stay within the
+        byte bound (a resumed run's buffer: its scans then run the top layers only, as they
+        did before the stop). Returns the groups filled."""
+        filled = 0
+        for group in reversed(groups):
+            if self._bytes >= self.max_bytes:
+                break
+            self.fill(model, [group])
+            filled += 1
+        return filled
+
     def bottom(self, model, ids: Tensor, mask: Tensor) -> Tensor:
         """The bottom layers' output for these rows, no grad: `[n, T, H]`."""
         device = next(model.parameters()).device

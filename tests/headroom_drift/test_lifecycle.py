@@ -181,6 +181,20 @@ def test_the_staleness_gate_is_part_of_the_state(tmp_path):
     assert [g.group_id for g in restored.buffer] == ["s3/0", "s3/1"]
 
 
+def test_a_state_loads_at_the_loading_buffers_capacity():
+    # the capacity is the loader's (a resumed run's config): a smaller one keeps the newest
+    # groups and returns the others, oldest first; a larger one keeps all
+    replay = GroupReplay(4, "headroom_drift", budget=2, tau=0.5)
+    for k in range(4):
+        replay.store(k + 1, **tensors(k), group_id=f"g{k}")
+    state = replay.state_dict()
+    smaller, larger = (GroupReplay(c, "headroom_drift", budget=2, tau=0.5) for c in (1, 8))
+    assert [g.group_id for g in smaller.load_state_dict(state)] == ["g0", "g1", "g2"]
+    assert [g.group_id for g in smaller.buffer] == ["g3"] and smaller.buffer.capacity == 1
+    assert larger.load_state_dict(state) == [] and len(larger) == 4
+    assert larger.buffer.capacity == 8
+
+
 def test_a_state_is_taken_between_steps_and_of_its_own_format():
     replay = GroupReplay(4, "headroom_drift", budget=2, tau=0.5)
     replay.store(1, **tensors(0), group_id="a")

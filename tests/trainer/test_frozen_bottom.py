@@ -122,7 +122,9 @@ def test_in_a_run_the_replay_scan_forwards_no_bottom_layer(
     sft_policy, small_qa, retrieval_url, tmp_path
 ):
     # every scanned group had its states kept by its behaviour pass: the selection phase
-    # forwards the top layer only (0 bottom tokens), the behaviour pass all of its rows
+    # forwards the top layer only (0 bottom tokens), the behaviour pass all of its rows; a run
+    # resumed at a smaller replay.capacity keeps the newest groups, logs the others as leaving
+    # at its first step, and computes the kept groups' states before it (its scans: 0 too)
     import json
 
     from conftest import TINY_CPU, tiny_overrides
@@ -130,15 +132,24 @@ def test_in_a_run_the_replay_scan_forwards_no_bottom_layer(
     from core.config import load_config
     from trainer.config import TrainConfig
     from trainer.loop import train
+    from trainer.run import load_train_config
 
     overrides = tiny_overrides(
         retrieval_url, sft_policy, small_qa, tmp_path / "run", "steps=4", "eval.every=0",
-        "checkpoint.save_every=0", "model.train_layers=1", "replay.tau=1.0",
+        "checkpoint.save_every=4", "model.train_layers=1", "replay.tau=1.0",
     )  # fmt: skip
     run_dir = train(load_config(TrainConfig, TINY_CPU, overrides))
+    ckpt = run_dir / "checkpoints" / "step-000004"
+    stored = [g["group_id"] for g in torch.load(ckpt / "replay.pt", weights_only=True)["groups"]]
+    assert len(stored) >= 2, "too few stored groups to cut the buffer"
+    train(load_train_config(None, ["steps=6", "replay.capacity=1"], ckpt), resume=ckpt)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     scanned = [r for r in rows if r["scanned_groups"]]
     assert scanned, "no step scanned a stored group"
     for r in rows:
         assert r["bottom_tokens_scoring"] > 0
         assert r["bottom_tokens_selection"] == 0
+    assert rows[4]["scanned_groups"] == 1  # the one group kept
+    left = [json.loads(x) for x in (run_dir / "groups.jsonl").read_text().splitlines()]
+    assert [g["group_id"] for g in left if g["left_step"] == 5][: len(stored) - 1] == stored[:-1]

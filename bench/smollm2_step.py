@@ -23,11 +23,15 @@ behaviour log-probs), selection (the replay scan) and update (with the vLLM weig
 the step is `time_step`. The median over the steps after `--skip` (the first fills the
 buffer; the scan runs from the second) is reported.
 
-`--full-buffer 128,64,16` times hdr's path instead with the buffer full: one longer run per
-capacity (`replay.capacity`), each long enough to fill its buffer (about 1.4 groups enter a
-step; `--total-steps` sets one length for all), the median over its last `--steps` steps, all
-of which must have scanned a full buffer; `--trl` adds TRL's row to the same run (it needs
-about 17 GB free: nothing else large beside it). Each row is written as it ends. Each full
+`--full-buffer 128,64,16` times hdr's path instead with the buffer full, every capacity at the
+same point of training: one run at the largest capacity, long enough to fill it (about 1.4
+groups enter a step; `--total-steps` sets its length), checkpointed at its end; each capacity's
+row resumes a copy of it at that `replay.capacity` (a smaller buffer keeps the newest groups,
+each group's frozen-bottom states computed at the resume) for 1 + `--steps` steps, the first
+untimed, the median over the last `--steps`, each of which must have scanned a full buffer. So
+the rows share the weights, the buffer's groups and the step's prompts at their start, and
+differ in the capacity alone. `--trl` adds TRL's row to the same run (it needs about 17 GB
+free: nothing else large beside it). Each row is written as it ends. Each full
 row also gives what one stored group costs to re-score (the scan's seconds per scanned group)
 against what one fresh group costs to produce (generation, retrieval and the behaviour
 log-probs, per fresh group), and the frozen-bottom tokens the scan forwarded (0 when it runs
@@ -52,11 +56,13 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PARTS = ("time_generation", "time_retrieval", "time_scoring", "time_selection", "time_update")
@@ -78,13 +84,18 @@ LEVERS: dict[str, list[str]] = {
 
 
 def hdr_row(model: str, steps: int, settings: list[str], out: Path) -> dict:
-    """A short `hdr train` with `settings`; its per-step records."""
+    """A short `hdr train` with `settings` (they override the bench's own); its per-step
+    records."""
     command = [HDR, "train", "--config", CONFIG, f"model.path={model}", f"steps={steps}",
                f"out_dir={out}", "eval.every=0", "eval.at_start=false",
                "checkpoint.save_every=0", "log.tensorboard=false", "log.progress=false",
                *settings]  # fmt: skip
     run(command, out.with_suffix(".log"))
-    return {"records": [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]}
+    return {"records": records(out)}
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def run(command: list[str], log: Path) -> None:
@@ -128,9 +139,9 @@ def trl_only(model: str, steps: int, result: Path) -> None:
 FILL_PER_STEP = 1.4
 
 
-def full_buffer_steps(capacity: int, measured: int) -> int:
-    """Steps of a run that fills a `capacity` buffer, then scans it full `measured` times."""
-    return math.ceil(capacity / FILL_PER_STEP) + measured
+def full_buffer_steps(capacity: int) -> int:
+    """Steps of a run that fills a `capacity` buffer."""
+    return math.ceil(capacity / FILL_PER_STEP)
 
 
 def full_buffer_records(records: list[dict], capacity: int, last: int) -> list[dict]:
@@ -220,7 +231,11 @@ def main() -> None:
         help="Capacities (comma-separated) to time hdr's path at with the buffer full;"
         " --steps is then the number of last steps measured, each with the buffer full.",
     )
-    ap.add_argument("--total-steps", type=int, help="Steps of every --full-buffer run.")
+    ap.add_argument(
+        "--total-steps", type=int,
+        help="Steps of the shared run every --full-buffer row resumes (default: enough to fill"
+        " the largest capacity).",
+    )  # fmt: skip
     ap.add_argument("--trl", action="store_true", help="--full-buffer: TRL's row too.")
     ap.add_argument(
         "--trl-steps", type=int, default=4,
@@ -238,11 +253,15 @@ def main() -> None:
     if args.trl_only:
         return trl_only(args.model, args.steps, args.trl_only)
     if args.full_buffer is not None:  # "" with --trl: TRL's row alone, into the same JSON
-        capacities = [int(c) for c in args.full_buffer.split(",") if c]
+        capacities = sorted({int(c) for c in args.full_buffer.split(",") if c}, reverse=True)
         out = args.out or "bench/results/smollm2_full_buffer.json"
         keep = lambda row: write_report(args, merged_rows(out, [row]), out)  # noqa: E731
-        for capacity in capacities:  # each row written as it ends: a later failure keeps it
-            keep(full_buffer_row(args.model, capacity, args.total_steps, args.steps, args.set))
+        if capacities:
+            with tempfile.TemporaryDirectory(prefix="hdr-smollm2-full-") as tmp:
+                length = args.total_steps or full_buffer_steps(capacities[0])
+                shared = shared_run(args.model, capacities[0], length, args.set, Path(tmp))
+                for capacity in capacities:  # each row written as it ends
+                    keep(full_buffer_row(shared, capacity, args.steps, Path(tmp)))
         if args.trl:
             keep(timed_trl_row(args.model, args.trl_steps, args.skip))
         return None
@@ -272,22 +291,50 @@ def main() -> None:
     write_report(args, rows, args.out or "bench/results/smollm2_step.json")
 
 
-def full_buffer_row(
-    model: str, capacity: int, steps: int | None, last: int, extra: list[str]
-) -> dict:
-    """hdr's path (every lever, then `extra`) at `capacity`, `steps` steps (None: enough to
-    fill it, then `last` more), timed over the `last` steps, with the buffer full."""
+@dataclass(frozen=True)
+class SharedRun:
+    """The run every full-buffer row resumes a copy of: its folder, length, seconds and
+    settings."""
+
+    run_dir: Path
+    steps: int
+    wall_s: float
+    settings: list[str]
+
+
+def shared_run(model: str, capacity: int, steps: int, extra: list[str], tmp: Path) -> SharedRun:
+    """hdr's path (every lever, then `extra`) at `capacity` for `steps` steps, checkpointed
+    at the last; refused in one line unless it filled its buffer."""
     settings = [*(s for lever in LEVERS.values() for s in lever), *extra]
+    started = time.perf_counter()
+    out = tmp / "shared"
+    done = hdr_row(model, steps, [*settings, f"replay.capacity={capacity}",
+                                  f"checkpoint.save_every={steps}"], out)["records"]  # fmt: skip
+    if done[-1]["buffer_size"] < capacity:
+        raise SystemExit(
+            f"the shared run left {done[-1]['buffer_size']} groups after {steps} steps, fewer"
+            f" than the largest capacity {capacity}: run more steps (--total-steps)"
+        )
+    print(f"shared run: {steps} steps, buffer {capacity} full", flush=True)
+    return SharedRun(out, steps, round(time.perf_counter() - started, 1), settings)
+
+
+def full_buffer_row(shared: SharedRun, capacity: int, last: int, tmp: Path) -> dict:
+    """A copy of the shared run resumed at `capacity` for 1 + `last` steps, timed over the
+    `last`, each of which scanned a full buffer."""
     name = f"full buffer, capacity {capacity}"
-    with tempfile.TemporaryDirectory(prefix="hdr-smollm2-full-") as tmp:
-        out = Path(tmp) / f"capacity_{capacity}"
-        before = os.getloadavg()[0]
-        started = time.perf_counter()
-        length = steps or full_buffer_steps(capacity, last)
-        row = hdr_row(model, length, [*settings, f"replay.capacity={capacity}"], out)
-        summary = summarize(name, row, 0, (before, os.getloadavg()[0]), (capacity, last))
+    run_dir = tmp / f"capacity_{capacity}"
+    shutil.copytree(shared.run_dir, run_dir)
+    before = os.getloadavg()[0]
+    started = time.perf_counter()
+    command = [HDR, "train", "--resume", str(run_dir), f"steps={shared.steps + 1 + last}",
+               f"replay.capacity={capacity}"]  # fmt: skip
+    run(command, run_dir.with_suffix(".log"))
+    row = {"records": records(run_dir)}
+    summary = summarize(name, row, 0, (before, os.getloadavg()[0]), (capacity, last))
     summary["wall_s"] = round(time.perf_counter() - started, 1)
-    summary["settings"] = [*settings, f"replay.capacity={capacity}"]
+    summary["shared_run"] = {"steps": shared.steps, "wall_s": shared.wall_s}
+    summary["settings"] = [*shared.settings, f"replay.capacity={capacity}"]
     summary["command"] = "bench/smollm2_step.py " + " ".join(sys.argv[1:])
     print(f"{name}: step {summary['step_s']:.1f} s", flush=True)
     return summary

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from evaluation.costs import modelled_cost_markdown
 from evaluation.metrics import PairedDifference, Spread, markdown_table
-from evaluation.statistics import Equivalence, Estimate
+from evaluation.statistics import Equivalence, Estimate, minimum_detectable_effect
 from experiment.config import ExperimentConfig
 from experiment.decision import decision_lines
 from experiment.mechanism import mechanism_lines
@@ -82,7 +82,8 @@ def results_markdown(
     lines += diagnostics_lines(summary)
     if cfg.decision is not None:
         lines += decision_lines(cfg.decision, summary.contrasts)
-    lines += [*contrast_tables(summary, cfg), *matched_cost_tables(summary)]
+    lines += [*contrast_tables(summary, cfg), *interim_lines(summary, cfg)]
+    lines += matched_cost_tables(summary)
     if summary.mechanism is not None:
         lines += mechanism_lines(summary.mechanism)
     if summary.modelled_cost:
@@ -170,6 +171,46 @@ def contrast_tables(summary: ExperimentSummary, cfg: ExperimentConfig) -> list[s
             rows,
         ),
     ]
+
+
+def interim_lines(summary: ExperimentSummary, cfg: ExperimentConfig) -> list[str]:
+    """Before every declared seed has run, the interim look: each measured contrast's variance
+    components so far and the MDE the declared design reaches with them."""
+    declared = len(cfg.seeds)
+    early = [c for c in summary.contrasts if len(c.seeds) < declared]
+    if not early:
+        return []
+    rows = []
+    for c in early:
+        parts = c.components
+        planned = minimum_detectable_effect(
+            parts, declared, c.questions, summary.k, cfg.alpha, cfg.power
+        )
+        rows.append(
+            [
+                f"{c.arm} − {c.reference}",
+                METRIC_NAMES[c.metric].replace("k", str(summary.k)),
+                f"{len(c.seeds)} of {declared}",
+                f"{parts.seed:.2e}",
+                f"{parts.question:.2e}",
+                f"{parts.residual:.2e} ({parts.sampling_noise:.2e})",
+                f"{c.mde:.4f}",
+                f"{planned:.4f}",
+            ]
+        )
+    return [
+        f"\nInterim look, before all {declared} declared seeds: the variance components of each"
+        " contrast's per-question difference so far (`evaluation.statistics.components`: seed,"
+        " question, and the residual with, in brackets, the part the k samples' binomial noise"
+        f" makes) and the MDE they give now and at the declared {declared} seeds x"
+        f" {summary.num_questions} questions x k={summary.k}. Every declared seed runs whatever"
+        " they say; the look restates the MDE and nothing else.\n",
+        markdown_table(
+            ["contrast", "metric", "seeds", "seed var", "question var", "residual (noise)",
+             "MDE now", f"MDE at {declared} seeds"],
+            rows,
+        ),
+    ]  # fmt: skip
 
 
 def format_equivalence(eq: Equivalence | None) -> str:

@@ -126,3 +126,27 @@ def test_the_one_sided_test_halves_the_p_value_in_its_direction():
     assert one.p == pytest.approx(two.p / 2)
     assert greater(crossed_interval(-d)).p == pytest.approx(1 - two.p / 2)
     assert (one.low, one.high) == (two.low, two.high)
+
+
+def test_the_interim_look_restates_the_mde_at_the_declared_seeds(tmp_path):
+    # at 2 of the 5 declared seeds the report gives each contrast's variance components and
+    # the MDE they give at 5 seeds (smaller than at 2); with every seed in, no interim table
+    from evaluation.statistics import minimum_detectable_effect
+
+    cfg = experiment_config("smollm2-replay-comparison")
+    arms = {"on_policy": 0, "headroom_drift": 30, "replay_recency": 60, "on_policy_larger": 45}
+    results = [
+        r
+        for arm, n in arms.items()
+        for r in runs(tmp_path, arm, lambda s, n=n: flipped(base(s), n, s + n))
+    ]
+    assert "Interim look" not in results_markdown(summarize(results, cfg.references, cfg=cfg), cfg)
+    two = summarize([r for r in results if r.seed <= 2], cfg.references, cfg=cfg)
+    text = results_markdown(two, cfg)
+    assert "Interim look, before all 5 declared seeds" in text
+    assert len(two.contrasts) == 4
+    for c in two.contrasts:
+        planned = minimum_detectable_effect(c.components, 5, QUESTIONS, K, cfg.alpha, cfg.power)
+        assert 0 < planned < c.mde
+        assert f"| {c.arm} − {c.reference} | Mean@5 | 2 of 5 |" in text
+        assert f"| {c.mde:.4f} | {planned:.4f} |" in text

@@ -106,10 +106,24 @@ def decide(rule: DecisionRule, contrasts: Sequence[ContrastResult]) -> list[Answ
     return answers
 
 
-def decision_lines(rule: DecisionRule, contrasts: Sequence[ContrastResult]) -> list[str]:
-    """results.md's verdict paragraph: the rule's three answers."""
-    head = (
-        "**The replay comparison's verdict** (decision rule declared before the runs; margin"
-        f" {rule.margin} Mean@k):"
-    )
-    return [head, *(a.line() for a in decide(rule, contrasts)), ""]
+def decision_lines(
+    rule: DecisionRule, contrasts: Sequence[ContrastResult], declared_seeds: int
+) -> list[str]:
+    """results.md's verdict paragraph: the rule's three answers; while a contrast has fewer
+    than the `declared_seeds`, the verdict is pending and the answers are the rule applied to
+    the seeds so far (the comparison never stops on them)."""
+    answers = decide(rule, contrasts)
+    run = min((len(a.contrast.seeds) for a in answers if a.contrast), default=declared_seeds)
+    if run < declared_seeds:
+        head = (
+            f"**The replay comparison's verdict: pending** ({run} of {declared_seeds} declared"
+            " seeds; below, the decision rule declared before the runs applied to the seeds so"
+            f" far, which decides nothing: every declared seed runs; margin {rule.margin}"
+            " Mean@k):"
+        )
+    else:
+        head = (
+            "**The replay comparison's verdict** (decision rule declared before the runs;"
+            f" margin {rule.margin} Mean@k):"
+        )
+    return [head, *(a.line() for a in answers), ""]

@@ -81,7 +81,7 @@ def results_markdown(
         )
     lines += diagnostics_lines(summary)
     if cfg.decision is not None:
-        lines += decision_lines(cfg.decision, summary.contrasts)
+        lines += decision_lines(cfg.decision, summary.contrasts, len(cfg.seeds))
     lines += [*contrast_tables(summary, cfg), *interim_lines(summary, cfg)]
     lines += matched_cost_tables(summary)
     if summary.mechanism is not None:

@@ -130,7 +130,8 @@ def test_the_one_sided_test_halves_the_p_value_in_its_direction():
 
 def test_the_interim_look_restates_the_mde_at_the_declared_seeds(tmp_path):
     # at 2 of the 5 declared seeds the report gives each contrast's variance components and
-    # the MDE they give at 5 seeds (smaller than at 2); with every seed in, no interim table
+    # the MDE they give at 5 seeds (smaller than at 2), and calls the verdict pending; with
+    # every seed in, no interim table and the verdict
     from evaluation.statistics import minimum_detectable_effect
 
     cfg = experiment_config("smollm2-replay-comparison")
@@ -140,10 +141,12 @@ def test_the_interim_look_restates_the_mde_at_the_declared_seeds(tmp_path):
         for arm, n in arms.items()
         for r in runs(tmp_path, arm, lambda s, n=n: flipped(base(s), n, s + n))
     ]
-    assert "Interim look" not in results_markdown(summarize(results, cfg.references, cfg=cfg), cfg)
+    whole = results_markdown(summarize(results, cfg.references, cfg=cfg), cfg)
+    assert "Interim look" not in whole and "**The replay comparison's verdict** (" in whole
     two = summarize([r for r in results if r.seed <= 2], cfg.references, cfg=cfg)
     text = results_markdown(two, cfg)
     assert "Interim look, before all 5 declared seeds" in text
+    assert "verdict: pending** (2 of 5 declared seeds" in text
     assert len(two.contrasts) == 4
     for c in two.contrasts:
         planned = minimum_detectable_effect(c.components, 5, QUESTIONS, K, cfg.alpha, cfg.power)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from evaluation.costs import modelled_cost_markdown
 from evaluation.metrics import PairedDifference, Spread, markdown_table
-from evaluation.statistics import Equivalence, Estimate, minimum_detectable_effect
+from evaluation.statistics import Equivalence, Estimate, minimum_detectable_effect, t_estimate
 from experiment.config import ExperimentConfig
 from experiment.decision import decision_lines
 from experiment.mechanism import mechanism_lines
@@ -272,9 +272,8 @@ def rise_lines(summary: ExperimentSummary) -> list[str]:
         return []
     k = summary.k
 
-    def cell(d: PairedDifference) -> str:
-        half = 1.96 * d.se
-        return f"{d.diff:+.3f} [{d.diff - half:+.3f}, {d.diff + half:+.3f}]"
+    def cell(d: PairedDifference) -> str:  # a normal interval: a t-interval at infinite df
+        return format_interval(t_estimate(d.diff, d.se, math.inf, 0.95, "normal"))
 
     rows = [[name, *(cell(d) for _, d in rise.items())] for name, rise in summary.rise.items()]
     return [

@@ -5,7 +5,7 @@ lever, beside TRL's GRPOTrainer on the same model, batch and task, all in one ru
     .venv-vllm/bin/python bench/smollm2_step.py --model data/smollm2-sft
 
 Each row is a short `hdr train` of `configs/smollm2-cpu.yaml` (8 prompts x 5 responses a step,
-replay budget 8 of a 64-group buffer, the `rl` questions) in a process of its own, the levers
+replay budget 8 of a 16-group buffer, the `rl` questions) in a process of its own, the levers
 given as settings, each row adding one to the row above:
 
 - `baseline`: hdr's path before the levers: transformers' `generate` in float32 on the

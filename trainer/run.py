@@ -382,7 +382,7 @@ def restore_buffer(run: Run, ckpt: Checkpoint, start: int) -> None:
         run.logs.groups_left(left, start)
     if (bottom := attached(run.model)) is not None:
         with run.autocast():
-            bottom.warm(run.model, list(run.replay.buffer))
+            bottom.warm(run.model, run.replay.groups())
 
 
 def load_train_config(path: str | None, overrides: list[str], resume: str | None) -> TrainConfig:

@@ -45,8 +45,10 @@ from safetensors.torch import load_file, save_file
 
 from core.errors import UserError
 from core.paths import MODEL, model_files_in, staging_dir, swap_in
+from core.progress import say
 from headroom_drift import GroupReplay, StoredGroup
 from headroom_drift.lifecycle import STATE_FORMAT
+from trainer.frozen_bottom import attached
 
 REPLAY_STATE = "replay.pt"
 LEGACY_GATES = ("replay_gate", "staleness_gate")  # counters of checkpoints before replay.pt
@@ -324,6 +326,24 @@ def _verify(path: Path) -> int:
         if file.stat().st_size != size or _sha256(file) != digest:
             raise UserError(f"checkpoint {path} is corrupt ({rel} changed); refusing to load it")
     return step
+
+
+def restore_buffer(ckpt: Checkpoint, replay: GroupReplay, logs, model, compute, start: int) -> None:
+    """The checkpoint's stored groups into `replay`, at its (the run's) `replay.capacity`:
+    groups beyond a smaller one leave at `start` (logged to `logs` as leaving then). With a
+    frozen bottom on `model`, the kept groups' states are computed now, under `compute` (the
+    run's autocast), as the steps before the stop left them, so the first scans after a
+    resume cost what they would have."""
+    left = ckpt.restore_replay(replay)
+    if left:
+        say(
+            f"hdr train: replay.capacity {replay.buffer.capacity} holds fewer groups than"
+            f" the checkpoint's {len(left) + len(replay)}: the oldest {len(left)} leave"
+        )
+        logs.groups_left(left, start)
+    if (bottom := attached(model)) is not None:
+        with compute():
+            bottom.warm(model, replay.groups())
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -36,13 +36,13 @@ from trainer.checkpoint import (
     TrainState,
     list_checkpoints,
     open_checkpoint,
+    restore_buffer,
     save_checkpoint,
     save_model,
 )
 from trainer.config import TrainConfig
 from trainer.config.history import read_as_today
 from trainer.fresh import FreshSource, InProcessRollout, LazyGenerator, RolloutContext
-from trainer.frozen_bottom import attached
 from trainer.scoring import compute_context, score_groups
 from trainer.telemetry import RunLogs, require_wandb
 
@@ -362,27 +362,10 @@ def setup_run(
         run.optimizer.load_state_dict(ckpt.optimizer_state())
         scheduler.load_state_dict(ckpt.scheduler_state())
         start = ckpt.step + 1
-        restore_buffer(run, ckpt, start)
+        restore_buffer(ckpt, run.replay, run.logs, run.model, run.autocast, start)
         run.counters = RunCounters(**{k: v for k, v in ckpt.counters().items() if k != "step"})
         ckpt.restore_rng(dist.rank, dist.world)
     return run, start
-
-
-def restore_buffer(run: Run, ckpt: Checkpoint, start: int) -> None:
-    """The checkpoint's stored groups into the run's buffer, at the run's `replay.capacity`:
-    groups beyond a smaller one leave at `start` (logged as leaving then). With a frozen
-    bottom, the kept groups' states are computed now, as the steps before the stop left them,
-    so the first scans after a resume cost what they would have."""
-    left = ckpt.restore_replay(run.replay)
-    if left:
-        say(
-            f"hdr train: replay.capacity {run.replay.buffer.capacity} holds fewer groups than"
-            f" the checkpoint's {len(left) + len(run.replay)}: the oldest {len(left)} leave"
-        )
-        run.logs.groups_left(left, start)
-    if (bottom := attached(run.model)) is not None:
-        with run.autocast():
-            bottom.warm(run.model, run.replay.groups())
 
 
 def load_train_config(path: str | None, overrides: list[str], resume: str | None) -> TrainConfig:

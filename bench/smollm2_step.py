@@ -30,13 +30,16 @@ row resumes a copy of it at that `replay.capacity` (a smaller buffer keeps the n
 each group's frozen-bottom states computed at the resume) for 1 + `--steps` steps, the first
 untimed, the median over the last `--steps`, each of which must have scanned a full buffer. So
 the rows share the weights, the buffer's groups and the step's prompts at their start, and
-differ in the capacity alone. `--trl` adds TRL's row to the same run (it needs about 17 GB
-free: nothing else large beside it). Each row is written as it ends. Each full
-row also gives what one stored group costs to re-score (the scan's seconds per scanned group)
-against what one fresh group costs to produce (generation, retrieval and the behaviour
-log-probs, per fresh group), and the frozen-bottom tokens the scan forwarded (0 when it runs
-the top layers only, on each group's kept bottom states). `--set KEY=VALUE` adds a setting to
-every hdr row (the replay setting under test: `--set replay.tau=0.03 --set replay.budget=4`).
+differ in the capacity alone. `--shared DIR` keeps the shared run in DIR, and a later call
+with the same model, length and settings resumes copies of it instead of training it again
+(to time the rows again after a change that leaves training's results as they were). `--trl`
+adds TRL's row to the same run (it needs about 17 GB free: nothing else large beside it).
+Each row is written as it ends. Each full row also gives what one stored group costs to
+re-score (the scan's seconds per scanned group) against what one fresh group costs to produce
+(generation, retrieval and the behaviour log-probs, per fresh group), and the frozen-bottom
+tokens the scan forwarded (0 when it runs the top layers only, on each group's kept bottom
+states). `--set KEY=VALUE` adds a setting to every hdr row (the replay setting under test:
+`--set replay.tau=0.03 --set replay.budget=4`).
 Rows are added to the JSON (bench/results/smollm2_full_buffer.json) by name, each with its
 own command, so one capacity can be timed in a later run.
 
@@ -236,6 +239,12 @@ def main() -> None:
         help="Steps of the shared run every --full-buffer row resumes (default: enough to fill"
         " the largest capacity).",
     )  # fmt: skip
+    ap.add_argument(
+        "--shared",
+        type=Path,
+        help="--full-buffer: keep the shared run in this folder, or reuse the one kept there"
+        " with the same model, length and settings.",
+    )
     ap.add_argument("--trl", action="store_true", help="--full-buffer: TRL's row too.")
     ap.add_argument(
         "--trl-steps", type=int, default=4,
@@ -259,7 +268,8 @@ def main() -> None:
         if capacities:
             with tempfile.TemporaryDirectory(prefix="hdr-smollm2-full-") as tmp:
                 length = args.total_steps or full_buffer_steps(capacities[0])
-                shared = shared_run(args.model, capacities[0], length, args.set, Path(tmp))
+                where = args.shared or Path(tmp) / "shared"
+                shared = shared_run(args.model, capacities[0], length, args.set, where)
                 for capacity in capacities:  # each row written as it ends
                     keep(full_buffer_row(shared, capacity, args.steps, Path(tmp)))
         if args.trl:
@@ -302,21 +312,38 @@ class SharedRun:
     settings: list[str]
 
 
-def shared_run(model: str, capacity: int, steps: int, extra: list[str], tmp: Path) -> SharedRun:
-    """hdr's path (every lever, then `extra`) at `capacity` for `steps` steps, checkpointed
-    at the last; refused in one line unless it filled its buffer."""
+SHARED_RECORD = "bench_shared_run.json"
+
+
+def shared_run(model: str, capacity: int, steps: int, extra: list[str], out: Path) -> SharedRun:
+    """hdr's path (every lever, then `extra`) at `capacity` for `steps` steps in `out`,
+    checkpointed at the last; refused in one line unless it filled its buffer. A run kept in
+    `out` by an earlier call with the same model, length and settings is reused; one made
+    otherwise is refused, and so is a folder this bench did not write."""
     settings = [*(s for lever in LEVERS.values() for s in lever), *extra]
+    this_run = [*settings, f"replay.capacity={capacity}", f"checkpoint.save_every={steps}"]
+    made = {"model": model, "steps": steps, "settings": this_run}
+    record = out / SHARED_RECORD
+    if record.is_file():
+        kept = json.loads(record.read_text())
+        if {k: kept.get(k) for k in made} != made:
+            raise SystemExit(f"{out}: a shared run made with other settings ({record}); name"
+                             " another folder")  # fmt: skip
+        print(f"shared run: reused from {out} ({steps} steps)", flush=True)
+        return SharedRun(out, steps, kept["wall_s"], settings)
+    if out.exists():
+        raise SystemExit(f"{out} exists and holds no shared run of this bench; name another folder")
     started = time.perf_counter()
-    out = tmp / "shared"
-    done = hdr_row(model, steps, [*settings, f"replay.capacity={capacity}",
-                                  f"checkpoint.save_every={steps}"], out)["records"]  # fmt: skip
+    done = hdr_row(model, steps, this_run, out)["records"]
     if done[-1]["buffer_size"] < capacity:
         raise SystemExit(
             f"the shared run left {done[-1]['buffer_size']} groups after {steps} steps, fewer"
             f" than the largest capacity {capacity}: run more steps (--total-steps)"
         )
+    wall_s = round(time.perf_counter() - started, 1)
+    record.write_text(json.dumps({**made, "wall_s": wall_s}, indent=2) + "\n")
     print(f"shared run: {steps} steps, buffer {capacity} full", flush=True)
-    return SharedRun(out, steps, round(time.perf_counter() - started, 1), settings)
+    return SharedRun(out, steps, wall_s, settings)
 
 
 def full_buffer_row(shared: SharedRun, capacity: int, last: int, tmp: Path) -> dict:

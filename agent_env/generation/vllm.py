@@ -55,7 +55,9 @@ CPUs), which is what bench/gpu_smoke.sh runs on CUDA. What it does:
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import os
 import weakref
 
@@ -76,6 +78,13 @@ SYNC_PROBE_TEXT = (
 # by the coarser of the two dtypes: fp32 agrees to ~1e-6 (measured on the CPU build), bf16
 # to a few hundredths; a stale layer after a real change is far above both.
 SYNC_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.1}
+# What vLLM's in-place reload warns, naming every tensor, when a state leaves tensors out: a
+# sync of the trained layers only leaves the frozen ones out on purpose (`changed_state`), at
+# every step, and `check_weights` then finds a stale layer in one line (logger: message).
+PARTIAL_RELOAD_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+    "vllm.v1.worker.gpu_model_runner": "Following weights were not loaded from checkpoint: %s",
+}
 
 
 def completion_from_output(sample, eos: set[int]) -> Completion:
@@ -267,25 +276,31 @@ class VLLMGenerator:
         self.llm = None
         gc.collect()
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, partial: bool = False) -> None:
         """vLLM's in-place reload of checkpoint-named tensors (then its post-load processing);
-        nothing checked: `sync_weights` is the checked way in."""
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs=dict(weights_iterator=iter(state.items()), is_checkpoint_format=True),
-        )
+        nothing checked: `sync_weights` is the checked way in. `partial`: the state holds
+        some tensors on purpose, so vLLM's warnings naming the others are left out."""
+        quiet = without_partial_reload_warnings() if partial else contextlib.nullcontext()
+        with quiet:
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs=dict(weights_iterator=iter(state.items()), is_checkpoint_format=True),
+            )
 
-    def changed_state(self, model) -> dict:
-        """What the engine must load: the whole state when `model` was not the last one
-        synced, else only the tensors that train (a model trained above a frozen bottom
-        changes a few layers; the engine's in-place reload takes any subset of names). A
-        tensor that trains goes under every name it has: a tied output layer is a copy of its
-        own on the CPU build (repacked for oneDNN), refreshed only when named."""
+    def changed_state(self, model) -> tuple[dict, bool]:
+        """What the engine must load, and whether it is part of the state: the whole state
+        when `model` was not the last one synced, else only the tensors that train (a model
+        trained above a frozen bottom changes a few layers; the engine's in-place reload takes
+        any subset of names). A tensor that trains goes under every name it has: a tied output
+        layer is a copy of its own on the CPU build (repacked for oneDNN), refreshed only
+        when named."""
+        whole = model.state_dict()
         if self.synced is None or self.synced() is not model:
             self.synced = weakref.ref(model)
-            return model.state_dict()
+            return whole, False
         trained = {p.data_ptr() for p in model.parameters() if p.requires_grad}
-        return {name: t for name, t in model.state_dict().items() if t.data_ptr() in trained}
+        changed = {name: t for name, t in whole.items() if t.data_ptr() in trained}
+        return changed, len(changed) < len(whole)
 
     def check_weights(self, model) -> float:
         """The probe's log-probs, engine against `model`; one line when they differ."""
@@ -306,13 +321,38 @@ class VLLMGenerator:
         if self.asleep:
             torch.cuda.empty_cache()  # the trainer's freed blocks go back for the engine's wake
             self.llm.wake_up(tags=["weights"])
-        self.load_state(self.changed_state(model))
+        self.load_state(*self.changed_state(model))
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
         if self.probe is not None:
             self.last_sync_gap = self.check_weights(model)
+
+
+class _Without(logging.Filter):
+    """Drops one logger's records of one message format."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message
+
+
+@contextlib.contextmanager
+def without_partial_reload_warnings():
+    """vLLM's `PARTIAL_RELOAD_WARNINGS` left out for the block (its other records kept)."""
+    added = [(logging.getLogger(name), _Without(message))
+             for name, message in PARTIAL_RELOAD_WARNINGS.items()]  # fmt: skip
+    for logger, dropped in added:
+        logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        for logger, dropped in added:
+            logger.removeFilter(dropped)
 
 
 def installed_vllm_version(vllm) -> str:

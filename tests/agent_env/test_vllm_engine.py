@@ -180,6 +180,49 @@ def test_a_second_sync_of_one_model_follows_its_tied_embedding(gen, bed, context
         gen.sync_weights(load_model(bed))
 
 
+def test_a_sync_of_the_trained_layers_alone_names_no_tensor_left_out(gen, bed, contexts):
+    # above a frozen bottom every sync after the first sends the trained layers alone, on
+    # purpose; vLLM's warnings naming each tensor left out (a line of hundreds of names at
+    # every step on SmolLM2) are not logged then, and the engine follows the trained layer
+    import logging.handlers
+
+    from trainer.frozen_bottom import freeze_below
+
+    def left_out(records) -> list[str]:
+        messages = [record.getMessage() for record in records]
+        return [m for m in messages if "not loaded from checkpoint" in m or "Failed to load" in m]
+
+    def move_top_layer(seed: int) -> None:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.model.layers[-1].parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+
+    model = load_model(bed)
+    freeze_below(model, 1)
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    logged = logging.handlers.BufferingHandler(capacity=100_000)  # what vLLM's loggers pass on
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(logged)
+    try:
+        gen.sync_weights(model)
+        move_top_layer(3)
+        state, partial = gen.changed_state(model)
+        assert partial and all(".layers.1." in name or "norm" in name for name in state)
+        logged.flush()
+        gen.load_state(state)  # the same part, as if whole: vLLM names what it left out
+        assert left_out(logged.buffer)
+        move_top_layer(4)
+        logged.flush()
+        gen.sync_weights(model)  # the top layer and the final norm alone, checked
+        assert not left_out(logged.buffer)
+        out = gen.generate(contexts, params, seeds=[7, 8, 9])
+        assert (teacher_forced(model, contexts, out, 1.0) - sampled(out)).abs().mean() <= 1e-5
+    finally:
+        vllm_logger.removeHandler(logged)
+        gen.sync_weights(load_model(bed))
+
+
 class MissingLayer(torch.nn.Module):
     """A trainer model whose state dict lacks one layer's MLP (a name that does not map)."""
 

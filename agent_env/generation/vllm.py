@@ -330,21 +330,14 @@ class VLLMGenerator:
             self.last_sync_gap = self.check_weights(model)
 
 
-class _Without(logging.Filter):
-    """Drops one logger's records of one message format."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg != self.message
-
-
 @contextlib.contextmanager
 def without_partial_reload_warnings():
     """vLLM's `PARTIAL_RELOAD_WARNINGS` left out for the block (its other records kept)."""
-    added = [(logging.getLogger(name), _Without(message))
+
+    def dropping(message: str):  # a logger filter: False drops the record
+        return lambda record: record.msg != message
+
+    added = [(logging.getLogger(name), dropping(message))
              for name, message in PARTIAL_RELOAD_WARNINGS.items()]  # fmt: skip
     for logger, dropped in added:
         logger.addFilter(dropped)

@@ -5,11 +5,15 @@ limit, the weight sync and its check, and what it refuses in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import logging.handlers
+
 import pytest
 import torch
 from real_vllm import NEEDS_VLLM, build_bed, device, engine
 
 from agent_env.generation import SamplingParams
+from agent_env.generation.vllm import PARTIAL_RELOAD_WARNINGS
 from core.errors import UserError
 
 pytestmark = NEEDS_VLLM
@@ -180,17 +184,38 @@ def test_a_second_sync_of_one_model_follows_its_tied_embedding(gen, bed, context
         gen.sync_weights(load_model(bed))
 
 
+@contextlib.contextmanager
+def reload_warnings_recorded():
+    """A handler on each logger of `PARTIAL_RELOAD_WARNINGS` itself, the loggers enabled at
+    WARNING for the block whatever configured logging before (a level, `logging.disable`, a
+    dictConfig that disabled existing loggers): what vLLM's reload warns reaches the test."""
+    recorded = logging.handlers.BufferingHandler(capacity=100_000)
+    loggers = [logging.getLogger(name) for name in PARTIAL_RELOAD_WARNINGS]
+    saved = [(logger.level, logger.disabled) for logger in loggers]
+    disabled_below = logging.root.manager.disable
+    logging.disable(logging.NOTSET)
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+        logger.disabled = False
+        logger.addHandler(recorded)
+    try:
+        yield recorded
+    finally:
+        logging.disable(disabled_below)
+        for logger, (level, disabled) in zip(loggers, saved, strict=True):
+            logger.removeHandler(recorded)
+            logger.setLevel(level)
+            logger.disabled = disabled
+
+
 def test_a_sync_of_the_trained_layers_alone_names_no_tensor_left_out(gen, bed, contexts):
     # above a frozen bottom every sync after the first sends the trained layers alone, on
     # purpose; vLLM's warnings naming each tensor left out (a line of hundreds of names at
     # every step on SmolLM2) are not logged then, and the engine follows the trained layer
-    import logging.handlers
-
     from trainer.frozen_bottom import freeze_below
 
     def left_out(records) -> list[str]:
-        messages = [record.getMessage() for record in records]
-        return [m for m in messages if "not loaded from checkpoint" in m or "Failed to load" in m]
+        return [r.getMessage() for r in records if r.msg in PARTIAL_RELOAD_WARNINGS.values()]
 
     def move_top_layer(seed: int) -> None:
         torch.manual_seed(seed)
@@ -201,25 +226,23 @@ def test_a_sync_of_the_trained_layers_alone_names_no_tensor_left_out(gen, bed, c
     model = load_model(bed)
     freeze_below(model, 1)
     params = SamplingParams(temperature=1.0, max_tokens=16)
-    logged = logging.handlers.BufferingHandler(capacity=100_000)  # what vLLM's loggers pass on
-    vllm_logger = logging.getLogger("vllm")
-    vllm_logger.addHandler(logged)
     try:
-        gen.sync_weights(model)
-        move_top_layer(3)
-        state, partial = gen.changed_state(model)
-        assert partial and all(".layers.1." in name or "norm" in name for name in state)
-        logged.flush()
-        gen.load_state(state)  # the same part, as if whole: vLLM names what it left out
-        assert left_out(logged.buffer)
-        move_top_layer(4)
-        logged.flush()
-        gen.sync_weights(model)  # the top layer and the final norm alone, checked
-        assert not left_out(logged.buffer)
+        with reload_warnings_recorded() as logged:
+            gen.sync_weights(model)
+            move_top_layer(3)
+            state, partial = gen.changed_state(model)
+            assert partial and all(".layers.1." in name or "norm" in name for name in state)
+            logged.flush()
+            gen.load_state(state)  # the same part, as if whole: vLLM names what it left out
+            seen = [r.getMessage()[:80] for r in logged.buffer]
+            assert left_out(logged.buffer), f"vLLM's reload warned none of them; it logged {seen}"
+            move_top_layer(4)
+            logged.flush()
+            gen.sync_weights(model)  # the top layer and the final norm alone, checked
+            assert not left_out(logged.buffer)
         out = gen.generate(contexts, params, seeds=[7, 8, 9])
         assert (teacher_forced(model, contexts, out, 1.0) - sampled(out)).abs().mean() <= 1e-5
     finally:
-        vllm_logger.removeHandler(logged)
         gen.sync_weights(load_model(bed))
 
 

@@ -84,8 +84,9 @@ def final_eval(
         return report
     report = evaluate(model_dir, datasets, config=eval_cfg, out_dir=out)
     a, k = report.average, report.k
+    run = out.parent if out.name == "heldout" else out  # runs/ARM/seed-N: both name it
     say(
-        f"experiment: held-out {out.parent.name if out.name == 'heldout' else out.name}"
+        f"experiment: held-out {run.parent.name}/{run.name}"
         f" ({sum(d.num_questions for d in report.datasets)} questions): Mean@{k}"
         f" {a['mean_at_k']:.3f}, Best@{k} {a['best_at_k']:.3f}, greedy EM {a['greedy_em']:.3f}"
     )

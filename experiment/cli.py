@@ -192,7 +192,10 @@ def report_command(
         ..., "--from", help="An experiment's files: experiment_config.json and runs/."
     ),
     out: Path = typer.Option(
-        None, "--out", help="Also write results.md, results.json and the charts here."
+        None,
+        "--out",
+        help="Also write results.md, results.json and the charts here: a new folder, or the"
+        " --export folder (beside the evidence).",
     ),
     export: Path = typer.Option(
         None,
@@ -200,22 +203,29 @@ def report_command(
         help="Also copy the files this recompute reads (per-question evaluations gzipped, run"
         " metrics, configs: a few MB) into this new folder, to commit beside the results.",
     ),
-    force: bool = typer.Option(False, "--force", help="Replace an earlier --export folder."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace an earlier --export folder (and the results in it)."
+    ),
 ) -> None:
     """Recompute every table (contrasts, precondition, quality at matched and modelled cost,
-    the ledger) from an experiment's per-question, per-seed evaluation files and run metrics."""
+    the ledger) from an experiment's per-question, per-seed evaluation files and run metrics.
+    `--out` may name the `--export` folder: the results then sit beside their evidence."""
     from core.paths import EXPERIMENT, check_output, write_json_atomic, write_text_atomic
     from experiment.recompute import export_evidence, finished_runs, ignored_by_git, recompute
 
-    if out is not None:  # refused before any work, never over a file it did not write
+    beside = None not in (out, export) and out.resolve() == export.resolve()
+    if out is not None and not beside:  # refused before any work, never over another's file
         out = check_output(out, EXPERIMENT, inputs=[source])
     if export is not None:
         export = check_output(export, EXPERIMENT, inputs=[source], option="--export", force=force)
+        out = export if beside else out
     if export is not None and out is None and not finished_runs(Path(source)):
         # the SFT start's evaluation alone, so that another session need not evaluate it again
         typer.echo(f"{source}: no run has finished yet; exporting the evaluated start alone")
     else:
-        summary, cfg, markdown = recompute(source, out / "charts" if out is not None else None)
+        charts = out / "charts" if out is not None else None
+        # beside the evidence, earlier charts go as the export's check (--force) allowed
+        summary, cfg, markdown = recompute(source, charts, replace_charts=beside)
         typer.echo(markdown)
         if out is not None:
             write_json_atomic(out / "results.json", {**vars(summary), "config": cfg})

@@ -86,11 +86,11 @@ def finished_runs(root: Path) -> list[Path]:
 
 
 def recompute(
-    root: str | Path, charts_dir: Path | None = None
+    root: str | Path, charts_dir: Path | None = None, replace_charts: bool = False
 ) -> tuple[ExperimentSummary, ExperimentConfig, str]:
     """The summary, the config and results.md of the experiment files under `root`; with
-    `charts_dir` (a new folder) the experiment's charts too, drawn from the same files and
-    linked from results.md."""
+    `charts_dir` (a new folder, or earlier charts with `replace_charts`) the experiment's
+    charts too, drawn from the same files and linked from results.md."""
     from evaluation.plots import load_run, plot_runs
 
     root = Path(root)
@@ -105,7 +105,7 @@ def recompute(
     if charts_dir is not None:
         loaded = [load_run(r.run_dir, label=r.arm) for r in runs]
         modelled = (summary.modelled_cost, cfg.cost_model)
-        charts = plot_runs(loaded, charts_dir, modelled_cost=modelled)
+        charts = plot_runs(loaded, charts_dir, force=replace_charts, modelled_cost=modelled)
     return summary, cfg, results_markdown(summary, cfg, charts)
 
 

@@ -88,6 +88,29 @@ def test_an_export_holds_what_the_recompute_reads_and_recomputes_the_same(tmp_pa
     assert (export / "notes.txt").read_text() == "mine"
 
 
+def test_the_results_can_sit_beside_their_exported_evidence(tmp_path):
+    """`--export D --out D`: one folder to commit holds the evidence and the verdict made from
+    it, the same tables as a recompute from the folder itself; replacing both needs --force."""
+    export = tmp_path / "evidence"
+    done = hdr("report", "--from", str(SAMPLE), "--export", str(export), "--out", str(export))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list(export.glob("runs/*/seed-*/heldout/eval.json.gz"))
+    beside = (export / "results.md").read_text()
+    assert "| **primary** | headroom_drift − on_policy |" in beside
+    assert (export / "charts" / "charts.json").is_file()
+    again = hdr("report", "--from", str(export), "--out", str(tmp_path / "out"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "out" / "results.md").read_text() == beside
+    refused = hdr("report", "--from", str(SAMPLE), "--export", str(export), "--out", str(export))
+    assert refused.returncode == 2 and "already holds an experiment" in refused.stderr
+    (export / "results.md").write_text("stale")
+    forced = hdr(
+        "report", "--from", str(SAMPLE), "--export", str(export), "--out", str(export), "--force"
+    )
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert (export / "results.md").read_text() == beside
+
+
 def test_an_export_that_git_would_leave_out_says_so(tmp_path):
     """An export is made to be committed: where the work tree's ignore rules skip its files
     (a `runs/` rule once swallowed a pilot's whole evidence), `hdr report --export` warns,

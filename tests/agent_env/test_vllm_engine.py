@@ -187,8 +187,9 @@ def test_a_second_sync_of_one_model_follows_its_tied_embedding(gen, bed, context
 @contextlib.contextmanager
 def reload_warnings_recorded():
     """A handler on each logger of `PARTIAL_RELOAD_WARNINGS` itself, the loggers enabled at
-    WARNING for the block whatever configured logging before (a level, `logging.disable`, a
-    dictConfig that disabled existing loggers): what vLLM's reload warns reaches the test."""
+    WARNING for the block whatever configured logging before: importing TRL sets
+    VLLM_LOGGING_LEVEL=ERROR where unset (trl/_compat.py), and the whole suite, which
+    collects the TRL tests, configures vLLM's loggers at ERROR, so its warnings never came."""
     recorded = logging.handlers.BufferingHandler(capacity=100_000)
     loggers = [logging.getLogger(name) for name in PARTIAL_RELOAD_WARNINGS]
     saved = [(logger.level, logger.disabled) for logger in loggers]
